@@ -1,0 +1,154 @@
+"""Small frozen configs, one per component, validated when built."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelLoadError
+
+# HF architectures our Llama-family model code implements exactly.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, read from an HF ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read ``config.json`` from an HF model folder.
+
+        Raises:
+            ModelLoadError: missing folder/config, or an architecture we do not implement.
+        """
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"no config.json in {str(path)!r}: expected an HF-format model folder")
+        c = json.loads(cfg_file.read_text())
+        archs = c.get("architectures") or []
+        arch = archs[0] if archs else "?"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch == "MistralForCausalLM" and c.get("sliding_window"):
+            raise ModelLoadError("Mistral with sliding-window attention is not supported; "
+                                 "set sliding_window to null for full attention")
+        if arch == "Qwen2ForCausalLM" and c.get("use_sliding_window"):
+            raise ModelLoadError("Qwen2 with use_sliding_window=true is not supported")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"hidden_act {c.get('hidden_act')!r} is not supported (only silu)")
+        n_heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = c.get("rope_scaling") or (c.get("rope_parameters") if isinstance(
+            c.get("rope_parameters"), dict) and c["rope_parameters"].get("rope_type", "default") != "default"
+            else None)
+        rope_theta = c.get("rope_theta")
+        if rope_theta is None and isinstance(c.get("rope_parameters"), dict):
+            rope_theta = c["rope_parameters"].get("rope_theta")
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=c.get("num_key_value_heads") or n_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            rope_scaling=rope_scaling,
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def fingerprint(self) -> str:
+        """Stable hash of the architecture: two sides agree on a KV layout only if equal."""
+        d = asdict(self)
+        d.pop("bos_token_id"); d.pop("eos_token_ids")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. ``num_blocks=None`` sizes the cache from ``memory_gb``."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_gb <= 0:
+            raise ValueError(f"memory_gb must be > 0, got {self.memory_gb}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    ``max_num_batched_tokens`` is the per-step token budget; with chunked prefill a long prompt
+    takes what is left of it after the running decodes, so decodes never stall behind a prompt.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs. ``model=None`` means the bundled SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    dtype: str = "float32"  # fp32 is faster than bf16 on AVX2 CPUs without native bf16
+    attention_backend: str = "sdpa"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -1,0 +1,188 @@
+"""Attention over the paged KV cache, behind a registry of backends chosen by name.
+
+Every backend sees the same per-step :class:`AttentionMetadata` (built once per step by the
+runner, shared by all layers) and the same cache layout: per layer K and V tensors of shape
+``[num_blocks * block_size, num_kv_heads, head_dim]`` where slot = block * block_size + offset.
+The new tokens' K/V are written to their slots first, then each query attends to its request's
+whole context (cached prefix + new tokens), causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs for one flattened batch (no padding between requests).
+
+    Attributes:
+        slot_mapping: [T] cache slot of each new token.
+        query_lens: new tokens per request, in batch order.
+        context_lens: tokens in the cache per request after this step (cached + new).
+        block_tables: each request's block ids.
+        block_size: tokens per block.
+    """
+
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    prepared: dict = field(default_factory=dict)  # backend-specific, built by prepare()
+
+
+class AttentionBackend:
+    """Interface: ``prepare`` once per step, ``forward`` once per layer."""
+
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] of the new tokens -> output [T, Hq, D]."""
+        raise NotImplementedError
+
+
+def _slots(block_table: list[int], n: int, block_size: int) -> torch.Tensor:
+    bt = torch.tensor(block_table, dtype=torch.long)
+    return (bt[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+
+
+class SdpaBackend(AttentionBackend):
+    """torch ``scaled_dot_product_attention`` (CPU and GPU).
+
+    Single-token queries (decode) of all requests run as one padded SDPA call; each multi-token
+    query (a prompt chunk or a speculative verify) runs as its own call, with ``is_causal`` when
+    it has no cached prefix and an explicit offset-causal mask when it does.
+    """
+
+    name = "sdpa"
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        bs = meta.block_size
+        decode_rows = [i for i, q in enumerate(meta.query_lens) if q == 1]
+        starts = [0]
+        for q in meta.query_lens:
+            starts.append(starts[-1] + q)
+        p: dict = {"num_tokens": starts[-1], "all_decode": len(decode_rows) == len(meta.query_lens)}
+        if decode_rows:
+            ctx = [meta.context_lens[i] for i in decode_rows]
+            lmax = max(ctx)
+            gather = torch.zeros(len(decode_rows), lmax, dtype=torch.long)
+            for j, i in enumerate(decode_rows):
+                gather[j, :ctx[j]] = _slots(meta.block_tables[i], ctx[j], bs)
+            p["dec_tok"] = torch.tensor([starts[i] for i in decode_rows], device=device)
+            p["dec_gather"] = gather.to(device)
+            # Padding keys are masked out; no mask at all when every context has the same length.
+            p["dec_mask"] = None if min(ctx) == lmax else (
+                torch.arange(lmax)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :].to(device)
+        ext = []
+        for i, q in enumerate(meta.query_lens):
+            if q == 1:
+                continue
+            ctx, cached = meta.context_lens[i], meta.context_lens[i] - q
+            if cached == 0:
+                ext.append((starts[i], starts[i + 1], None, None))
+            else:
+                mask = torch.arange(ctx)[None, :] <= (cached + torch.arange(q))[:, None]
+                ext.append((starts[i], starts[i + 1], _slots(meta.block_tables[i], ctx, bs).to(device),
+                            mask.to(device)))
+        p["ext"] = ext
+        meta.prepared = p
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        p = meta.prepared
+        gqa = q.shape[1] != k.shape[1]
+        if p["all_decode"]:
+            return self._decode(q, k_cache, v_cache, p, scale, gqa)
+        out = torch.empty_like(q)
+        if "dec_tok" in p:
+            out[p["dec_tok"]] = self._decode(q[p["dec_tok"]], k_cache, v_cache, p, scale, gqa)
+        for start, end, slots, mask in p["ext"]:
+            qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            if slots is None:  # whole context is new: plain causal attention on the fresh K/V
+                ks, vs = k[start:end], v[start:end]
+                o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0),
+                                                   vs.transpose(0, 1).unsqueeze(0),
+                                                   is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                ks, vs = k_cache[slots], v_cache[slots]
+                o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0),
+                                                   vs.transpose(0, 1).unsqueeze(0),
+                                                   attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, p, scale, gqa):
+        g = p["dec_gather"]
+        ks = k_cache[g].transpose(1, 2)  # [B, Hk, L, D]
+        vs = v_cache[g].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=p["dec_mask"],
+                                           scale=scale, enable_gqa=gqa)  # [B, Hq, 1, D]
+        return o.squeeze(2)
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn 2 varlen with paged KV via block tables (CUDA only, imported lazily).
+
+    flash-attn's paged KV requires the block size to be a multiple of 256.
+    """
+
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("attention backend 'flash_attn' needs a CUDA GPU; use 'sdpa' on CPU")
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError as e:
+            raise RuntimeError("attention backend 'flash_attn' needs the flash-attn package: "
+                               "pip install 'pdserve[gpu]'") from e
+        self._fn = flash_attn_varlen_func
+
+    def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        if meta.block_size % 256:
+            raise ValueError("flash_attn paged KV needs block_size to be a multiple of 256")
+        width = max(len(b) for b in meta.block_tables)
+        bt = torch.zeros(len(meta.block_tables), width, dtype=torch.int32)
+        for i, b in enumerate(meta.block_tables):
+            bt[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+        cu_q = torch.tensor([0] + meta.query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_k = torch.tensor([0] + meta.context_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta.prepared = {"bt": bt.to(device), "cu_q": cu_q.to(device), "cu_k": cu_k.to(device),
+                         "max_q": max(meta.query_lens), "max_k": max(meta.context_lens)}
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        p, bs = meta.prepared, meta.block_size
+        shape = (-1, bs, k_cache.shape[1], k_cache.shape[2])
+        # causal=True aligns the query block to the end of each context, as decode needs.
+        return self._fn(q, k_cache.view(shape), v_cache.view(shape), p["cu_q"], p["cu_k"],
+                        p["max_q"], p["max_k"], softmax_scale=scale, causal=True, block_table=p["bt"])
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "sdpa": SdpaBackend,
+    "flash_attn": FlashAttnBackend,
+}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Build the backend registered as ``name``; unknown names list the valid ones."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()

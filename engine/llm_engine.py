@@ -1,0 +1,200 @@
+"""LLMEngine: tokenizer + scheduler + runner in one process; ``step()`` drives everything.
+
+Lifecycle of a request: ``add_request`` validates and queues it (bad input raises an
+InvalidRequestError before any state changes); each ``step`` schedules, runs one forward,
+updates progress and returns a RequestOutput (new tokens and text delta) for every request
+that produced something; finished and aborted requests have already released their blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import BlockManager, allocate_kv_tensors, kv_bytes_per_block
+from engine.layers.attention import get_attention_backend
+from engine.models.loader import load_model, read_generation_eos, resolve_model_path
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas), plus totals so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft: float | None
+    mean_tpot: float | None
+
+
+class LLMEngine:
+    """The shared engine both worker kinds wrap."""
+
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.monotonic()
+        self.model_path = resolve_model_path(config.model, progress=progress)
+        self.model_config = mc = ModelConfig.from_hf(self.model_path)
+        self.dtype = getattr(torch, config.dtype)
+        backend = get_attention_backend(config.attention_backend)
+        self.model = load_model(self.model_path, backend, self.dtype, config.device)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+
+        cc = config.cache
+        per_block = kv_bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        num_blocks = cc.num_blocks or max(1, int(cc.memory_gb * 2**30) // per_block)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings, num_blocks * cc.block_size)
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        kv = allocate_kv_tensors(mc.num_layers, num_blocks, cc.block_size, mc.num_kv_heads,
+                                 mc.head_dim, self.dtype, config.device)
+        self.runner = ModelRunner(self.model, backend, kv, cc.block_size, config.device)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+
+        eos = set(mc.eos_token_ids) | set(read_generation_eos(self.model_path))
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._ids = itertools.count()
+        self._text_len: dict[str, int] = {}  # chars of output text already returned
+        self.load_seconds = time.monotonic() - t0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
+        """Plain text exactly as ``tokenizer(prompt)``; chat messages through the chat template."""
+        if messages is not None:
+            return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        return self.tokenizer(prompt)["input_ids"]
+
+    def add_request(self, prompt: str | Sequence[int] | None = None, params: SamplingParams | None = None,
+                    request_id: str | None = None, messages: Sequence[dict] | None = None) -> str:
+        """Validate and queue one request; returns its id.
+
+        Args:
+            prompt: text (tokenized as ``tokenizer(prompt)``) or token ids.
+            params: sampling parameters (validated when built).
+            request_id: unique id; generated when None.
+            messages: chat messages (role/content), rendered with the model's chat template.
+        Raises:
+            InvalidRequestError: empty or too long prompt, token ids out of range, duplicate id.
+        """
+        params = params or SamplingParams()
+        params.validate()
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages")
+        if isinstance(prompt, str) or messages is not None:
+            ids = self.tokenize(prompt if isinstance(prompt, str) else None, messages)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if not ids:
+            raise InvalidRequestError("prompt is empty: at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but the context limit is {self.max_model_len} "
+                "(prompt plus at least one new token must fit): shorten the prompt")
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                f"{sc.max_num_batched_tokens} with chunked prefill off")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(req)
+        self._text_len[rid] = 0
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a queued or running request; its blocks are freed now. False if unknown."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, update; returns outputs of requests that produced tokens."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        touched = self.scheduler.update(plan, result)
+        outputs = []
+        for req in touched:
+            new = result.sampled.get(req.request_id)
+            if not new and not req.is_finished:
+                continue
+            outputs.append(self._output(req, len(new or ())))
+        return outputs
+
+    def _output(self, req: Request, num_new: int) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        sp = req.sampling_params
+        start = self._text_len[req.request_id]
+        if sp.stop:
+            # Only the tail can hold a new match: look back the longest stop string.
+            look = max(0, start - max(map(len, sp.stop)) + 1)
+            hits = [i for i in (text.find(s, look) for s in sp.stop) if i >= 0]
+            if hits:
+                text = text[:min(hits)]
+                if not req.is_finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        if not req.is_finished and text.endswith("\ufffd"):
+            text = text[:start]  # an incomplete UTF-8 sequence: wait for the next token
+        delta = text[start:] if len(text) >= start else ""
+        self._text_len[req.request_id] = max(start, len(text))
+        req.output_text = text
+        if req.is_finished:
+            req.finish_time = time.monotonic()
+            self._forget(req.request_id)
+        return RequestOutput(req.request_id, req.output_token_ids[-num_new:] if num_new else [], delta,
+                             list(req.output_token_ids), text, req.is_finished, req.finish_reason,
+                             req.num_prompt_tokens, req.num_cached_tokens, req.ttft, req.mean_tpot)
+
+    def _forget(self, request_id: str) -> None:
+        self._text_len.pop(request_id, None)
+        self.runner.forget(request_id)
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every queued request has finished, yielding outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` together in one continuous batch; final outputs in prompt order."""
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        for out in self.stream():
+            if out.finished:
+                final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,112 @@
+"""Load an HF-format Llama-family folder (safetensors or PyTorch .bin) into our model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.layers.attention import AttentionBackend
+from engine.models.llama import LlamaForCausalLM
+
+_FUSED = {  # HF name suffix -> (our fused name, part index)
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def resolve_model_path(model: str | None, progress: bool = True) -> Path:
+    """``None`` -> the bundled model (converted on first use); otherwise an existing folder."""
+    if model is None:
+        from engine.models.gguf_convert import default_model_path
+        return default_model_path(progress=progress)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {model!r} does not exist (no model hub at run time: "
+                             "give a local HF-format folder, or omit it for the bundled model)")
+    return path
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    files = sorted(path.glob("pytorch_model*.bin"))
+    if files:
+        sd = {}
+        for f in files:
+            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        return sd
+    raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {str(path)!r}")
+
+
+def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
+               device: str = "cpu") -> LlamaForCausalLM:
+    """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
+
+    Raises:
+        ModelLoadError: unsupported config, or weights that do not match it.
+    """
+    cfg = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty materializes each module alone, which unties them
+        model.lm_head.weight = model.embed_tokens.weight
+    # Rotary tables are not weights: recompute them on the real device.
+    from engine.layers.rotary import RotaryEmbedding
+    rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    model.rotary.cos, model.rotary.sin = rot.cos.to(device), rot.sin.to(device)
+
+    sd = _read_state_dict(path)
+    parts: dict[str, list[torch.Tensor | None]] = {}
+    ours: dict[str, torch.Tensor] = {}
+    for name, w in sd.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if "rotary_emb" in name:
+            continue
+        for hf, (fused, idx) in _FUSED.items():
+            if f".{hf}." in f".{name}":
+                key = name.replace(hf, fused)
+                parts.setdefault(key, [None] * (3 if "qkv" in fused else 2))[idx] = w
+                break
+        else:
+            ours[name] = w
+    for key, ws in parts.items():
+        if any(w is None for w in ws):
+            raise ModelLoadError(f"checkpoint is missing a part of {key}")
+        ours[key] = torch.cat(ws, 0)  # type: ignore[arg-type]
+    if cfg.tie_word_embeddings:
+        ours.pop("lm_head.weight", None)
+    expected = {n for n, _ in model.named_parameters()}
+    missing, unexpected = expected - ours.keys(), ours.keys() - expected
+    if missing or unexpected:
+        raise ModelLoadError(f"weights in {str(path)!r} do not match {cfg.architecture}: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in ours.items():
+            if params[name].shape != w.shape:
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(params[name].shape)}")
+            params[name].copy_(w)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def read_generation_eos(path: Path) -> list[int]:
+    """EOS ids from generation_config.json, if the folder has one."""
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return []
+    eos = json.loads(f.read_text()).get("eos_token_id")
+    return list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])

@@ -1,0 +1,85 @@
+"""Model runner: turns a StepPlan into one forward over the paged KV cache, then samples.
+
+Owns the model, the KV tensors, the attention backend and the sampler. Knows nothing of
+queues: it reads each scheduled request's tokens, positions and blocks, and returns a
+StepResult with the sampled tokens of the requests that reached their last token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampler
+from engine.scheduler import StepPlan, StepResult
+
+
+class ModelRunner:
+    """Executes steps; ``kv_caches`` is the per-layer (K, V) list from ``allocate_kv_tensors``."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 device: str = "cpu") -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state (its sampling generator) once the request is finished."""
+        self._generators.pop(request_id, None)
+
+    def _generator(self, req) -> torch.Generator | None:
+        rid = req.request_id
+        if rid not in self._generators:
+            from engine.sampler import make_generator
+            self._generators[rid] = make_generator(req.sampling_params.seed)
+        return self._generators[rid]
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one forward for ``plan`` and sample where a request reached its last token."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qlens, ctxs, tables = [], [], []
+        sample_rows: list[int] = []
+        sample_reqs = []
+        bs = self.block_size
+        for s in plan.scheduled:
+            r, n = s.request, s.num_new_tokens
+            start = r.num_computed_tokens
+            toks = r.all_token_ids[start:start + n]
+            ids.extend(toks)
+            rng = range(start, start + n)
+            pos.extend(rng)
+            bt = r.block_ids
+            slots.extend(bt[p // bs] * bs + p % bs for p in rng)
+            qlens.append(n)
+            ctxs.append(start + n)
+            tables.append(bt)
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_reqs.append(r)
+        dev = self.device
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), qlens, ctxs, tables, bs)
+        self.backend.prepare(meta, dev)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv_caches)
+        result = StepResult()
+        if not sample_reqs:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        tokens = self.sampler(
+            logits,
+            [r.sampling_params for r in sample_reqs],
+            [r.prompt_token_ids for r in sample_reqs],
+            [r.output_token_ids for r in sample_reqs],
+            [self._generator(r) for r in sample_reqs],
+        )
+        for r, t in zip(sample_reqs, tokens):
+            result.sampled[r.request_id] = [t]
+        return result

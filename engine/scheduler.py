@@ -1,0 +1,187 @@
+"""Continuous-batching scheduler: ``schedule() -> StepPlan``, ``update(plan, StepResult)``.
+
+Queues (and only these):
+- ``waiting``: admitted, holding no blocks (new, or preempted and to be recomputed); FIFO, a
+  preempted request goes back to the front.
+- ``running``: holding blocks; scheduled every step until finished.
+
+Transitions: waiting -> running when blocks are granted (prefix-cache hits first); running ->
+waiting on preemption (blocks freed, progress reset: recompute); waiting/running -> finished on
+stop, length or abort (blocks freed at once).
+
+Each step has a token budget. Running requests go first (decodes take 1 token, an unfinished
+prompt takes a chunk of what is left), then waiting ones while budget, seats and blocks last.
+Progress is a token count: a request is given ``num_tokens - num_computed_tokens`` tokens (or a
+chunk of them); the step that catches it up samples its next token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` starting at ``num_computed_tokens``."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so a new token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """Scheduler -> runner: what to compute this step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepResult:
+    """Runner -> scheduler: tokens sampled per request id (only for requests that sample)."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Moves requests between ``waiting`` and ``running``; the block manager edits their blocks."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # ---- admission / abort -----------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish ``request_id`` as aborted and free its blocks. Unknown ids return None."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take ``req`` out of whichever queue holds it and free every block it held."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req.block_ids)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        bs = self.bm.block_size
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            # Preempt from the back (newest first) until this request's blocks fit.
+            while not self.bm.allocate(req.block_ids, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            plan.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+
+        # Admit waiting requests, but not in a step that had to preempt: memory is short.
+        while self.waiting and budget > 0 and not plan.preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            # Leave at least one token to compute: its logits pick the next token.
+            hits = self.bm.match_prefix(req.all_token_ids, req.num_tokens - 1)
+            cached = len(hits) * bs
+            n = req.num_tokens - cached
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.bm.allocate(req.block_ids, cached + n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return plan
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Advance progress, append sampled tokens, finish what stopped. Returns touched requests."""
+        touched = []
+        for s in plan.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            before = req.num_computed_tokens
+            req.num_computed_tokens += s.num_new_tokens
+            self.bm.cache_blocks(req.block_ids, req.all_token_ids, before, req.num_computed_tokens)
+            for tok in result.sampled.get(req.request_id, ()):
+                req.append_output_token(tok)
+                status = self.check_stop(req, tok)
+                if status is not None:
+                    self.finish(req, status)
+                    break
+            touched.append(req)
+        return touched
+
+    def check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """Stop on EOS (unless ignored), a stop token id, max_tokens or the context limit."""
+        sp = req.sampling_params
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
