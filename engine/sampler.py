@@ -109,7 +109,7 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],
                                     return_counts=True)
         row, col = flat // vocab, flat % vocab
         delta = per_row("frequency_penalty", row) * counts.to(dev, torch.float32)
-        delta -= per_row("presence_penalty", row)
+        delta += per_row("presence_penalty", row)
         row, col = row.to(dev), col.to(dev)
         out[row, col] -= delta
     return out
