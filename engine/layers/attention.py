@@ -117,7 +117,7 @@ class SdpaBackend(AttentionBackend):
                                                    vs.transpose(0, 1).unsqueeze(0),
                                                    is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                ks, vs = k_cache[slots], v_cache[slots]
+                ks, vs = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
                 o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0),
                                                    vs.transpose(0, 1).unsqueeze(0),
                                                    attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -127,8 +127,10 @@ class SdpaBackend(AttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, p, scale, gqa):
         g = p["dec_gather"]
-        ks = k_cache[g].transpose(1, 2)  # [B, Hk, L, D]
-        vs = v_cache[g].transpose(1, 2)
+        shape = (*g.shape, *k_cache.shape[1:])
+        # index_select on the flat slot list is ~3x cheaper than advanced indexing with a 2-D index.
+        ks = k_cache.index_select(0, g.view(-1)).view(shape).transpose(1, 2)  # [B, Hk, L, D]
+        vs = v_cache.index_select(0, g.view(-1)).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=p["dec_mask"],
                                            scale=scale, enable_gqa=gqa)  # [B, Hq, 1, D]
         return o.squeeze(2)

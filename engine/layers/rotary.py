@@ -44,14 +44,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D] at ``positions`` [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # like HF: tables in fp32, cast to x's dtype
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] for ``positions`` [T]; computed once per step, shared by all layers.
+
+        Like HF, the tables are fp32 and cast to the activations' dtype.
+        """
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (q and k heads together: one set of ops for both)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionBackend, AttentionMetadata
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; bitwise equal to the steps below in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # HF normalizes in fp32 and casts back before the weight multiply; do the same.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -31,21 +33,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
-        self.backend, self.rotary = backend, rotary
+        self.backend = backend
         self.scale = self.hd ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q, k = self.rotary(positions, q.view(t, self.nq, self.hd), k.view(t, self.nkv, self.hd))
-        o = self.backend.forward(q, k, v.view(t, self.nkv, self.hd), kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.nq * self.hd))
+        t, nq, nqk = x.shape[0], self.nq, self.nq + self.nkv
+        qkv = self.qkv_proj(x).view(t, nqk + self.nkv, self.hd)
+        qk = apply_rotary(qkv[:, :nqk], *rope)
+        o = self.backend.forward(qk[:, :nq], qk[:, nq:], qkv[:, nqk:], kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, nq * self.hd))
 
 
 class MLP(nn.Module):
@@ -61,15 +63,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, rotary)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+    def forward(self, x, rope, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,10 +81,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -92,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, meta, kv)
+            x = layer(x, rope, meta, kv)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

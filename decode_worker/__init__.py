@@ -1,0 +1,1 @@
+"""Decode worker: reserves KV blocks, receives prefilled KV and streams generated tokens."""

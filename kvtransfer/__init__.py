@@ -1,0 +1,1 @@
+"""KV-cache transfer between workers: wire format, sender/receiver state machines, transports."""
