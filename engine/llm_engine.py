@@ -22,7 +22,7 @@ from engine.layers.attention import get_attention_backend
 from engine.models.loader import load_model, read_generation_eos, resolve_model_path
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.runner import ModelRunner
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler, StepPlan
 
 
 @dataclass
@@ -182,6 +182,25 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._text_len.pop(request_id, None)
         self.runner.forget(request_id)
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [T, vocab] of every position of ``token_ids`` (for evaluation and tests).
+
+        Runs one prefill through the paged cache on temporary blocks, freed before returning.
+        Raises:
+            InvalidRequestError: empty or longer than the context limit.
+            RuntimeError: not enough free KV blocks right now.
+        """
+        ids = list(token_ids)
+        if not ids or len(ids) > self.max_model_len:
+            raise InvalidRequestError(f"need 1..{self.max_model_len} tokens, got {len(ids)}")
+        req = Request("__score__", ids, SamplingParams(max_tokens=1))
+        if not self.block_manager.allocate(req.block_ids, len(ids)):
+            raise RuntimeError("not enough free KV blocks to score this sequence now")
+        try:
+            return self.runner.all_logits(StepPlan([ScheduledRequest(req, len(ids))]))
+        finally:
+            self.block_manager.free(req.block_ids)
 
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every queued request has finished, yielding outputs as they come."""

@@ -11,7 +11,7 @@ import torch
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampler
+from engine.sampler import Sampler, make_generator
 from engine.scheduler import StepPlan, StepResult
 
 
@@ -36,13 +36,35 @@ class ModelRunner:
     def _generator(self, req) -> torch.Generator | None:
         rid = req.request_id
         if rid not in self._generators:
-            from engine.sampler import make_generator
-            self._generators[rid] = make_generator(req.sampling_params.seed)
+            self._generators[rid] = make_generator(req.sampling_params.seed, self.device)
         return self._generators[rid]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one forward for ``plan`` and sample where a request reached its last token."""
+        hidden, sample_rows, sample_reqs = self._forward(plan)
+        result = StepResult()
+        if not sample_reqs:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        tokens = self.sampler(
+            logits,
+            [r.sampling_params for r in sample_reqs],
+            [r.prompt_token_ids for r in sample_reqs],
+            [r.output_token_ids for r in sample_reqs],
+            [self._generator(r) for r in sample_reqs],
+        )
+        for r, t in zip(sample_reqs, tokens):
+            result.sampled[r.request_id] = [t]
+        return result
+
+    @torch.inference_mode()
+    def all_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [T, vocab] (fp32) of every token in ``plan``, in batch order; nothing sampled."""
+        hidden, _, _ = self._forward(plan)
+        return self.model.compute_logits(hidden)
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int], list]:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -69,17 +91,4 @@ class ModelRunner:
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), qlens, ctxs, tables, bs)
         self.backend.prepare(meta, dev)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv_caches)
-        result = StepResult()
-        if not sample_reqs:
-            return result
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        tokens = self.sampler(
-            logits,
-            [r.sampling_params for r in sample_reqs],
-            [r.prompt_token_ids for r in sample_reqs],
-            [r.output_token_ids for r in sample_reqs],
-            [self._generator(r) for r in sample_reqs],
-        )
-        for r, t in zip(sample_reqs, tokens):
-            result.sampled[r.request_id] = [t]
-        return result
+        return hidden, sample_rows, sample_reqs

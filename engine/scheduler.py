@@ -135,7 +135,9 @@ class Scheduler:
             cached = len(hits) * bs
             n = req.num_tokens - cached
             if n > budget:
-                if not self.config.enable_chunked_prefill:
+                # Unchunked, a request waits to go whole, unless it could never fit one step
+                # (a preempted request recomputes prompt plus outputs): then it is chunked.
+                if not self.config.enable_chunked_prefill and n <= self.config.max_num_batched_tokens:
                     break
                 n = budget
             if not self.bm.allocate(req.block_ids, cached + n, hits):
