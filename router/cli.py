@@ -1,0 +1,210 @@
+"""The ``pdserve`` command line.
+
+Subcommands:
+  generate --local   run one prompt through the engine in this process, streaming its text
+  serve --local      load the bundled model and stream answers to a few example prompts, all in
+                     one continuous batch (the disaggregated cluster lands with the router)
+  convert            convert the bundled GGUF (or another) into the HF-format cache folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+EXAMPLE_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clean Python code.",
+]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF-format model folder (Llama/Mistral/Qwen2 family); default: the bundled "
+                        "SmolLM2-135M-Instruct, converted from its GGUF on first use")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (float32 is fastest on AVX2 CPUs)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    g.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="per-step token budget; longer prompts prefill in chunks")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="maximum new tokens")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p(top)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same output")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _build_engine(args: argparse.Namespace):
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                       cache=CacheConfig(memory_gb=args.kv_cache_gb),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens))
+    print(f"loading {args.model or 'bundled SmolLM2-135M-Instruct'} ({args.dtype}) ...",
+          file=sys.stderr, flush=True)
+    eng = LLMEngine(cfg)
+    print(f"loaded in {eng.load_seconds:.1f} s; {eng.block_manager.num_blocks} KV blocks of "
+          f"{eng.block_manager.block_size} tokens, context limit {eng.max_model_len}",
+          file=sys.stderr, flush=True)
+    return eng
+
+
+def _params(args: argparse.Namespace):
+    from engine.request import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.local:
+        print("pdserve generate: only --local (in-process engine) is available so far", file=sys.stderr)
+        return 2
+    params = _params(args)  # validate before the slow model load
+    eng = _build_engine(args)
+    t0 = time.monotonic()
+    if args.chat:
+        eng.add_request(messages=[{"role": "user", "content": args.prompt}], params=params)
+    else:
+        eng.add_request(args.prompt, params)
+    final = None
+    for out in eng.stream():
+        if not args.json:
+            print(out.new_text, end="", flush=True)
+        final = out
+    total = time.monotonic() - t0
+    assert final is not None
+    if args.json:
+        print(json.dumps({
+            "text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason,
+            "prompt_tokens": final.num_prompt_tokens, "completion_tokens": len(final.token_ids),
+            "timing": {"ttft_s": final.ttft, "mean_tpot_s": final.mean_tpot, "total_s": total,
+                       "tokens_per_s": len(final.token_ids) / total if total > 0 else None},
+        }))
+    else:
+        tpot = f"{final.mean_tpot * 1e3:.1f} ms" if final.mean_tpot else "n/a"
+        print(f"\n[{final.finish_reason}; {len(final.token_ids)} tokens; TTFT {final.ttft * 1e3:.0f} ms; "
+              f"TPOT {tpot}]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not args.local:
+        print("pdserve serve: the disaggregated cluster (router + Ray pools) is not available yet; "
+              "use `pdserve serve --local` to run the engine in-process", file=sys.stderr)
+        return 2
+    params = _params(args)
+    eng = _build_engine(args)
+    prompts = args.prompt or EXAMPLE_PROMPTS
+    t0 = time.monotonic()
+    ids = [eng.add_request(messages=[{"role": "user", "content": p}], params=params) for p in prompts]
+    # All prompts decode together in one continuous batch; the terminal shows one answer live at
+    # a time and prints the others' text (already generated) when their turn comes.
+    shown = 0
+    texts = {i: "" for i in ids}
+    done: dict[str, object] = {}
+    n_tokens = 0
+
+    bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
+
+    def header(k: int) -> None:
+        print(f"\n{bold}[{k + 1}/{len(ids)}] {prompts[k]}{plain}\n", end="", flush=True)
+
+    header(0)
+    for out in eng.stream():
+        n_tokens += len(out.new_token_ids)
+        texts[out.request_id] += out.new_text
+        if out.finished:
+            done[out.request_id] = out
+        if out.request_id == ids[shown]:
+            print(out.new_text, end="", flush=True)
+        while shown < len(ids) and ids[shown] in done:
+            shown += 1
+            if shown < len(ids):
+                print()
+                header(shown)
+                print(texts[ids[shown]], end="", flush=True)
+    total = time.monotonic() - t0
+    print(f"\n\n{len(ids)} requests, {n_tokens} tokens in {total:.1f} s "
+          f"({n_tokens / total:.1f} tok/s in one continuous batch)", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.models.gguf_convert import bundled_gguf_path, cache_dir, convert_gguf
+    src = Path(args.gguf) if args.gguf else bundled_gguf_path()
+    out = Path(args.out) if args.out else cache_dir() / src.stem.split(".")[0]
+    convert_gguf(src, out)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving.")
+    p.add_argument("--version", action="version", version="pdserve 0.1.0")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt",
+                       description="Generate a completion for one prompt and stream its text. The prompt "
+                                   "is plain text completion (tokenized as tokenizer(prompt)); --chat wraps "
+                                   "it in the model's chat template.")
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--local", action="store_true", help="run the engine in this process")
+    g.add_argument("--chat", action="store_true", help="format the prompt as one user chat message")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object at the end (text, token_ids, finish_reason, timing) "
+                        "instead of streaming text")
+    _sampling_args(g, max_tokens=128)
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the model (in-process demo with --local)",
+                       description="Load the model and stream answers to example chat prompts, all run "
+                                   "together in one continuous batch. The gRPC cluster comes with the "
+                                   "router; until then only --local is available.")
+    s.add_argument("--local", action="store_true", help="run the engine in this process")
+    s.add_argument("--prompt", action="append", help="a chat prompt instead of the examples (repeatable)")
+    _sampling_args(s, max_tokens=96)
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format folder",
+                       description="Dequantize a llama-architecture GGUF into an HF-format folder "
+                                   "(config.json, model.safetensors, tokenizer). Default: the bundled "
+                                   "SmolLM2 into the cache dir ($PDSERVE_CACHE or ~/.cache/pdserve).")
+    c.add_argument("--gguf", help="path of the .gguf file (default: the bundled one)")
+    c.add_argument("--out", help="output folder")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input (InvalidRequestError, ModelLoadError, config errors)
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
