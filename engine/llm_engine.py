@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockManager, allocate_kv_tensors, kv_bytes_per_block
 from engine.layers.attention import get_attention_backend
@@ -74,7 +75,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self._ids = itertools.count()
-        self._text_len: dict[str, int] = {}  # chars of output text already returned
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, int] = {}  # chars of output text already returned as deltas
         self.load_seconds = time.monotonic() - t0
 
     # ---- requests ----------------------------------------------------------------------------
@@ -125,7 +127,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add(req)
-        self._text_len[rid] = 0
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer)
+        self._emitted[rid] = 0
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -156,21 +159,25 @@ class LLMEngine:
         return outputs
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        detok = self._detok[req.request_id]
+        start = len(detok.text)
+        detok.step(req.output_token_ids, final=req.is_finished)
+        text = detok.text
         sp = req.sampling_params
-        start = self._text_len[req.request_id]
         if sp.stop:
             # Only the tail can hold a new match: look back the longest stop string.
             look = max(0, start - max(map(len, sp.stop)) + 1)
             hits = [i for i in (text.find(s, look) for s in sp.stop) if i >= 0]
             if hits:
-                text = text[:min(hits)]
+                text = text[:min(hits)]  # the stop string itself is not returned
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        if not req.is_finished and text.endswith("\ufffd"):
-            text = text[:start]  # an incomplete UTF-8 sequence: wait for the next token
-        delta = text[start:] if len(text) >= start else ""
-        self._text_len[req.request_id] = max(start, len(text))
+        # A stop string may straddle the previous delta's end: never return text we must take back.
+        hold = max(map(len, sp.stop)) - 1 if sp.stop and not req.is_finished else 0
+        emit_to = len(text) - hold
+        emitted = self._emitted[req.request_id]
+        delta = text[emitted:emit_to] if emit_to > emitted else ""
+        self._emitted[req.request_id] = max(emitted, emit_to)
         req.output_text = text
         if req.is_finished:
             req.finish_time = time.monotonic()
@@ -180,7 +187,8 @@ class LLMEngine:
                              req.num_prompt_tokens, req.num_cached_tokens, req.ttft, req.mean_tpot)
 
     def _forget(self, request_id: str) -> None:
-        self._text_len.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self._emitted.pop(request_id, None)
         self.runner.forget(request_id)
 
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:

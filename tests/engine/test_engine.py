@@ -27,11 +27,12 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(make_engine):
 
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     short_ids = [eng.add_request(p, sp) for p in shorts]
+    tokens: dict[str, list[int]] = {}
     for _ in range(4):  # let the short ones start decoding
-        eng.step()
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     long_id = eng.add_request(long, GREEDY)
     req = eng.scheduler.requests[long_id]
-    tokens: dict[str, list[int]] = {}
     chunk_steps = 0
     while eng.has_unfinished():
         prefilling = req.num_computed_tokens < req.num_prompt_tokens and not req.is_finished
@@ -171,3 +172,29 @@ def test_streamed_deltas_concatenate_to_final_text(make_engine):
         final = o
     assert "".join(deltas) == final.text
     assert final.ttft is not None and final.ttft > 0
+
+
+def test_deltas_with_stop_string_never_take_text_back(make_engine, tokenizer):
+    eng = make_engine()
+    base = eng.generate(["The capital of France is"], GREEDY)[0]
+    stop = base.text[8:14]  # a stop string somewhere inside the greedy continuation
+    eng.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
+    deltas, final = [], None
+    for o in eng.stream():
+        deltas.append(o.new_text)
+        final = o
+    assert final.finish_reason == "stop"
+    assert "".join(deltas) == final.text == base.text[:base.text.index(stop)]
+
+
+def test_incremental_text_equals_full_decode(make_engine, tokenizer):
+    eng = make_engine()
+    # Emoji and accented text: multi-byte characters split across byte-level BPE tokens.
+    eng.add_request("Répète après moi: 🙂🚀 café, naïve, 東京", SamplingParams(max_tokens=40, temperature=0.8,
+                                                                          seed=3, ignore_eos=True))
+    deltas, final = [], None
+    for o in eng.stream():
+        assert "\ufffd" not in o.new_text or o.finished
+        deltas.append(o.new_text)
+        final = o
+    assert "".join(deltas) == final.text == tokenizer.decode(final.token_ids, skip_special_tokens=True)
