@@ -1,11 +1,18 @@
-"""Striped linear: a CPU weight layout that lets a batch-1 GEMV use every core.
+"""Prepacked CPU linear: oneDNN matmul on a weight reordered once into its blocked layout.
 
-MKL runs a single GEMV (``x @ W.T`` with one row of x) on one thread, which leaves decode at
-~14 GB/s of weight bandwidth on a 2-core machine. A batched GEMM is parallelized across its
-batch, so we store W^T as ``shards`` column stripes ``[S, K, N/S]`` and run one ``bmm``: each
-thread streams its own stripe (measured on the 2-core AVX2 box: 29 ms -> 21 ms per SmolLM2
-token for the decoder linears, see bench/engine.py). The transposed (K-major) stripe is also
-the faster GEMV layout for MKL on its own.
+``F.linear`` on CPU calls MKL on the plain ``[N, K]`` weight, which is slow for the shapes a
+serving engine runs: a single GEMV uses one thread, and every call re-reads a layout the kernel
+does not want. oneDNN with a weight reordered at load time uses both cores for GEMV and is the
+fastest of the options we measured on the 2-core AVX2 box for all three regimes (SmolLM2
+decoder linears, 30 layers; ms per forward):
+
+    rows (M)            1      32     512
+    F.linear (MKL)     38-48   90     -
+    MKL GEMV on W^T    29      -      -
+    2-stripe bmm       21-27   69     -
+    oneDNN prepacked   22-29   44     516
+
+Used for fp32 on CPU when torch has oneDNN; anything else keeps ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -13,37 +20,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# oneDNN picks the blocked layout for an expected row count; 2048 (a prefill chunk) also served
+# decode and batch-32 best in our measurements.
+_PACK_ROWS = 2048
 
-class StripedLinear(nn.Module):
-    """Drop-in for ``nn.Linear`` (same math) with the weight stored as ``[S, K, ceil(N/S)]``."""
 
-    def __init__(self, linear: nn.Linear, shards: int) -> None:
+def can_prepack(dtype: torch.dtype, device: str) -> bool:
+    return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for ``nn.Linear`` (same math, fp32) with a oneDNN-prepacked weight."""
+
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight.detach()
-        n, k = w.shape
-        self.in_features, self.out_features, self.shards = k, n, shards
-        width = -(-n // shards)
-        wt = torch.zeros(k, width * shards, dtype=w.dtype, device=w.device)
-        wt[:, :n] = w.t()
-        self.weight = nn.Parameter(wt.view(k, shards, width).permute(1, 0, 2).contiguous(),
+        w = linear.weight.detach().contiguous()
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS),
                                    requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        out = torch.bmm(x.unsqueeze(0).expand(self.shards, m, self.in_features), self.weight)
-        out = out.permute(1, 0, 2).reshape(m, -1)  # [S, M, N/S] -> [M, N]
-        if out.shape[1] != self.out_features:
-            out = out[:, :self.out_features]
-        return out if self.bias is None else out + self.bias
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def stripe_linears(model: nn.Module, shards: int) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` by a StripedLinear with ``shards`` stripes."""
+def prepack_linears(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` (recursively) by a PackedLinear."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, StripedLinear(child, shards))
+            setattr(model, name, PackedLinear(child))
         else:
-            stripe_linears(child, shards)
+            prepack_linears(child)
     return model

@@ -10,6 +10,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.layers.attention import AttentionBackend
+from engine.layers.linear import can_prepack, prepack_linears
 from engine.models.llama import LlamaForCausalLM
 
 _FUSED = {  # HF name suffix -> (our fused name, part index)
@@ -101,17 +102,10 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                 raise ModelLoadError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(params[name].shape)}")
             params[name].copy_(w)
     model = model.to(dtype).eval().requires_grad_(False)
-    if device == "cpu":
-        stripe_model(model)
+    if can_prepack(dtype, device):
+        # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
+        prepack_linears(model)
     return model
-
-
-def stripe_model(model: LlamaForCausalLM) -> None:
-    """Use the striped CPU layout for every linear, the LM head included (untied from the
-    embedding: a lookup wants rows, a GEMV wants K-major stripes, so each keeps its own copy)."""
-    from engine.layers.linear import stripe_linears
-    shards = max(1, torch.get_num_threads())
-    stripe_linears(model, shards)
 
 
 def read_generation_eos(path: Path) -> list[int]:
