@@ -1,0 +1,123 @@
+"""KV transfer interfaces: cache layouts, transfer states, and the frame transport.
+
+kvtransfer knows tensors and bytes, not requests. A transfer moves the KV of a token range of
+one sequence, layer by layer, from a sender's paged cache into blocks a receiver reserved:
+
+    receiver (decode)                          sender (prefill)
+    reserve blocks, expect(transfer_id) ─┐
+                                         └──►  begin(transfer_id, receiver address)
+                                               send_layer(i) as soon as layer i is computed
+    scatter each frame into its blocks  ◄────  frames: [header, K bytes, V bytes]
+    all layers in: DONE, ack  ─────────────►   DONE: free own blocks
+    lease deadline passed: FAILED, free        ack lost / receiver dead: FAILED after the lease
+
+Transports only move messages (lists of buffers) between endpoints; the lifecycle above is
+written once on top of them, so every transport behaves the same.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+Buffer = bytes | bytearray | memoryview
+
+
+class TransferState(enum.Enum):
+    """Polled state of one transfer, on either side. DONE and FAILED are final."""
+
+    WAITING = "waiting"  # set up, no frame moved yet
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One side's paged KV cache, as advertised in the handshake.
+
+    Attributes:
+        fingerprint: hash of the model architecture (``ModelConfig.fingerprint()``); the two
+            sides must agree or the transfer is refused.
+        num_layers, num_kv_heads, head_dim: the model's KV shape (all heads of the model).
+        head_start, head_end: the head shard this side holds (tensor parallelism); the whole
+            range [0, num_kv_heads) without it.
+        block_size: tokens per block on this side (the wire format does not depend on it).
+        dtype: "float32", "bfloat16" or "float16".
+    """
+
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    head_start: int = 0
+    head_end: int = -1  # -1: num_kv_heads
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return self.head_start, (self.num_kv_heads if self.head_end < 0 else self.head_end)
+
+
+class FrameTransport(ABC):
+    """Moves messages (lists of buffers) between endpoints, never blocking the caller for long.
+
+    Every endpoint can ``bind`` (to be reachable at an address) and ``connect`` to others'
+    addresses. Messages are delivered whole and in order per peer. ``recv`` returns the next
+    message from any peer with that peer's id, so a receiver can reply (ack) to the sender.
+    """
+
+    name = "base"
+
+    @abstractmethod
+    def bind(self) -> str:
+        """Start accepting peers; returns the address others ``connect`` to."""
+
+    @abstractmethod
+    def connect(self, address: str) -> str:
+        """Open a path to the endpoint at ``address``; returns its peer id for ``send``."""
+
+    @abstractmethod
+    def send(self, peer: str, frames: Sequence[Buffer]) -> None:
+        """Queue one message for ``peer``. Buffers must stay unchanged until sent."""
+
+    @abstractmethod
+    def recv(self) -> tuple[str, list[Buffer]] | None:
+        """Next complete message as (peer id, frames), or None if none is waiting."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets/endpoints. Safe to call twice."""
+
+
+TRANSPORTS: dict[str, Callable[..., FrameTransport]] = {}
+
+
+def register_transport(name: str, factory: Callable[..., FrameTransport]) -> None:
+    TRANSPORTS[name] = factory
+
+
+def get_transport(name: str, **kwargs) -> FrameTransport:
+    """Build the transport registered as ``name``; unknown names list the valid ones."""
+    _load_builtin()
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; valid: {', '.join(sorted(TRANSPORTS))}")
+    return TRANSPORTS[name](**kwargs)
+
+
+def _load_builtin() -> None:
+    # Transports register themselves on import; import lazily so a missing optional
+    # dependency (ucxx) only matters to whoever asks for that transport.
+    import importlib
+    for mod in ("kvtransfer.inproc", "kvtransfer.zmq_transport", "kvtransfer.ucx"):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            pass
