@@ -7,6 +7,8 @@ StepResult with the sampled tokens of the requests that reached their last token
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
@@ -40,9 +42,14 @@ class ModelRunner:
         return self._generators[rid]
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run one forward for ``plan`` and sample where a request reached its last token."""
-        hidden, sample_rows, sample_reqs = self._forward(plan)
+    def execute(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> StepResult:
+        """Run one forward for ``plan`` and sample where a request reached its last token.
+
+        Args:
+            plan: what to compute.
+            layer_done: called with i when layer i's K/V are in the cache (KV streaming).
+        """
+        hidden, sample_rows, sample_reqs = self._forward(plan, layer_done)
         result = StepResult()
         if not sample_reqs:
             return result
@@ -64,7 +71,8 @@ class ModelRunner:
         hidden, _, _ = self._forward(plan)
         return self.model.compute_logits(hidden)
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int], list]:
+    def _forward(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
+                 ) -> tuple[torch.Tensor, list[int], list]:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -90,5 +98,6 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), qlens, ctxs, tables, bs)
         self.backend.prepare(meta, dev)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv_caches)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv_caches,
+                            layer_done)
         return hidden, sample_rows, sample_reqs

@@ -8,6 +8,8 @@ at batch 1 on CPU per-op overhead is a real share of the step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,12 +93,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm).
+
+        ``layer_done(i)`` is called once layer i's K/V are in the cache, so a KV sender can
+        stream layer i while layers i+1.. compute.
+        """
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, rope, meta, kv)
+            if layer_done is not None:
+                layer_done(i)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -199,3 +199,26 @@ def test_incremental_text_equals_full_decode(make_engine, tokenizer):
         deltas.append(o.new_text)
         final = o
     assert "".join(deltas) == final.text == tokenizer.decode(final.token_ids, skip_special_tokens=True)
+
+
+def test_layer_done_fires_after_each_layer_kv_is_written(make_engine):
+    from engine.request import Request
+    from engine.scheduler import ScheduledRequest, StepPlan
+    eng = make_engine(prefix=False)
+    req = Request("x", _ids(40, 5), SamplingParams(max_tokens=1))
+    assert eng.block_manager.allocate(req.block_ids, 40)
+    slots = [b * 16 + o for b in req.block_ids for o in range(16)][:40]
+    seen = []
+
+    def done(i):
+        k, _ = eng.runner.kv_caches[i]
+        seen.append((i, bool(k[slots].abs().sum() > 0)))
+        if i + 1 < len(eng.runner.kv_caches):  # the next layer has not been written yet
+            assert eng.runner.kv_caches[i + 1][0][slots].abs().sum() == 0
+
+    for k, v in eng.runner.kv_caches:
+        k[slots] = 0
+        v[slots] = 0
+    eng.runner.execute(StepPlan([ScheduledRequest(req, 40)]), layer_done=done)
+    eng.block_manager.free(req.block_ids)
+    assert seen == [(i, True) for i in range(eng.model_config.num_layers)]
