@@ -88,7 +88,8 @@ class LLMEngine:
         return self.tokenizer(prompt)["input_ids"]
 
     def add_request(self, prompt: str | Sequence[int] | None = None, params: SamplingParams | None = None,
-                    request_id: str | None = None, messages: Sequence[dict] | None = None) -> str:
+                    request_id: str | None = None, messages: Sequence[dict] | None = None,
+                    prefill_only: bool = False) -> str:
         """Validate and queue one request; returns its id.
 
         Args:
@@ -96,21 +97,30 @@ class LLMEngine:
             params: sampling parameters (validated when built).
             request_id: unique id; generated when None.
             messages: chat messages (role/content), rendered with the model's chat template.
+            prefill_only: prefill side of disaggregation: stop after the first token and hold
+                the KV blocks until :meth:`release`.
         Raises:
             InvalidRequestError: empty or too long prompt, token ids out of range, duplicate id.
         """
-        params = params or SamplingParams()
-        params.validate()
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages")
         if isinstance(prompt, str) or messages is not None:
             ids = self.tokenize(prompt if isinstance(prompt, str) else None, messages)
         else:
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        req = self._new_request(ids, params, request_id)
+        req.prefill_only = prefill_only
+        self.scheduler.add(req)
+        self._track(req)
+        return req.request_id
+
+    def _new_request(self, ids: list[int], params: SamplingParams | None, request_id: str | None) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if not ids:
             raise InvalidRequestError("prompt is empty: at least one token is needed")
         if len(ids) >= self.max_model_len:
@@ -125,11 +135,49 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids)
-        self.scheduler.add(req)
-        self._detok[rid] = IncrementalDetokenizer(self.tokenizer)
-        self._emitted[rid] = 0
-        return rid
+        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids)
+
+    def _track(self, req: Request) -> None:
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._emitted[req.request_id] = 0
+
+    # ---- disaggregation ---------------------------------------------------------------------
+    def add_remote(self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams | None = None,
+                   request_id: str | None = None) -> list[int] | None:
+        """Decode side: reserve blocks for a request a prefill worker computed.
+
+        Args:
+            prompt_ids: the prompt's token ids (its KV will arrive into the returned blocks).
+            first_token: the token the prefill side sampled; decoding continues after it.
+            params: the request's sampling parameters.
+            request_id: unique id (the router's).
+        Returns:
+            The reserved block ids (where the transfer must land), or None if not free now.
+        Raises:
+            InvalidRequestError: like add_request.
+        """
+        req = self._new_request(list(prompt_ids), params, request_id)
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise InvalidRequestError(f"first token {first_token} is outside the vocabulary")
+        req.append_output_token(first_token)
+        if not self.scheduler.add_remote(req):
+            return None
+        self._track(req)
+        self._detok[req.request_id].step(req.output_token_ids)
+        self._emitted[req.request_id] = len(self._detok[req.request_id].text)
+        return list(req.block_ids)
+
+    def kv_arrived(self, request_id: str) -> None:
+        """Decode side: the KV transfer into the reserved blocks is complete; start decoding."""
+        self.scheduler.kv_arrived(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Prefill side: the KV transfer ended (acked or failed); free the request's blocks."""
+        return self.scheduler.release(request_id)
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        """Block ids a live request holds (for the KV sender)."""
+        return list(self.scheduler.requests[request_id].block_ids)
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request; its blocks are freed now. False if unknown."""
@@ -211,8 +259,8 @@ class LLMEngine:
             self.block_manager.free(req.block_ids)
 
     def stream(self) -> Iterator[RequestOutput]:
-        """Step until every queued request has finished, yielding outputs as they come."""
-        while self.has_unfinished():
+        """Step while there is something to compute, yielding outputs as they come."""
+        while self.scheduler.has_work():
             yield from self.step()
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None

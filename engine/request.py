@@ -19,8 +19,10 @@ from engine.errors import InvalidRequestError
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, KV in flight
     RUNNING = "running"
     PREEMPTED = "preempted"
+    PREFILLED = "prefilled"  # prefill side: first token out, blocks held until the KV is sent
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -28,7 +30,7 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.PREFILLED)
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    # Prefill side of disaggregation: stop after the first token, keep the KV for the transfer.
+    prefill_only: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache. Equals num_tokens - 1 while decoding: the newest

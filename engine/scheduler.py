@@ -1,13 +1,20 @@
 """Continuous-batching scheduler: ``schedule() -> StepPlan``, ``update(plan, StepResult)``.
 
 Queues (and only these):
-- ``waiting``: admitted, holding no blocks (new, or preempted and to be recomputed); FIFO, a
-  preempted request goes back to the front.
+- ``waiting``: admitted and ready to compute: new or preempted requests (holding no blocks), or
+  requests whose KV arrived from a prefill worker (holding it); FIFO, a preempted request goes
+  back to the front.
 - ``running``: holding blocks; scheduled every step until finished.
+- ``receiving`` (decode side of disaggregation): blocks reserved, KV in flight from a prefill
+  worker; nothing to compute until it lands.
+- ``sending`` (prefill side): prompt computed and first token sampled; blocks held until the
+  KV transfer is acknowledged, then released.
 
 Transitions: waiting -> running when blocks are granted (prefix-cache hits first); running ->
 waiting on preemption (blocks freed, progress reset: recompute); waiting/running -> finished on
-stop, length or abort (blocks freed at once).
+stop, length or abort (blocks freed at once). Disaggregated: add_remote -> receiving ->
+(kv_arrived) waiting -> running; a prefill-only request: running -> sending (first token) ->
+(release) gone. An abort in any queue frees the blocks.
 
 Each step has a token budget. Running requests go first (decodes take 1 token, an unfinished
 prompt takes a chunk of what is left), then waiting ones while budget, seats and blocks last.
@@ -71,6 +78,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}
+        self.sending: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
 
     # ---- admission / abort -----------------------------------------------------------------
@@ -93,12 +102,50 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.receiving.pop(req.request_id, None)
+        self.sending.pop(req.request_id, None)
         self.bm.free(req.block_ids)
         req.status = status
         self.requests.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """True when a step would compute something (receiving/sending requests only wait)."""
+        return bool(self.waiting or self.running)
+
+    # ---- disaggregation ------------------------------------------------------------------
+    def add_remote(self, req: Request) -> bool:
+        """Reserve blocks for a request whose prompt KV a prefill worker will send.
+
+        ``req`` carries its prompt and the first token the prefill side sampled. Returns False
+        (changing nothing) when the blocks are not free now.
+        """
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        if not self.bm.allocate(req.block_ids, req.num_prompt_tokens):
+            return False
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.receiving[req.request_id] = req
+        self.requests[req.request_id] = req
+        return True
+
+    def kv_arrived(self, request_id: str) -> None:
+        """The prompt's KV is in the reserved blocks: the request joins the queue to decode."""
+        req = self.receiving.pop(request_id)
+        req.num_computed_tokens = req.num_cached_tokens = req.num_prompt_tokens
+        self.bm.cache_blocks(req.block_ids, req.prompt_token_ids, 0, req.num_prompt_tokens)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def release(self, request_id: str) -> bool:
+        """Free a prefilled request's blocks once its KV transfer has ended. False if unknown."""
+        req = self.sending.pop(request_id, None)
+        if req is None:
+            return False
+        self.bm.free(req.block_ids)
+        self.requests.pop(request_id, None)
+        return True
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -130,9 +177,12 @@ class Scheduler:
         while self.waiting and budget > 0 and not plan.preempted \
                 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            # Leave at least one token to compute: its logits pick the next token.
-            hits = self.bm.match_prefix(req.all_token_ids, req.num_tokens - 1)
-            cached = len(hits) * bs
+            if req.block_ids:  # its KV arrived from a prefill worker: resume where it is
+                hits, cached = [], req.num_computed_tokens
+            else:
+                # Leave at least one token to compute: its logits pick the next token.
+                hits = self.bm.match_prefix(req.all_token_ids, req.num_tokens - 1)
+                cached = len(hits) * bs
             n = req.num_tokens - cached
             if n > budget:
                 # Unchunked, a request waits to go whole, unless it could never fit one step
@@ -143,7 +193,9 @@ class Scheduler:
             if not self.bm.allocate(req.block_ids, cached + n, hits):
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = req.num_cached_tokens = cached
+            if hits or not req.block_ids:
+                req.num_cached_tokens = cached
+            req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan.scheduled.append(ScheduledRequest(req, n))
@@ -174,6 +226,11 @@ class Scheduler:
                 if status is not None:
                     self.finish(req, status)
                     break
+            if req.prefill_only and req.status == RequestStatus.RUNNING and req.output_token_ids:
+                # Prefill done: hold the blocks for the KV transfer, compute nothing more.
+                self.running.remove(req)
+                req.status = RequestStatus.PREFILLED
+                self.sending[req.request_id] = req
             touched.append(req)
         return touched
 

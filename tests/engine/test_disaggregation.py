@@ -1,0 +1,77 @@
+"""The engine's disaggregation hooks: prefill-only requests hold their KV until released, a
+decode engine reserves blocks, receives the KV and continues. In-process, KV copied by slots
+(kvtransfer moves it across processes); greedy output must equal a single engine's."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
+           "Q: What is 17 times 3?\nA:", "A list of colours: red, green,"]
+
+
+def _slots(block_ids, block_size, n):
+    return torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in range(n)])
+
+
+def _copy_kv(src, src_blocks, dst, dst_blocks, n):
+    s = _slots(src_blocks, src.block_manager.block_size, n)
+    d = _slots(dst_blocks, dst.block_manager.block_size, n)
+    for (sk, sv), (dk, dv) in zip(src.runner.kv_caches, dst.runner.kv_caches):
+        dk[d] = sk[s].to(dk.dtype)
+        dv[d] = sv[s].to(dv.dtype)
+
+
+def test_prefill_then_remote_decode_matches_single_engine(make_engine):
+    single = make_engine()
+    sp = SamplingParams(max_tokens=32, temperature=0)
+    want = single.generate(PROMPTS, sp)
+    prefill, decode = make_engine(block_size=16), make_engine(block_size=32)
+
+    ids = [prefill.add_request(p, sp, request_id=f"r{i}", prefill_only=True) for i, p in enumerate(PROMPTS)]
+    firsts = {o.request_id: o for o in prefill.stream() if o.finished}
+    assert all(firsts[i].finish_reason == "prefilled" for i in ids)
+    assert prefill.block_manager.num_used_blocks > 0  # held for the transfer
+    for i, rid in enumerate(ids):
+        req = prefill.scheduler.requests[rid]
+        blocks = decode.add_remote(req.prompt_token_ids, firsts[rid].token_ids[0], sp, request_id=rid)
+        assert blocks is not None
+        _copy_kv(prefill, req.block_ids, decode, blocks, req.num_prompt_tokens)
+        assert prefill.release(rid)
+        decode.kv_arrived(rid)
+    assert prefill.block_manager.num_used_blocks == 0
+    got = {}
+    for o in decode.stream():
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            assert o.token_ids == want[ids.index(o.request_id)].token_ids
+            assert o.text == want[ids.index(o.request_id)].text
+    # Streamed tokens are the ones after the prefill's first token.
+    for i, rid in enumerate(ids):
+        assert [firsts[rid].token_ids[0]] + got[rid] == want[i].token_ids
+
+
+def test_abort_in_every_disaggregation_state_frees_blocks(make_engine):
+    prefill, decode = make_engine(), make_engine()
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    prefill.add_request("Hello there", sp, request_id="p", prefill_only=True)
+    list(prefill.stream())
+    assert prefill.block_manager.num_used_blocks > 0
+    assert prefill.abort("p") and prefill.block_manager.num_used_blocks == 0
+    assert not prefill.release("p")
+
+    assert decode.add_remote([1, 2, 3, 4, 5], 7, sp, request_id="d") is not None
+    assert decode.block_manager.num_used_blocks == 1
+    assert not list(decode.stream())  # nothing to compute while the KV is in flight
+    assert decode.abort("d") and decode.block_manager.num_used_blocks == 0
+
+
+def test_add_remote_is_not_now_when_blocks_are_short(make_engine):
+    decode = make_engine(num_blocks=4)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    assert decode.add_remote(list(range(100, 150)), 5, sp, request_id="a") is not None  # 4 blocks
+    assert decode.add_remote([1, 2, 3], 5, sp, request_id="b") is None
+    assert "b" not in decode.scheduler.requests
+    decode.abort("a")
