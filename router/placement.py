@@ -1,0 +1,72 @@
+"""Placement: which prefill worker and which decode worker take a request.
+
+Pure functions over a snapshot of worker loads, so the policy is unit-testable on synthetic
+cluster states. Never round-robin:
+
+- prefill: the worker with the fewest queued prompt tokens (its TTFT backlog), among those
+  with room for the prompt's KV; ties go to more free memory.
+- decode: among workers that can reserve the prompt plus a share of ``max_tokens`` now, the
+  one with the most *projected headroom*: free KV tokens after this reservation minus the
+  tokens its running requests are still going to generate (each will grow its KV by that
+  much). A nearly full worker loses; with equal memory the one with less work left wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What the router knows of one worker (refreshed from the workers' status reports)."""
+
+    worker_id: str
+    role: str  # "prefill", "decode" or "colocated"
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    queued_prompt_tokens: int = 0  # prompt tokens waiting to be prefilled
+    remaining_decode_tokens: int = 0  # sum over running requests of tokens still to generate
+    accepting: bool = True  # False while starting, draining or dead
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+def pick_prefill(workers: Sequence[WorkerLoad], prompt_tokens: int) -> WorkerLoad | None:
+    """Least queued prompt tokens among workers with room for the prompt; None if none can."""
+    ok = [w for w in workers if w.accepting and w.role in ("prefill", "colocated")
+          and w.free_blocks >= w.blocks_for(prompt_tokens)]
+    if not ok:
+        return None
+    return min(ok, key=lambda w: (w.queued_prompt_tokens, -w.free_blocks, w.worker_id))
+
+
+def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: int,
+                reserve_fraction: float = 1.0) -> WorkerLoad | None:
+    """Most projected headroom among workers that can reserve the request now.
+
+    Args:
+        workers: current loads.
+        prompt_tokens: the request's prompt length (its KV arrives from prefill).
+        max_tokens: the request's generation limit.
+        reserve_fraction: share of ``max_tokens`` that must fit at admission (1.0: all of it;
+            smaller admits more requests and relies on preemption if they all run long).
+    Returns:
+        The chosen worker, or None when no worker can take the request now (the router
+        queues it).
+    """
+    need_tokens = prompt_tokens + int(round(reserve_fraction * max_tokens))
+    best, best_key = None, None
+    for w in workers:
+        if not (w.accepting and w.role in ("decode", "colocated")):
+            continue
+        need = w.blocks_for(need_tokens)
+        if w.free_blocks < need:
+            continue
+        headroom = (w.free_blocks - need) * w.block_size - w.remaining_decode_tokens
+        key = (-headroom, w.remaining_decode_tokens, w.worker_id)
+        if best_key is None or key < best_key:
+            best, best_key = w, key
+    return best

@@ -1,0 +1,51 @@
+"""Placement policy on synthetic cluster states."""
+
+from __future__ import annotations
+
+from router.placement import WorkerLoad, pick_decode, pick_prefill
+
+
+def decode(wid, free, total=1000, remaining=0, accepting=True):
+    return WorkerLoad(wid, "decode", free, total, 16, remaining_decode_tokens=remaining, accepting=accepting)
+
+
+def prefill(wid, queued, free=1000):
+    return WorkerLoad(wid, "prefill", free, 1000, 16, queued_prompt_tokens=queued)
+
+
+def test_nearly_full_decode_worker_gets_no_new_work():
+    ws = [decode("full", free=20, remaining=0), decode("roomy", free=600, remaining=3000)]
+    assert pick_decode(ws, prompt_tokens=200, max_tokens=100).worker_id == "roomy"
+
+
+def test_equal_memory_less_remaining_work_wins():
+    ws = [decode("busy", free=500, remaining=2000), decode("idle", free=500, remaining=100)]
+    assert pick_decode(ws, 100, 100).worker_id == "idle"
+    ws = [decode("idle", free=500, remaining=100), decode("busy", free=500, remaining=2000)]
+    assert pick_decode(ws, 100, 100).worker_id == "idle"  # not positional
+
+
+def test_decode_none_when_nobody_can_reserve_and_reserve_fraction():
+    ws = [decode("a", free=10), decode("b", free=12)]
+    # 100 + 300 tokens need 25 blocks: nobody now; with a 10% reservation 9 blocks fit.
+    assert pick_decode(ws, 100, 300) is None
+    assert pick_decode(ws, 100, 300, reserve_fraction=0.1).worker_id == "b"
+
+
+def test_draining_and_wrong_role_are_skipped():
+    ws = [decode("drain", free=900, accepting=False), prefill("p", 0), decode("ok", free=100)]
+    assert pick_decode(ws, 10, 10).worker_id == "ok"
+    assert pick_prefill(ws, 10).worker_id == "p"
+
+
+def test_prefill_least_queued_tokens_with_room_for_the_prompt():
+    ws = [prefill("long-queue", 5000), prefill("short-queue", 100), prefill("no-room", 0, free=2)]
+    assert pick_prefill(ws, 512).worker_id == "short-queue"
+    assert pick_prefill([prefill("no-room", 0, free=2)], 512) is None
+    # Ties on queued tokens go to more free memory.
+    assert pick_prefill([prefill("x", 0, free=100), prefill("y", 0, free=900)], 64).worker_id == "y"
+
+
+def test_not_round_robin_repeated_picks_follow_load():
+    ws = [decode("a", free=900, remaining=0), decode("b", free=100, remaining=0)]
+    assert {pick_decode(ws, 50, 50).worker_id for _ in range(5)} == {"a"}
