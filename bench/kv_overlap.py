@@ -1,0 +1,164 @@
+"""How much KV transfer time layer streaming hides behind prefill compute.
+
+A real prefill of the bundled model runs here (the prefill side); a receiver in a child
+process (the decode side) holds a paged cache of the same shape and timestamps KV-complete.
+Two runs per transport, same prompt length:
+
+- streaming: ``send_layer(i)`` from the engine's ``layer_done`` hook, while layers i+1.. compute;
+- after: the whole forward first, then every layer is sent.
+
+    hidden fraction = (T_after - T_streaming) / (T_after - T_compute)
+
+where T_* are prefill start -> KV complete on the receiver, and T_compute is the forward alone:
+1.0 means the transfer is entirely hidden, 0 that streaming gained nothing.
+Used by bench/kv_transfer.py; runnable alone: ``python bench/kv_overlap.py --help``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def _receiver_main(conn, transport: str, layout_kw: dict, num_blocks: int) -> None:
+    import torch
+
+    from engine.kv_cache import BlockManager, allocate_kv_tensors
+    from kvtransfer.base import KVLayout, TransferState, get_transport
+    from kvtransfer.receiver import KVReceiver
+    torch.set_num_threads(1)
+    layout = KVLayout(**layout_kw)
+    kv = allocate_kv_tensors(layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads,
+                             layout.head_dim, getattr(torch, layout.dtype))
+    bm = BlockManager(num_blocks, layout.block_size, enable_prefix_caching=False)
+    rx = KVReceiver(get_transport(transport), layout, kv, lease_s=60.0)
+    conn.send(rx.address)
+    while True:
+        while not conn.poll(0):
+            rx.progress()  # answer the sender's handshake while idle
+            time.sleep(0.0002)
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        _, tid, n = msg
+        blocks: list[int] = []
+        assert bm.allocate(blocks, n)
+        rx.expect(tid, blocks, n)
+        conn.send("ready")
+        while rx.poll(tid) not in (TransferState.DONE, TransferState.FAILED):
+            rx.progress()
+        done = time.monotonic()  # CLOCK_MONOTONIC is system-wide: comparable across processes
+        state = rx.poll(tid)
+        rx.pop_finished()
+        bm.free(blocks)
+        conn.send((done, state.value))
+    rx.close()
+
+
+def measure_overlap(transport: str, prompt_len: int = 2048, reps: int = 2, progress=print) -> dict:
+    """Run the streaming vs send-after comparison; returns times (s) and the hidden fraction."""
+    import torch
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import Request, SamplingParams
+    from engine.scheduler import ScheduledRequest, StepPlan
+    from kvtransfer.base import KVLayout, TransferState, get_transport
+    from kvtransfer.format import gather_layer
+    from kvtransfer.sender import KVSender
+
+    eng = LLMEngine(EngineConfig(cache=CacheConfig(memory_gb=0.5, enable_prefix_caching=False),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=prompt_len)), progress=False)
+    mc, bs = eng.model_config, eng.block_manager.block_size
+    layout_kw = dict(fingerprint=mc.fingerprint(), num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                     head_dim=mc.head_dim, block_size=32, dtype=eng.config.dtype)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, transport, layout_kw, prompt_len // 32 + 8),
+                       daemon=True)
+    proc.start()
+    try:
+        address = parent.recv()
+        layout = KVLayout(**{**layout_kw, "block_size": bs})
+        tx = KVSender(get_transport(transport), layout, lease_s=60.0)
+        tx.connect(address)
+        rng = random.Random(0)
+        best: dict[str, float] = {}
+        for rep in range(reps + 1):  # the first round warms up both sides
+            for mode in ("stream", "after"):
+                tid = f"{mode}-{rep}"
+                req = Request(tid, [rng.randrange(100, 40000) for _ in range(prompt_len)],
+                              SamplingParams(max_tokens=1))
+                assert eng.block_manager.allocate(req.block_ids, prompt_len)
+                parent.send(("expect", tid, prompt_len))
+                assert parent.recv() == "ready"
+                plan = StepPlan([ScheduledRequest(req, prompt_len)])
+
+                def send(i: int) -> None:
+                    k, v = gather_layer(eng.runner.kv_caches[i], req.block_ids, bs, 0, prompt_len)
+                    tx.send_layer(tid, i, k, v)
+                    tx.progress()
+
+                t0 = time.monotonic()
+                tx.begin(tid, address, prompt_len)
+                eng.runner.execute(plan, layer_done=send if mode == "stream" else None)
+                t_compute = time.monotonic() - t0
+                if mode == "after":
+                    for i in range(mc.num_layers):
+                        send(i)
+                while tx.poll(tid) not in (TransferState.DONE, TransferState.FAILED):
+                    tx.progress()
+                done, state = parent.recv()
+                tx.pop_finished()
+                eng.block_manager.free(req.block_ids)
+                if state != "done":
+                    raise RuntimeError(f"transfer {tid} ended {state}")
+                if rep == 0:
+                    continue
+                total = done - t0
+                best[mode] = min(best.get(mode, 1e9), total)
+                key = "compute"
+                best[key] = min(best.get(key, 1e9), t_compute) if mode == "after" else best.get(key, 1e9)
+                progress(f"  {transport} {mode:6s} rep {rep}: prefill {t_compute:.3f}s, "
+                         f"KV complete at {total:.3f}s")
+        parent.send(("stop",))
+        tx.close()
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    exposed_after = best["after"] - best["compute"]
+    hidden = (best["after"] - best["stream"]) / exposed_after if exposed_after > 0 else None
+    return {"prompt_len": prompt_len, "compute_s": best["compute"], "stream_s": best["stream"],
+            "after_s": best["after"], "transfer_exposed_after_s": exposed_after,
+            "hidden_fraction": None if hidden is None else max(0.0, min(1.0, hidden))}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description="Measure how much of the KV transfer layer-by-layer streaming "
+                                            "hides behind prefill compute (real model, receiver in a child process).")
+    p.add_argument("--transport", default="ucx", choices=["ucx", "zmq"])
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=2)
+    args = p.parse_args(argv)
+    res = measure_overlap(args.transport, args.prompt_len, args.reps,
+                          progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps({"transport": args.transport, **res}))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""KV receiver (decode side): scatters pushed KV frames into blocks that decode reserved.
+
+Lifecycle of one transfer here (``TransferState``)::
+
+    expect() ─► WAITING ──first valid frame──► TRANSFERRING ──every layer x head x token in──► DONE
+                   │                                │                                 (ack → senders)
+                   └── bad frame | sender's fail | abort() | lease deadline passed ──► FAILED
+                                                                                      (fail → senders)
+
+``expect`` starts the lease: ``lease_s`` after it the transfer is FAILED unless DONE, so decode
+can always free the reserved blocks, even when the sender died silently. Once a transfer is
+final nothing more is written into its blocks: later frames for it are dropped.
+
+Tables (exactly these): ``_transfers`` (id → live transfer, or final but not yet popped),
+``_finished`` (ids that turned final, in order, drained by ``pop_finished``) and ``_ended``
+(recently popped ids → final state, bounded, so late messages are told from unknown ones).
+
+Wire protocol, shared with ``sender.py``. A message of ONE frame is a control message: a small
+msgpack map with a ``"type"`` field; a message of THREE frames is KV data
+``[header, K bytes, V bytes]`` (``format.py``); anything else is dropped.
+
+    hello    {layout}                    sender → receiver; answered by hello_ok {layout}
+    begin    {id, num_tokens, token_start}  sender → receiver, before its frames: makes the
+             sender a peer of the transfer (acked/failed with it). A begin for a transfer this
+             side does not expect is answered by fail: decode must ``expect`` before prefill
+             begins.
+    ack      {id}                        receiver → senders: all KV is in; they may free
+    fail     {id, reason}                either way: the transfer is FAILED (bad frame, abort,
+                                         lease), the other side stops too
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import msgpack
+import torch
+
+from kvtransfer.base import Buffer, FrameTransport, KVLayout, TransferState
+from kvtransfer.format import FrameError, FrameHeader, decode_frames, scatter_layer
+
+MAX_ENDED = 4096  # popped transfer ids remembered to recognise late messages
+MAX_CONTROL_BYTES = 1 << 16  # a control message is ~200 bytes; refuse to unpack more
+
+
+# ---- control messages (shared with sender.py) --------------------------------------------
+def encode_control(type_: str, **fields: object) -> list[bytes]:
+    """One control message: a single msgpack frame ``{"type": type_, **fields}``."""
+    return [msgpack.packb({"type": type_, **fields}, use_bin_type=True)]
+
+
+def decode_control(frame: Buffer) -> dict | None:
+    """Returns:
+        The control map, or None if ``frame`` is not a msgpack map with a str ``"type"``.
+    """
+    try:
+        if memoryview(frame).nbytes > MAX_CONTROL_BYTES:
+            return None
+        msg = msgpack.unpackb(frame, raw=False)
+    except Exception:  # msgpack raises several types for garbage
+        return None
+    return msg if isinstance(msg, dict) and isinstance(msg.get("type"), str) else None
+
+
+def layout_to_wire(layout: KVLayout) -> dict:
+    return dataclasses.asdict(layout)
+
+
+def layout_from_wire(d: object) -> KVLayout | None:
+    """Returns:
+        The layout, or None if ``d`` is not a well-formed layout map.
+    """
+    try:
+        return KVLayout(**{f.name: d[f.name] for f in dataclasses.fields(KVLayout)})
+    except (TypeError, KeyError):
+        return None
+
+
+# ---- receiver ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Incoming:
+    block_ids: list[int]
+    token_start: int
+    token_end: int
+    deadline: float
+    missing: int  # (layer, head) cells whose whole token range has not arrived yet
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    peers: set[str] = dataclasses.field(default_factory=set)
+    state: TransferState = TransferState.WAITING
+    error: str | None = None
+
+    def covered(self, layer: int, h0: int, h1: int, t0: int, t1: int) -> bool:
+        """Whether tokens [t0, t1) of heads [h0, h1) of ``layer`` have all arrived."""
+        return all(any(s <= t0 and t1 <= e for s, e in self.spans.get((layer, h), ()))
+                   for h in range(h0, h1))
+
+    def add(self, layer: int, h0: int, h1: int, t0: int, t1: int) -> None:
+        """Record tokens [t0, t1) of heads [h0, h1) as arrived (merging token intervals)."""
+        for h in range(h0, h1):
+            merged: list[tuple[int, int]] = []
+            a, b = t0, t1
+            for s, e in self.spans.get((layer, h), ()):
+                if e < a or s > b:
+                    merged.append((s, e))
+                else:
+                    a, b = min(a, s), max(b, e)
+            was_full = self._full(layer, h)
+            self.spans[(layer, h)] = sorted([*merged, (a, b)])
+            if not was_full and self._full(layer, h):
+                self.missing -= 1
+
+    def _full(self, layer: int, h: int) -> bool:
+        return self.spans.get((layer, h)) == [(self.token_start, self.token_end)]
+
+
+class KVReceiver:
+    """Receives KV transfers into reserved paged-cache blocks; never blocks (see module doc).
+
+    Args:
+        transport: this side's transport; bound here, closed by :meth:`close`.
+        layout: this side's cache layout (fingerprint, heads it holds, block size).
+        kv_caches: per layer (K, V), each ``[num_blocks * block_size, H_local, D]``.
+        lease_s: seconds from ``expect`` after which an unfinished transfer is FAILED.
+        clock: monotonic time source (a fake one in tests).
+    """
+
+    def __init__(self, transport: FrameTransport, layout: KVLayout,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lease_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        h0, h1 = layout.heads
+        if len(kv_caches) != layout.num_layers:
+            raise ValueError(f"{len(kv_caches)} layer caches for a layout of {layout.num_layers} layers")
+        for k, v in kv_caches:
+            if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (h1 - h0, layout.head_dim):
+                raise ValueError(f"KV cache of shape {tuple(k.shape)} does not hold heads [{h0}, {h1}) "
+                                 f"x head_dim {layout.head_dim}")
+        self.transport, self.layout, self.kv_caches = transport, layout, kv_caches
+        self.lease_s, self._clock = lease_s, clock
+        self.address = transport.bind()
+        self._transfers: dict[str, _Incoming] = {}
+        self._finished: list[str] = []
+        self._ended: OrderedDict[str, tuple[TransferState, str | None]] = OrderedDict()
+        self.dropped_frames = 0  # data messages not written: unknown/ended transfer, duplicate, garbage
+        self.bad_messages = 0  # control messages that made no sense
+
+    # ---- decode's side of the lifecycle -------------------------------------------------
+    def expect(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int,
+               token_start: int = 0) -> None:
+        """Announce a transfer into blocks the caller already reserved; starts its lease.
+
+        Args:
+            transfer_id: id the sender will use.
+            block_ids: the sequence's blocks on this side, from token 0, covering at least
+                ``token_start + num_tokens`` tokens.
+            num_tokens: tokens to receive.
+            token_start: sequence position of the first one (e.g. after a local prefix hit).
+        Raises:
+            ValueError: id already live, or blocks too few for the token range.
+        """
+        if transfer_id in self._transfers:
+            raise ValueError(f"transfer {transfer_id!r} is already expected")
+        token_end = token_start + num_tokens
+        if num_tokens < 1 or token_start < 0 or token_end > len(block_ids) * self.layout.block_size:
+            raise ValueError(f"tokens [{token_start}, {token_end}) need {len(block_ids)} blocks of "
+                             f"{self.layout.block_size} to cover them and num_tokens >= 1")
+        self._ended.pop(transfer_id, None)
+        h0, h1 = self.layout.heads
+        self._transfers[transfer_id] = _Incoming(
+            list(block_ids), token_start, token_end, self._clock() + self.lease_s,
+            missing=self.layout.num_layers * (h1 - h0))
+
+    def poll(self, transfer_id: str) -> TransferState:
+        """State of a transfer (no I/O: call :meth:`progress` to advance it).
+
+        Raises:
+            KeyError: never expected, or popped so long ago it is forgotten.
+        """
+        if transfer_id in self._transfers:
+            return self._transfers[transfer_id].state
+        if transfer_id in self._ended:
+            return self._ended[transfer_id][0]
+        raise KeyError(f"unknown transfer {transfer_id!r}")
+
+    def error(self, transfer_id: str) -> str | None:
+        """Why a transfer FAILED (None unless it did)."""
+        t = self._transfers.get(transfer_id)
+        return t.error if t is not None else self._ended.get(transfer_id, (None, None))[1]
+
+    def abort(self, transfer_id: str) -> None:
+        """FAIL a live transfer and tell its senders; no-op for one already final."""
+        t = self._transfers.get(transfer_id)
+        if t is None and transfer_id not in self._ended:
+            raise KeyError(f"unknown transfer {transfer_id!r}")
+        if t is not None and not t.state.is_final:
+            self._fail(transfer_id, t, "aborted by the receiver")
+
+    def pop_finished(self) -> list[tuple[str, TransferState]]:
+        """Transfers that became DONE (admit the request) or FAILED (free its blocks) since
+        the last call, in order; they leave the live table."""
+        out = []
+        for tid in self._finished:
+            t = self._transfers.pop(tid)
+            out.append((tid, t.state))
+            self._ended[tid] = (t.state, t.error)
+        self._finished.clear()
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
+        return out
+
+    def close(self) -> None:
+        """Close the transport. Safe to call twice."""
+        self.transport.close()
+
+    # ---- network -----------------------------------------------------------------------
+    def progress(self) -> None:
+        """Handle every waiting message, then fail transfers whose lease has passed."""
+        while (msg := self.transport.recv()) is not None:
+            peer, frames = msg
+            if len(frames) == 3:
+                self._on_data(peer, frames)
+            elif len(frames) == 1 and (ctl := decode_control(frames[0])) is not None:
+                self._on_control(peer, ctl)
+            else:
+                self.dropped_frames += 1
+        now = self._clock()
+        for tid, t in self._transfers.items():
+            if not t.state.is_final and now >= t.deadline:
+                self._fail(tid, t, f"lease of {self.lease_s:g}s expired before all KV arrived")
+
+    def _on_control(self, peer: str, msg: dict) -> None:
+        kind, tid = msg["type"], msg.get("id")
+        if kind == "hello":
+            self.transport.send(peer, encode_control("hello_ok", layout=layout_to_wire(self.layout)))
+            return
+        if not isinstance(tid, str) or kind not in ("begin", "fail"):
+            self.bad_messages += 1
+            return
+        t = self._transfers.get(tid)
+        state, error = (t.state, t.error) if t is not None else self._ended.get(tid, (None, None))
+        if kind == "fail":
+            if t is not None and not t.state.is_final:
+                t.peers.discard(peer)  # it knows; tell the other senders (head shards), if any
+                self._fail(tid, t, f"sender aborted: {msg.get('reason')}")
+            return
+        # begin
+        if state is None:
+            self.transport.send(peer, encode_control(
+                "fail", id=tid, reason=f"receiver {self.address} does not expect transfer {tid!r} "
+                                       f"(decode must expect() before prefill begins)"))
+        elif state is TransferState.FAILED:
+            self.transport.send(peer, encode_control("fail", id=tid, reason=error))
+        elif state is TransferState.DONE:
+            self.transport.send(peer, encode_control("ack", id=tid))
+        elif (msg.get("token_start"), msg.get("num_tokens")) != (t.token_start, t.token_end - t.token_start):
+            t.peers.add(peer)
+            self._fail(tid, t, f"sender begins tokens [{msg.get('token_start')}, +{msg.get('num_tokens')}) but "
+                               f"the receiver expects [{t.token_start}, {t.token_end})")
+        else:
+            t.peers.add(peer)
+
+    def _on_data(self, peer: str, frames: list[Buffer]) -> None:
+        try:
+            header = FrameHeader.decode(frames[0])
+        except FrameError:
+            self.dropped_frames += 1  # no trustworthy transfer id to blame
+            return
+        tid = header.transfer_id
+        t = self._transfers.get(tid)
+        if t is None or t.state.is_final:
+            self.dropped_frames += 1  # unknown, or late for an ended transfer
+            return
+        t.peers.add(peer)
+        h0, h1 = self.layout.heads
+        lo, hi = max(header.head_start, h0), min(header.head_end, h1)
+        try:
+            if header.layer >= self.layout.num_layers or header.num_kv_heads != self.layout.num_kv_heads:
+                raise FrameError(f"frame for layer {header.layer} of {header.num_kv_heads} heads does not "
+                                 f"fit {self.layout.num_layers} layers x {self.layout.num_kv_heads} heads")
+            if not (t.token_start <= header.token_start and header.token_end <= t.token_end) or lo >= hi:
+                raise FrameError(f"frame tokens [{header.token_start}, {header.token_end}) heads "
+                                 f"[{header.head_start}, {header.head_end}) outside expected tokens "
+                                 f"[{t.token_start}, {t.token_end}) heads [{h0}, {h1})")
+            if t.covered(header.layer, lo, hi, header.token_start, header.token_end):
+                self.dropped_frames += 1  # duplicate
+                return
+            header, k, v = decode_frames(frames, fingerprint=self.layout.fingerprint)
+            scatter_layer(self.kv_caches[header.layer], t.block_ids, self.layout.block_size,
+                          header, k, v, local_head_start=h0)
+        except FrameError as e:
+            self._fail(tid, t, f"bad KV frame: {e}")
+            return
+        t.add(header.layer, lo, hi, header.token_start, header.token_end)
+        t.state = TransferState.TRANSFERRING
+        if t.missing == 0:
+            t.state = TransferState.DONE
+            self._finished.append(tid)
+            for p in t.peers:
+                self.transport.send(p, encode_control("ack", id=tid))
+
+    def _fail(self, tid: str, t: _Incoming, reason: str) -> None:
+        t.state, t.error = TransferState.FAILED, reason
+        self._finished.append(tid)
+        for p in t.peers:
+            self.transport.send(p, encode_control("fail", id=tid, reason=reason))
