@@ -1,0 +1,134 @@
+"""Cluster config (``deploy/local.yaml``): small frozen dataclasses, validated when loaded.
+
+Unknown keys and bad values fail at start with a message naming the key (``decode.replicas``),
+never deep inside a worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file the cluster cannot start with; the message names the key."""
+
+
+@dataclass(frozen=True)
+class PrefillPool:
+    replicas: int = 1
+    threads: int = 1
+    kv_cache_gb: float = 0.5
+    block_size: int = 16
+    max_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class DecodePool:
+    replicas: int = 1
+    threads: int = 1
+    kv_cache_gb: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    reserve_fraction: float = 1.0
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    transport: str = "ucx"
+    lease_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_queue: int = 256
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    mode: str = "disaggregated"
+    model: str | None = None
+    dtype: str = "float32"
+    prefill: PrefillPool = field(default_factory=PrefillPool)
+    decode: DecodePool = field(default_factory=DecodePool)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+# Per key: (check, what a valid value is). Keys are dotted paths.
+_RULES: dict[str, tuple[Any, str]] = {
+    "mode": (lambda v: v in ("disaggregated", "colocated"), "disaggregated or colocated"),
+    "model": (lambda v: v is None or (isinstance(v, str) and v), "null or a model folder path"),
+    "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    "kv_transfer.transport": (lambda v: v in ("ucx", "zmq", "inproc"), "ucx, zmq or inproc"),
+    "router.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535"),
+    "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
+
+
+def _check_number(path: str, value: Any, kind: type) -> None:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"{path}: expected {'a number' if kind is float else 'an integer'}, got {value!r}")
+    if path not in _RULES and value <= 0:
+        raise ConfigError(f"{path}: must be > 0, got {value!r}")
+    if path.endswith("block_size") and value & (value - 1):
+        raise ConfigError(f"{path}: must be a power of two, got {value!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]!s}; valid keys here: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}{name}"
+        default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING \
+            else fields[name].default
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value if value is not None else {}, path + ".")
+            continue
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            _check_number(path, value, type(default))
+            value = float(value) if isinstance(default, float) else value
+        rule = _RULES.get(path)
+        if rule is not None and not rule[0](value):
+            raise ConfigError(f"{path}: must be {rule[1]}, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read and validate a cluster config (defaults when ``path`` is None).
+
+    Raises:
+        ConfigError: unreadable file, unknown key or bad value (the message names it).
+    """
+    import yaml
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path} is not valid YAML: {e}") from e
+    for key, value in (overrides or {}).items():
+        node = data
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    cfg = _build(ClusterConfig, data, "")
+    if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":
+        raise ConfigError("kv_transfer.transport: inproc works only with mode: colocated")
+    return cfg

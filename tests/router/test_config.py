@@ -1,0 +1,54 @@
+"""deploy/local.yaml loads; every bad key or value is refused with a message naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.config import ClusterConfig, ConfigError, load_config
+
+LOCAL = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
+
+
+def test_local_yaml_documents_every_key_with_its_default():
+    cfg = load_config(LOCAL)
+    assert cfg == ClusterConfig()  # the file lists exactly the defaults
+    text = LOCAL.read_text()
+    for section in ("prefill", "decode", "kv_transfer", "router"):
+        for key in getattr(cfg, section).__dataclass_fields__:
+            assert f"  {key}:" in text, f"{section}.{key} is not documented in local.yaml"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"decode.replicaz": 2}, "unknown key decode.replicaz"),
+    ({"mdoe": "colocated"}, "unknown key mdoe"),
+    ({"decode.replicas": 0}, "decode.replicas: must be > 0"),
+    ({"prefill.threads": "two"}, "prefill.threads: expected an integer"),
+    ({"decode.block_size": 12}, "decode.block_size: must be a power of two"),
+    ({"mode": "mixed"}, "mode: must be disaggregated or colocated"),
+    ({"kv_transfer.transport": "rdma"}, "kv_transfer.transport: must be ucx, zmq or inproc"),
+    ({"router.port": 70000}, "router.port: must be a port number"),
+    ({"decode.reserve_fraction": 1.5}, "decode.reserve_fraction: must be in (0, 1]"),
+    ({"kv_transfer.transport": "inproc"}, "inproc works only with mode: colocated"),
+    ({"decode": 3}, "decode: expected a mapping"),
+])
+def test_bad_keys_and_values_are_named(override, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(LOCAL, override)
+    assert needle in str(e.value)
+
+
+def test_overrides_and_numbers_coerce():
+    cfg = load_config(LOCAL, {"decode.kv_cache_gb": 2, "mode": "colocated", "kv_transfer.transport": "inproc"})
+    assert cfg.decode.kv_cache_gb == 2.0 and isinstance(cfg.decode.kv_cache_gb, float)
+    assert cfg.mode == "colocated"
+
+
+def test_unreadable_and_invalid_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
