@@ -72,9 +72,14 @@ class FrameTransport(ABC):
     Every endpoint can ``bind`` (to be reachable at an address) and ``connect`` to others'
     addresses. Messages are delivered whole and in order per peer. ``recv`` returns the next
     message from any peer with that peer's id, so a receiver can reply (ack) to the sender.
+
+    ``device_frames`` says whether ``send`` also takes GPU buffers (``__cuda_array_interface__``
+    objects) and ``recv`` may return frames as CUDA tensors; only then do senders keep KV on
+    the GPU (``encode_frames(keep_on_device=True)``).
     """
 
     name = "base"
+    device_frames: bool = False
 
     @abstractmethod
     def bind(self) -> str:

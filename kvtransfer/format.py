@@ -10,7 +10,8 @@ blocks into contiguous tensors (:func:`gather_layer`), the receiver scatters the
 blocks (:func:`scatter_layer`), converting dtype and selecting heads as needed.
 
 Decoding never trusts the header: every field is type- and range-checked, sizes are compared
-with the received buffers before anything is allocated, and the payload checksum is verified.
+with the received buffers before anything is allocated, and the payload checksum is verified
+(except for payloads in GPU memory marked "not checksummed", checksum 0: see FORMAT.md).
 Anything wrong raises :class:`FrameError`; what happens to the transfer then (it is marked
 FAILED) is the lifecycle's job, not this module's.
 """
@@ -58,7 +59,8 @@ class FrameHeader:
         num_kv_heads: KV heads of the whole model.
         head_start, head_end: the heads [start, end) carried by this frame.
         head_dim: elements per head.
-        checksum: ``xxhash.xxh3_64`` over the K bytes then the V bytes (uint64).
+        checksum: ``xxhash.xxh3_64`` over the K bytes then the V bytes (uint64); 0 for
+            payloads sent from GPU memory: "not checksummed" (accepted only for device payloads).
     """
 
     version: int
@@ -180,16 +182,35 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _checksum(k: memoryview, v: memoryview) -> int:
+def _checksum(k: memoryview | torch.Tensor, v: memoryview | torch.Tensor) -> int:
     h = xxhash.xxh3_64()
-    h.update(k)
-    h.update(v)
+    for b in (k, v):
+        h.update(_tensor_bytes(b.cpu()) if isinstance(b, torch.Tensor) else b)  # device: host copy
     return h.intdigest()
+
+
+def _is_device_frame(buf: object) -> bool:
+    return isinstance(buf, torch.Tensor) and buf.device.type != "cpu"
+
+
+def _device_bytes(t: object, what: str) -> torch.Tensor:
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise FrameError(f"{what} device frame must be a contiguous 1-D uint8 tensor, "
+                         f"got {t.dtype} of shape {tuple(t.shape)}")
+    return t
+
+
+def _device_view(t: torch.Tensor, header: FrameHeader) -> torch.Tensor:
+    dtype = DTYPES[header.dtype]
+    if t.storage_offset() % dtype.itemsize:
+        t = t.clone()  # misaligned: reinterpreting would fail
+    return t.view(dtype).view(header.shape)
 
 
 def encode_frames(transfer_id: str, fingerprint: str, layer: int, token_start: int,
                   k: torch.Tensor, v: torch.Tensor, num_kv_heads: int,
-                  head_start: int = 0) -> list[bytes | memoryview]:
+                  head_start: int = 0,
+                  keep_on_device: bool = False) -> list[bytes | memoryview | torch.Tensor]:
     """Build the message ``[header, K bytes, V bytes]`` for one layer's token range.
 
     Args:
@@ -202,8 +223,13 @@ def encode_frames(transfer_id: str, fingerprint: str, layer: int, token_start: i
             the transport has sent them; others are copied first.
         num_kv_heads: KV heads of the whole model.
         head_start: model head index of ``k[:, 0]``.
+        keep_on_device: for K/V on a GPU, send them from there (a transport with
+            ``device_frames``): the payload frames are contiguous uint8 CUDA tensors (no host
+            copy) and the checksum is 0, "not checksummed". Otherwise (default) everything is
+            on the host and checksummed, as before.
     Returns:
-        Three buffers: header bytes, then memoryviews of K's and V's bytes.
+        Three buffers: header bytes, then K's and V's bytes as memoryviews (host) or flat
+        uint8 tensors (device).
     Raises:
         FrameError: shapes, dtypes or ranges that make no valid frame.
     """
@@ -212,12 +238,17 @@ def encode_frames(transfer_id: str, fingerprint: str, layer: int, token_start: i
                          f"got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
     if k.dtype not in _DTYPE_NAMES:
         raise FrameError(f"unsupported KV dtype {k.dtype}; valid: {', '.join(DTYPES)}")
-    k, v = (t.detach().cpu().contiguous() for t in (k, v))
-    kb, vb = _tensor_bytes(k), _tensor_bytes(v)
+    on_device = keep_on_device and k.device.type != "cpu"
+    if on_device:  # hashing device memory would need the host copy we avoid: checksum 0
+        k, v = k.detach().contiguous(), v.detach().to(k.device).contiguous()
+        kb, vb = k.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
+    else:
+        k, v = (t.detach().cpu().contiguous() for t in (k, v))
+        kb, vb = _tensor_bytes(k), _tensor_bytes(v)
     t, h, d = k.shape
     header = FrameHeader(FORMAT_VERSION, transfer_id, fingerprint, layer, token_start,
                          token_start + t, _DTYPE_NAMES[k.dtype], num_kv_heads, head_start,
-                         head_start + h, d, _checksum(kb, vb))
+                         head_start + h, d, 0 if on_device else _checksum(kb, vb))
     return [header.encode(), kb, vb]
 
 
@@ -236,14 +267,17 @@ def decode_frames(frames: Sequence[bytes | memoryview],
     """Validate one received message and view its K and V as tensors.
 
     Args:
-        frames: the message: exactly ``[header, K bytes, V bytes]``.
+        frames: the message: exactly ``[header, K bytes, V bytes]``; K and V may be host
+            buffers or flat uint8 GPU tensors (e.g. from a UCX device receive).
         fingerprint: this side's model fingerprint; the header must match it when given.
     Returns:
         (header, K, V) with K, V ``[T, H, D]`` of ``header.dtype``: zero-copy views of the
-        received buffers where possible (treat them as read-only).
+        received buffers where possible, on the device the payload is on (treat them as
+        read-only).
     Raises:
         FrameError: wrong frame count, bad header, fingerprint mismatch, payload length
-            mismatch, or checksum mismatch.
+            mismatch, or checksum mismatch (checksum 0 is accepted unchecked only when both
+            K and V are in GPU memory).
     """
     if isinstance(frames, (bytes, bytearray, memoryview, str)) or not isinstance(frames, Sequence):
         raise FrameError(f"a KV message is a list of 3 frames, got {type(frames).__name__}")
@@ -253,17 +287,24 @@ def decode_frames(frames: Sequence[bytes | memoryview],
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise FrameError(f"model fingerprint mismatch: frame {header.fingerprint!r}, "
                          f"this side {fingerprint!r} (different model or architecture)")
-    kb, vb = _as_bytes_view(frames[1], "K"), _as_bytes_view(frames[2], "V")
+    kb, vb = (_device_bytes(f, name) if _is_device_frame(f) else _as_bytes_view(f, name)
+              for f, name in ((frames[1], "K"), (frames[2], "V")))
     want = header.payload_nbytes
-    for name, mv in (("K", kb), ("V", vb)):
-        if mv.nbytes != want:
-            raise FrameError(f"{name} payload has {mv.nbytes} bytes, header says "
+    for name, b in (("K", kb), ("V", vb)):
+        n = b.numel() if isinstance(b, torch.Tensor) else b.nbytes
+        if n != want:
+            raise FrameError(f"{name} payload has {n} bytes, header says "
                              f"{header.shape} {header.dtype} = {want}")
-    got = _checksum(kb, vb)
-    if got != header.checksum:
-        raise FrameError(f"payload checksum mismatch (got {got:#018x}, header {header.checksum:#018x}): "
-                         f"corrupt KV frame for layer {header.layer}")
-    return header, _frombuffer(kb, header), _frombuffer(vb, header)
+    on_device = isinstance(kb, torch.Tensor) and isinstance(vb, torch.Tensor)
+    if not (on_device and header.checksum == 0):  # 0 on device: "not checksummed" (FORMAT.md)
+        got = _checksum(kb, vb)
+        if got != header.checksum:
+            why = (" (0 means 'not checksummed', allowed only for payloads in GPU memory)"
+                   if header.checksum == 0 else "")
+            raise FrameError(f"payload checksum mismatch (got {got:#018x}, header {header.checksum:#018x})"
+                             f"{why}: corrupt KV frame for layer {header.layer}")
+    return header, *(_device_view(b, header) if isinstance(b, torch.Tensor) else _frombuffer(b, header)
+                     for b in (kb, vb))
 
 
 def _slots(block_ids: Sequence[int], block_size: int, token_start: int, token_end: int,
@@ -320,7 +361,8 @@ def scatter_layer(kv: tuple[torch.Tensor, torch.Tensor], block_ids: Sequence[int
     model heads [local_head_start, local_head_start + H_local); the frame's heads
     [head_start, head_end) are written where the two ranges overlap. So a receiver with all
     heads assembles shards from several senders, and a receiver holding a shard takes its part
-    of a wider frame. Dtype is converted to the cache's.
+    of a wider frame. Dtype and device are converted to the cache's (no copy through the host
+    when the frame and the cache are on the same GPU).
 
     Args:
         kv: the layer's (K, V), each ``[num_blocks * block_size, H_local, D]``.

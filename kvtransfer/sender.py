@@ -10,7 +10,7 @@ Prefill frees its own blocks when ``pop_finished`` reports the transfer, DONE or
 means the receiver holds all KV; FAILED means it never will (the receiver's lease, started at
 its ``expect`` before our ``begin``, has surely passed by our deadline, so it writes no more).
 Frames are copied out of the cache by ``gather_layer`` before ``send_layer``, so freeing never
-races an in-flight send.
+races an in-flight send (on a GPU transport the gathered copy itself is sent, from the GPU).
 
 Tables (exactly these): ``_peers`` (receiver address → its peer id and layout, set by the
 ``connect`` handshake), ``_transfers`` (id → live transfer, or final but not yet popped),
@@ -174,8 +174,10 @@ class KVSender:
         lo, hi = t.heads
         if (lo, hi) != (h0, h1):
             k, v = k[:, lo - h0:hi - h0], v[:, lo - h0:hi - h0]
+        # GPU KV goes from device memory when the transport can (UCX with CUDA), else via host.
         frames = encode_frames(transfer_id, self.layout.fingerprint, layer, start, k, v,
-                               self.layout.num_kv_heads, head_start=lo)
+                               self.layout.num_kv_heads, head_start=lo,
+                               keep_on_device=getattr(self.transport, "device_frames", False))
         self.transport.send(t.peer, frames)
         t.state = TransferState.TRANSFERRING
         return True

@@ -24,16 +24,29 @@ a 2 ms timeout, so an idle transport costs almost nothing.
 Wire protocol. Every worker picks a random 32-bit ``uid``. A 64-bit UCX tag is
 ``kind (2 bits) | sender uid (32) | seq (30)``; a message to one peer is a header
 (kind 1) and then each non-empty frame (kind 2, same seq), in order. The header is msgpack
-``[1, seq, [frame lengths], sender address bytes | None]``; the sender's address is in the
-first message to each peer, so the receiver can make the endpoint its replies use. The
-receiver probes for kind-1 tags from any sender, so the peer id it reports is the sender's
-uid -- the same id the sender got from ``connect``. Lengths are checked against
+``[1, seq, [frame lengths], sender address bytes | None]``, plus a fifth element, a str of
+one ``"h"`` (host) or ``"d"`` (device) per frame, only when some frame is in GPU memory: four
+elements (an older peer's header, or any host-only message) mean all host, so host traffic
+is unchanged on the wire. The sender's address is in the first message to each peer, so the
+receiver can make the endpoint its replies use. The receiver probes for kind-1 tags from any
+sender, so the peer id it reports is the sender's uid -- the same id the sender got from
+``connect``. Lengths are checked against
 ``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
 peer that announces more is logged and ignored from then on.
 
 Buffers. Sends are zero-copy from the caller's buffers: keep them unchanged until delivered.
-Received frames are writable memoryviews (format "B") owned by the caller; their memory comes
-from a pool reused once the caller drops every view (fresh pages would halve the bandwidth).
+Received host frames are writable memoryviews (format "B") owned by the caller; their memory
+comes from a pool reused once the caller drops every view (fresh pages would halve the
+bandwidth).
+
+GPU buffers (when this process has CUDA and the UCX transports include cuda). ``send`` also
+takes ``__cuda_array_interface__`` objects, e.g. contiguous CUDA tensors: UCX reads them in
+place (``cuda_ipc``/NVLink on one node, ``cuda_copy`` + RDMA/TCP across nodes); the message is
+posted once the caller's current stream has produced them (an event, polled). A ``"d"`` frame
+is received into a fresh uint8 CUDA tensor on this transport's ``device`` and ``recv``
+returns that tensor itself, not a memoryview. A side without CUDA drops messages with device
+frames before allocating anything, logs an error and counts them in ``refused_device``; the
+sender's sends of them stay in flight until its ``close``. Stream details: ``ucx_device.py``.
 
 Failures. Endpoint error handling is off (it would disable shared memory), so UCX reports no
 dead peer: a peer unreachable at endpoint creation has its messages dropped and counted in
@@ -44,11 +57,6 @@ receiver that stops calling ``recv`` accumulates messages.
 Environment. ``UCX_TLS`` and other ``UCX_*`` variables pass through unchanged unless the
 ``tls`` argument is given. ``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` here (ucxx sets
 ``UCX_MEMTYPE_CACHE``, which otherwise triggers a warning).
-
-GPU follow-up (not done): ucxx's ``Array`` accepts ``__cuda_array_interface__`` objects, so
-CUDA tensors could be sent directly (CUDA IPC / NVLink via ``cuda_ipc``/``cuda_copy``); the
-receiver would then allocate device buffers for the announced lengths (a per-frame device
-flag in the header). Only host buffers are handled now; anything else is refused.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ import numpy as np  # noqa: E402
 import ucxx._lib.libucxx as ucx_api  # noqa: E402  (ImportError here: "ucx" stays unregistered)
 from ucxx._lib.arr import Array  # noqa: E402
 
+from kvtransfer import ucx_device  # noqa: E402
 from kvtransfer.base import Buffer, FrameTransport, register_transport  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -132,7 +141,7 @@ class _Incoming:
     header_req: object
     header_buf: np.ndarray
     frame_reqs: list = field(default_factory=list)
-    frames: list[memoryview] | None = None  # set once the header is parsed
+    frames: list | None = None  # memoryviews / CUDA tensors; set once the header is parsed
     dropped: bool = False  # bad header or failed receive: never delivered
 
     def done(self) -> bool:
@@ -147,11 +156,26 @@ class UcxTransport(FrameTransport):
             environment's choice (UCX's default: shared memory on one node).
         linger_s: how long ``close`` waits for queued sends to finish before cancelling them.
         pool_bytes: receive buffers kept for reuse, in all (0: a fresh buffer per frame).
+        device: CUDA device that device frames are received into; default ``cuda:<current>``
+            when CUDA is available and the UCX transports include cuda, else None (no device
+            frames either way).
+    Raises:
+        ValueError: ``device`` given but not a CUDA device, CUDA missing, or excluded by ``tls``.
     """
 
     name = "ucx"
 
-    def __init__(self, tls: str | None = None, linger_s: float = 1.0, pool_bytes: int = 512 << 20) -> None:
+    def __init__(self, tls: str | None = None, linger_s: float = 1.0, pool_bytes: int = 512 << 20,
+                 device: str | None = None) -> None:
+        cuda_tls = ucx_device.tls_allows_cuda(tls or os.environ.get("UCX_TLS", "all"))
+        if device is not None:
+            device = ucx_device.check_device(device)
+            if not cuda_tls:
+                raise ValueError(f"ucx device {device!r} requested but UCX transports {tls!r} exclude cuda")
+        elif cuda_tls:
+            device = ucx_device.default_device()
+        self.device = device
+        self.device_frames = device is not None  # FrameTransport capability: send/recv GPU memory
         config = {"TLS": tls} if tls else None
         self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
@@ -162,7 +186,7 @@ class UcxTransport(FrameTransport):
         self.linger_s = linger_s
         self._addrs: dict[int, bytes] = {}  # uid -> worker address (connect or hello)
         self._seq: dict[int, int] = {}  # uid -> next seq to it; absent: send our address
-        self._outbox: deque[tuple[int, list[memoryview]]] = deque()
+        self._outbox: deque[tuple] = deque()  # (uid, buffers, lengths, kinds, CUDA events)
         self._inbox: deque[tuple[str, list[Buffer]]] = deque()
         # Owned by the progress thread only:
         self._eps: dict[int, object] = {}
@@ -171,6 +195,8 @@ class UcxTransport(FrameTransport):
         self._banned: set[int] = set()  # peers that sent a bad header: ignored
         self._unreachable: set[int] = set()  # endpoint creation failed: messages dropped
         self.unroutable = 0  # messages dropped because their peer was unreachable
+        self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
+        self._refused_from: set[int] = set()  # peers already logged for that
         self._pool = _BufferPool(pool_bytes)
         self._error: BaseException | None = None
         self._closed = False
@@ -206,9 +232,14 @@ class UcxTransport(FrameTransport):
         """Queue one message for ``peer``; the progress thread posts it. Zero-copy: keep
         ``frames`` unchanged until the peer has them.
 
+        Args:
+            peer: from ``connect`` or ``recv``.
+            frames: host buffers, and (with ``device_frames``) contiguous CUDA tensors or other
+                ``__cuda_array_interface__`` objects, sent from GPU memory once the current
+                stream has produced them.
         Raises:
-            ValueError: unknown peer, or a frame that is not a contiguous host buffer or is
-                larger than ``MAX_FRAME_BYTES``.
+            ValueError: unknown peer, or a frame that is not contiguous, not a buffer this
+                side can send, or larger than ``MAX_FRAME_BYTES``.
         """
         self._check_open()
         try:
@@ -220,13 +251,28 @@ class UcxTransport(FrameTransport):
                              "or reply to an id from recv()")
         if len(frames) > MAX_FRAMES:
             raise ValueError(f"{len(frames)} frames in one message; at most {MAX_FRAMES}")
-        views = [_byte_view(f) for f in frames]
-        self._outbox.append((uid, views))
+        views, lengths, kinds, events = [], [], "", []
+        for f in frames:
+            if ucx_device.is_device(f):
+                if not self.device_frames:
+                    raise ValueError("ucx device frame given but this transport has no CUDA "
+                                     "(or its UCX transports exclude cuda)")
+                view, n, event = ucx_device.device_frame(f, MAX_FRAME_BYTES)
+                events.append(event)
+                kinds += "d"
+            else:
+                view = _byte_view(f)
+                n = view.nbytes
+                kinds += "h"
+            views.append(view)
+            lengths.append(n)
+        self._outbox.append((uid, views, lengths, kinds, events))
         self._wake()
 
     def recv(self) -> tuple[str, list[Buffer]] | None:
         """Returns:
-            The next complete message as (sender uid, frames as memoryviews), or None.
+            The next complete message as (sender uid, frames), or None. Host frames are
+            memoryviews; device frames are uint8 CUDA tensors on ``device``.
         Raises:
             RuntimeError: the progress thread died (its error is chained).
         """
@@ -267,6 +313,8 @@ class UcxTransport(FrameTransport):
     # ---- progress thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.device is not None:
+                ucx_device.bind_thread(self.device)
             last_completion = time.monotonic()
             while not self._stop.is_set():
                 completed, in_flight = self._pump()
@@ -295,10 +343,12 @@ class UcxTransport(FrameTransport):
         """
         w = self._worker
         w.progress()
-        completed = bool(self._outbox)
-        while self._outbox:
-            uid, views = self._outbox.popleft()
-            self._post_send(uid, views)
+        completed = False
+        # In order; a message waits for the kernels producing its device frames.
+        while self._outbox and all(e.query() for e in self._outbox[0][4]):
+            uid, views, lengths, kinds, _ = self._outbox.popleft()
+            self._post_send(uid, views, lengths, kinds)
+            completed = True
         while True:
             probe = w.tag_probe(ucx_api.UCXXTag(_HEADER << _KIND_SHIFT),
                                 ucx_api.UCXXTagMask(3 << _KIND_SHIFT), remove=True)
@@ -324,7 +374,7 @@ class UcxTransport(FrameTransport):
                     _check(req, "send")
             completed = completed or len(still) < len(self._sending)
             self._sending = still
-        in_flight = bool(self._sending)
+        in_flight = bool(self._sending) or bool(self._outbox)
         for uid, queue in self._receiving.items():
             for msg in queue:
                 if msg.frames is None and msg.header_req.completed:
@@ -339,7 +389,7 @@ class UcxTransport(FrameTransport):
             in_flight = in_flight or bool(queue)
         return completed, in_flight
 
-    def _post_send(self, uid: int, views: list[memoryview]) -> None:
+    def _post_send(self, uid: int, views: list, lengths: list[int], kinds: str) -> None:
         ep = self._eps.get(uid)
         if ep is None:
             if uid in self._unreachable:
@@ -358,12 +408,12 @@ class UcxTransport(FrameTransport):
         hello = self._addr_bytes if seq is None else None
         seq = seq or 0
         self._seq[uid] = seq + 1
-        header = msgpack.packb([_WIRE_VERSION, seq, [v.nbytes for v in views], hello])
+        header = _pack_header(seq, lengths, kinds, hello)
         head_tag = ucx_api.UCXXTag(_tag(_HEADER, self.uid, seq))
         self._sending.append((ep.tag_send(Array(header), head_tag), header))
         data_tag = ucx_api.UCXXTag(_tag(_DATA, self.uid, seq))
-        for v in views:
-            if v.nbytes:
+        for v, n in zip(views, lengths):
+            if n:
                 self._sending.append((ep.tag_send(Array(v), data_tag), v))
 
     def _on_header(self, uid: int, msg: _Incoming) -> None:
@@ -373,12 +423,15 @@ class UcxTransport(FrameTransport):
             msg.dropped = True
             return
         try:
-            version, seq, lengths, hello = msgpack.unpackb(msg.header_buf, use_list=True)
+            version, seq, lengths, hello, *rest = msgpack.unpackb(msg.header_buf, use_list=True)
+            kinds = rest[0] if len(rest) == 1 else "h" * len(lengths) if not rest else None
             if (version != _WIRE_VERSION or not isinstance(seq, int) or not isinstance(lengths, list)
                     or len(lengths) > MAX_FRAMES
                     or not all(isinstance(n, int) and 0 <= n <= MAX_FRAME_BYTES for n in lengths)
-                    or not (hello is None or isinstance(hello, bytes))):
-                raise ValueError(f"bad header fields {version!r}, {seq!r}, {str(lengths)[:80]}")
+                    or not (hello is None or isinstance(hello, bytes))
+                    or not isinstance(kinds, str) or len(kinds) != len(lengths) or kinds.strip("hd")):
+                raise ValueError(f"bad header fields {version!r}, {seq!r}, {str(lengths)[:80]}, "
+                                 f"{str(rest)[:40]}")
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             logger.error("ucx peer %s sent a bad header (%s); ignoring it from now on", _peer_id(uid), e)
             self._banned.add(uid)
@@ -386,12 +439,28 @@ class UcxTransport(FrameTransport):
             return
         if hello is not None:
             self._addrs.setdefault(uid, hello)
+        bufs: list | None = [None] * len(lengths)  # None: a host frame, from the pool
+        if "d" in kinds:
+            bufs = None if self.device is None else ucx_device.alloc_frames(lengths, kinds, self.device)
+            if bufs is None:
+                self._refuse_device(uid, msg)
+                return
         tag = ucx_api.UCXXTag(_tag(_DATA, uid, seq))
-        for n in lengths:
-            view = self._pool.take(n)
+        for n, buf in zip(lengths, bufs):
+            view = self._pool.take(n) if buf is None else buf
             if n:
                 msg.frame_reqs.append(self._worker.tag_recv(Array(view), tag))
             msg.frames.append(view)
+
+    def _refuse_device(self, uid: int, msg: _Incoming) -> None:
+        """Drop a message with device frames (no CUDA here, or out of GPU memory); its frames
+        are never received."""
+        msg.dropped = True
+        self.refused_device += 1
+        if uid not in self._refused_from and self.device is None:
+            self._refused_from.add(uid)
+            logger.error("ucx peer %s sends GPU frames but this side has no CUDA (or its UCX "
+                         "transports exclude cuda); dropping them (counted in refused_device)", _peer_id(uid))
 
     def _idle_wait(self) -> None:
         if self._worker.arm():  # False: events are pending, progress again at once
@@ -428,6 +497,12 @@ def _check(req, what: str) -> bool:
     except Exception as e:  # the lifecycle's lease fails the transfer; just report here
         logger.warning("ucx %s failed: %s", what, e)
         return False
+
+
+def _pack_header(seq: int, lengths: list[int], kinds: str, hello: bytes | None) -> bytes:
+    """The wire header; the memory-type string only when some frame is on a device."""
+    fields = [_WIRE_VERSION, seq, lengths, hello]
+    return msgpack.packb(fields + [kinds] if "d" in kinds else fields)
 
 
 def _byte_view(buf: object) -> memoryview:
