@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,53 @@ class KVLayout:
     @property
     def heads(self) -> tuple[int, int]:
         return self.head_start, (self.num_kv_heads if self.head_end < 0 else self.head_end)
+
+
+MAX_ENDED = 4096  # popped transfer ids remembered to recognise late messages
+
+
+class TransferTable:
+    """The bookkeeping sender and receiver share: live transfers, newly final ones, and a
+    bounded memory of popped ones (so a late message is told from an unknown id).
+
+    Subclasses call :meth:`_init_table` and keep objects with ``.state`` and ``.error`` in
+    ``_transfers``; they append an id to ``_finished`` when its transfer turns final.
+    """
+
+    def _init_table(self) -> None:
+        self._transfers: dict = {}
+        self._finished: list[str] = []
+        self._ended: OrderedDict[str, tuple[TransferState, str | None]] = OrderedDict()
+
+    def poll(self, transfer_id: str) -> TransferState:
+        """State of a transfer (no I/O: call ``progress`` to advance it).
+
+        Raises:
+            KeyError: never started here, or popped so long ago it is forgotten.
+        """
+        if transfer_id in self._transfers:
+            return self._transfers[transfer_id].state
+        if transfer_id in self._ended:
+            return self._ended[transfer_id][0]
+        raise KeyError(f"unknown transfer {transfer_id!r}")
+
+    def error(self, transfer_id: str) -> str | None:
+        """Why a transfer FAILED (None unless it did)."""
+        t = self._transfers.get(transfer_id)
+        return t.error if t is not None else self._ended.get(transfer_id, (None, None))[1]
+
+    def pop_finished(self) -> list[tuple[str, TransferState]]:
+        """Transfers that became DONE or FAILED since the last call, in order; they leave the
+        live table. The caller frees or admits their blocks now."""
+        out = []
+        for tid in self._finished:
+            t = self._transfers.pop(tid)
+            out.append((tid, t.state))
+            self._ended[tid] = (t.state, t.error)
+        self._finished.clear()
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
+        return out
 
 
 class FrameTransport(ABC):

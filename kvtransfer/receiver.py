@@ -33,16 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import msgpack
 import torch
 
-from kvtransfer.base import Buffer, FrameTransport, KVLayout, TransferState
+from kvtransfer.base import Buffer, FrameTransport, KVLayout, TransferState, TransferTable
 from kvtransfer.format import FrameError, FrameHeader, decode_frames, scatter_layer
 
-MAX_ENDED = 4096  # popped transfer ids remembered to recognise late messages
 MAX_CONTROL_BYTES = 1 << 16  # a control message is ~200 bytes; refuse to unpack more
 
 
@@ -116,7 +114,7 @@ class _Incoming:
         return self.spans.get((layer, h)) == [(self.token_start, self.token_end)]
 
 
-class KVReceiver:
+class KVReceiver(TransferTable):
     """Receives KV transfers into reserved paged-cache blocks; never blocks (see module doc).
 
     Args:
@@ -140,9 +138,7 @@ class KVReceiver:
         self.transport, self.layout, self.kv_caches = transport, layout, kv_caches
         self.lease_s, self._clock = lease_s, clock
         self.address = transport.bind()
-        self._transfers: dict[str, _Incoming] = {}
-        self._finished: list[str] = []
-        self._ended: OrderedDict[str, tuple[TransferState, str | None]] = OrderedDict()
+        self._init_table()  # _transfers: id -> _Incoming
         self.dropped_frames = 0  # data messages not written: unknown/ended transfer, duplicate, garbage
         self.bad_messages = 0  # control messages that made no sense
 
@@ -172,23 +168,6 @@ class KVReceiver:
             list(block_ids), token_start, token_end, self._clock() + self.lease_s,
             missing=self.layout.num_layers * (h1 - h0))
 
-    def poll(self, transfer_id: str) -> TransferState:
-        """State of a transfer (no I/O: call :meth:`progress` to advance it).
-
-        Raises:
-            KeyError: never expected, or popped so long ago it is forgotten.
-        """
-        if transfer_id in self._transfers:
-            return self._transfers[transfer_id].state
-        if transfer_id in self._ended:
-            return self._ended[transfer_id][0]
-        raise KeyError(f"unknown transfer {transfer_id!r}")
-
-    def error(self, transfer_id: str) -> str | None:
-        """Why a transfer FAILED (None unless it did)."""
-        t = self._transfers.get(transfer_id)
-        return t.error if t is not None else self._ended.get(transfer_id, (None, None))[1]
-
     def abort(self, transfer_id: str) -> None:
         """FAIL a live transfer and tell its senders; no-op for one already final."""
         t = self._transfers.get(transfer_id)
@@ -196,19 +175,6 @@ class KVReceiver:
             raise KeyError(f"unknown transfer {transfer_id!r}")
         if t is not None and not t.state.is_final:
             self._fail(transfer_id, t, "aborted by the receiver")
-
-    def pop_finished(self) -> list[tuple[str, TransferState]]:
-        """Transfers that became DONE (admit the request) or FAILED (free its blocks) since
-        the last call, in order; they leave the live table."""
-        out = []
-        for tid in self._finished:
-            t = self._transfers.pop(tid)
-            out.append((tid, t.state))
-            self._ended[tid] = (t.state, t.error)
-        self._finished.clear()
-        while len(self._ended) > MAX_ENDED:
-            self._ended.popitem(last=False)
-        return out
 
     def close(self) -> None:
         """Close the transport. Safe to call twice."""

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
-from kvtransfer.base import FrameTransport, KVLayout, TransferState
+from kvtransfer.base import FrameTransport, KVLayout, TransferState, TransferTable
 from kvtransfer.format import encode_frames
-from kvtransfer.receiver import MAX_ENDED, decode_control, encode_control, layout_from_wire, layout_to_wire
+from kvtransfer.receiver import decode_control, encode_control, layout_from_wire, layout_to_wire
 
 
 class LayoutMismatch(ValueError):
@@ -50,7 +49,7 @@ class _Outgoing:
     error: str | None = None
 
 
-class KVSender:
+class KVSender(TransferTable):
     """Pushes KV transfers to receivers; never blocks except in the one-time :meth:`connect`.
 
     Args:
@@ -68,9 +67,7 @@ class KVSender:
         self.margin_s = max(0.5, lease_s / 10) if margin_s is None else margin_s
         self._peers: dict[str, tuple[str, KVLayout]] = {}
         self._hello: dict[str, KVLayout] = {}  # peer id -> layout from its hello_ok
-        self._transfers: dict[str, _Outgoing] = {}
-        self._finished: list[str] = []
-        self._ended: OrderedDict[str, tuple[TransferState, str | None]] = OrderedDict()
+        self._init_table()  # _transfers: id -> _Outgoing
         self.dropped_messages = 0  # late acks/fails for ended transfers, and garbage
 
     # ---- handshake ---------------------------------------------------------------------
@@ -182,23 +179,6 @@ class KVSender:
         t.state = TransferState.TRANSFERRING
         return True
 
-    def poll(self, transfer_id: str) -> TransferState:
-        """State of a transfer (no I/O: call :meth:`progress` to advance it).
-
-        Raises:
-            KeyError: never begun, or popped so long ago it is forgotten.
-        """
-        if transfer_id in self._transfers:
-            return self._transfers[transfer_id].state
-        if transfer_id in self._ended:
-            return self._ended[transfer_id][0]
-        raise KeyError(f"unknown transfer {transfer_id!r}")
-
-    def error(self, transfer_id: str) -> str | None:
-        """Why a transfer FAILED (None unless it did)."""
-        t = self._transfers.get(transfer_id)
-        return t.error if t is not None else self._ended.get(transfer_id, (None, None))[1]
-
     def abort(self, transfer_id: str) -> None:
         """FAIL a live transfer and tell the receiver; no-op for one already final."""
         t = self._transfers.get(transfer_id)
@@ -206,19 +186,6 @@ class KVSender:
             raise KeyError(f"unknown transfer {transfer_id!r}")
         if t is not None and not t.state.is_final:
             self._end(transfer_id, t, TransferState.FAILED, "aborted by the sender", notify=True)
-
-    def pop_finished(self) -> list[tuple[str, TransferState]]:
-        """Transfers that became DONE or FAILED since the last call, in order: free their
-        blocks now. They leave the live table."""
-        out = []
-        for tid in self._finished:
-            t = self._transfers.pop(tid)
-            out.append((tid, t.state))
-            self._ended[tid] = (t.state, t.error)
-        self._finished.clear()
-        while len(self._ended) > MAX_ENDED:
-            self._ended.popitem(last=False)
-        return out
 
     def close(self) -> None:
         """Close the transport. Safe to call twice."""
