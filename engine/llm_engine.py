@@ -142,34 +142,50 @@ class LLMEngine:
         self._emitted[req.request_id] = 0
 
     # ---- disaggregation ---------------------------------------------------------------------
-    def add_remote(self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams | None = None,
-                   request_id: str | None = None) -> list[int] | None:
-        """Decode side: reserve blocks for a request a prefill worker computed.
+    def add_remote(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                   request_id: str | None = None, first_token: int | None = None) -> list[int] | None:
+        """Decode side: reserve blocks for a request whose prompt a prefill worker computes.
 
         Args:
             prompt_ids: the prompt's token ids (its KV will arrive into the returned blocks).
-            first_token: the token the prefill side sampled; decoding continues after it.
             params: the request's sampling parameters.
             request_id: unique id (the router's).
+            first_token: the token the prefill side sampled, if already known; otherwise give
+                it to :meth:`kv_arrived`.
         Returns:
             The reserved block ids (where the transfer must land), or None if not free now.
         Raises:
-            InvalidRequestError: like add_request.
+            InvalidRequestError: like add_request, or a first token outside the vocabulary.
         """
         req = self._new_request(list(prompt_ids), params, request_id)
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise InvalidRequestError(f"first token {first_token} is outside the vocabulary")
-        req.append_output_token(first_token)
+        if first_token is not None:
+            self._check_token(first_token)
+            req.append_output_token(first_token)
         if not self.scheduler.add_remote(req):
             return None
         self._track(req)
-        self._detok[req.request_id].step(req.output_token_ids)
-        self._emitted[req.request_id] = len(self._detok[req.request_id].text)
         return list(req.block_ids)
 
-    def kv_arrived(self, request_id: str) -> None:
-        """Decode side: the KV transfer into the reserved blocks is complete; start decoding."""
+    def kv_arrived(self, request_id: str, first_token: int | None = None) -> None:
+        """Decode side: the KV transfer into the reserved blocks is complete; start decoding
+        after ``first_token`` (required here unless given to :meth:`add_remote`)."""
+        req = self.scheduler.receiving[request_id]
+        if first_token is not None:
+            self._check_token(first_token)
+            if req.output_token_ids:
+                raise InvalidRequestError(f"request {request_id!r} already has its first token")
+            req.append_output_token(first_token)
+        if not req.output_token_ids:
+            raise InvalidRequestError(f"request {request_id!r} needs the prefill's first token")
+        # The first token's text was streamed by whoever sampled it: start the deltas after it.
+        detok = self._detok[request_id]
+        detok.step(req.output_token_ids)
+        self._emitted[request_id] = len(detok.text)
         self.scheduler.kv_arrived(request_id)
+
+    def _check_token(self, token: int) -> None:
+        if not isinstance(token, int) or not 0 <= token < self.model_config.vocab_size:
+            raise InvalidRequestError(f"token {token!r} is outside the vocabulary")
 
     def release(self, request_id: str) -> bool:
         """Prefill side: the KV transfer ended (acked or failed); free the request's blocks."""

@@ -4,7 +4,10 @@ decode engine reserves blocks, receives the KV and continues. In-process, KV cop
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from engine.errors import InvalidRequestError
 
 from engine.request import SamplingParams
 
@@ -36,11 +39,11 @@ def test_prefill_then_remote_decode_matches_single_engine(make_engine):
     assert prefill.block_manager.num_used_blocks > 0  # held for the transfer
     for i, rid in enumerate(ids):
         req = prefill.scheduler.requests[rid]
-        blocks = decode.add_remote(req.prompt_token_ids, firsts[rid].token_ids[0], sp, request_id=rid)
+        blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid)
         assert blocks is not None
         _copy_kv(prefill, req.block_ids, decode, blocks, req.num_prompt_tokens)
         assert prefill.release(rid)
-        decode.kv_arrived(rid)
+        decode.kv_arrived(rid, first_token=firsts[rid].token_ids[0])
     assert prefill.block_manager.num_used_blocks == 0
     got = {}
     for o in decode.stream():
@@ -62,7 +65,7 @@ def test_abort_in_every_disaggregation_state_frees_blocks(make_engine):
     assert prefill.abort("p") and prefill.block_manager.num_used_blocks == 0
     assert not prefill.release("p")
 
-    assert decode.add_remote([1, 2, 3, 4, 5], 7, sp, request_id="d") is not None
+    assert decode.add_remote([1, 2, 3, 4, 5], sp, request_id="d", first_token=7) is not None
     assert decode.block_manager.num_used_blocks == 1
     assert not list(decode.stream())  # nothing to compute while the KV is in flight
     assert decode.abort("d") and decode.block_manager.num_used_blocks == 0
@@ -71,7 +74,11 @@ def test_abort_in_every_disaggregation_state_frees_blocks(make_engine):
 def test_add_remote_is_not_now_when_blocks_are_short(make_engine):
     decode = make_engine(num_blocks=4)
     sp = SamplingParams(max_tokens=4, temperature=0)
-    assert decode.add_remote(list(range(100, 150)), 5, sp, request_id="a") is not None  # 4 blocks
-    assert decode.add_remote([1, 2, 3], 5, sp, request_id="b") is None
+    assert decode.add_remote(list(range(100, 150)), sp, request_id="a") is not None  # 4 blocks
+    assert decode.add_remote([1, 2, 3], sp, request_id="b") is None
     assert "b" not in decode.scheduler.requests
+    with pytest.raises(InvalidRequestError, match="first token"):
+        decode.kv_arrived("a")  # the prefill's first token has not been given
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        decode.kv_arrived("a", first_token=10**9)
     decode.abort("a")

@@ -143,11 +143,11 @@ def test_disaggregated_greedy_matches_one_engine(engines, links, name):
     first = {o.request_id: o.token_ids[0] for o in p.stream() if o.finished}
     for rid in rids:
         req = p.scheduler.requests[rid]
-        blocks = d.add_remote(req.prompt_token_ids, first[rid], sp, request_id=rid)
+        blocks = d.add_remote(req.prompt_token_ids, sp, request_id=rid)
         rx.expect(rid, blocks, req.num_prompt_tokens)
         _send_all(tx, p, rid, rx.address, req.block_ids, req.num_prompt_tokens)
         _pump(tx, rx, rid)
         assert p.release(rid)
-        d.kv_arrived(rid)
+        d.kv_arrived(rid, first_token=first[rid])
     got = {o.request_id: o.token_ids for o in d.stream() if o.finished}
     assert got == want
