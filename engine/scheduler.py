@@ -123,7 +123,9 @@ class Scheduler:
         (changing nothing) when the blocks are not free now.
         """
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
-        if not self.bm.allocate(req.block_ids, req.num_prompt_tokens):
+        # One token more than the prompt: the first decode step writes the first token's KV,
+        # and that must never wait for memory that only other waiting requests hold.
+        if not self.bm.allocate(req.block_ids, req.num_prompt_tokens + 1):
             return False
         req.status = RequestStatus.WAITING_FOR_KV
         self.receiving[req.request_id] = req
@@ -177,7 +179,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not plan.preempted \
                 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.block_ids:  # its KV arrived from a prefill worker: resume where it is
+            resumed = bool(req.block_ids)
+            if resumed:  # its KV arrived from a prefill worker: resume where it is
                 hits, cached = [], req.num_computed_tokens
             else:
                 # Leave at least one token to compute: its logits pick the next token.
@@ -191,9 +194,18 @@ class Scheduler:
                     break
                 n = budget
             if not self.bm.allocate(req.block_ids, cached + n, hits):
-                break
+                # Waiting requests holding KV (arrived from prefill) may pin the memory the
+                # head needs; with nothing running, nothing else would ever free it: drop the
+                # newest holder's KV (it recomputes, like a preemption) and try again.
+                holder = next((r for r in reversed(self.waiting) if r.block_ids), None)
+                if self.running or holder is None:
+                    break
+                self.bm.free(holder.block_ids)
+                holder.num_computed_tokens = 0
+                holder.num_preemptions += 1
+                continue
             self.waiting.popleft()
-            if hits or not req.block_ids:
+            if not resumed:
                 req.num_cached_tokens = cached
             req.num_computed_tokens = cached
             req.status = RequestStatus.RUNNING

@@ -535,3 +535,47 @@ def test_random_workload_matches_running_alone(reqs: list[tuple], ops: list[tupl
             assert r.output_token_ids == ref[0][:r.num_output_tokens]  # cut short, never wrong
         else:
             assert (r.output_token_ids, r.finish_reason) == ref
+
+
+def _drain(s, bm, limit: int = 200) -> None:
+    """Step with a trivial runner until nothing is left; every step must make progress."""
+    for _ in range(limit):
+        if not s.has_work():
+            break
+        plan = s.schedule()
+        assert not plan.is_empty, "schedule() returned nothing while work remains"
+        s.update(plan, StepResult({x.request.request_id: [9] for x in plan.scheduled if x.samples}))
+    assert not s.has_unfinished() and bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_remote_kv_requests_never_deadlock_the_decode_side():
+    # Two remote prompts that exactly fill a block each: the +1 reservation keeps the second out.
+    bm = BlockManager(num_blocks=2, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, max_model_len=8)
+    a = Request("A", [1, 2, 3, 4], SamplingParams(max_tokens=3))
+    a.append_output_token(5)
+    assert s.add_remote(a)
+    b = Request("B", [1, 2, 3, 4], SamplingParams(max_tokens=3))
+    assert not s.add_remote(b) and "B" not in s.requests  # "not now", nothing changed
+    s.kv_arrived("A")
+    _drain(s, bm)
+
+    # A local request preempted behind remote requests that hold their KV while waiting.
+    bm = BlockManager(num_blocks=6, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, max_model_len=16)
+    local = Request("L", [1] * 7, SamplingParams(max_tokens=8, ignore_eos=True))
+    s.add(local)
+    s.update(s.schedule(), StepResult({"L": [9]}))
+    for rid in "AB":
+        r = Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=3))
+        r.append_output_token(5)
+        assert s.add_remote(r)
+    for _ in range(3):
+        plan = s.schedule()
+        s.update(plan, StepResult({x.request.request_id: [9] for x in plan.scheduled if x.samples}))
+    assert local.num_preemptions > 0  # it gave its blocks up while A and B hold theirs
+    for rid in "AB":
+        s.kv_arrived(rid)
+    _drain(s, bm)
+    assert local.num_output_tokens == 8
