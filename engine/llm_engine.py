@@ -166,10 +166,20 @@ class LLMEngine:
         self._track(req)
         return list(req.block_ids)
 
-    def kv_arrived(self, request_id: str, first_token: int | None = None) -> None:
+    def kv_arrived(self, request_id: str, first_token: int | None = None) -> RequestOutput | None:
         """Decode side: the KV transfer into the reserved blocks is complete; start decoding
-        after ``first_token`` (required here unless given to :meth:`add_remote`)."""
-        req = self.scheduler.receiving[request_id]
+        after ``first_token`` (required here unless given to :meth:`add_remote`).
+
+        Returns:
+            None when the request now decodes; its final output when the first token already
+            ends it (EOS, a stop token or string, max_tokens, the context limit): its blocks
+            are freed and nothing is queued.
+        Raises:
+            KeyError: not a request waiting for its KV here (e.g. already aborted).
+        """
+        req = self.scheduler.receiving.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not waiting for its KV here")
         if first_token is not None:
             self._check_token(first_token)
             if req.output_token_ids:
@@ -181,7 +191,14 @@ class LLMEngine:
         detok = self._detok[request_id]
         detok.step(req.output_token_ids)
         self._emitted[request_id] = len(detok.text)
+        status = self.scheduler.check_stop(req, req.output_token_ids[-1])
+        if status is None and any(s in detok.text for s in req.sampling_params.stop):
+            status = RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            self.scheduler.finish(req, status)
+            return self._output(req, 0, search_from=0)
         self.scheduler.kv_arrived(request_id)
+        return None
 
     def _check_token(self, token: int) -> None:
         if not isinstance(token, int) or not 0 <= token < self.model_config.vocab_size:
@@ -222,22 +239,26 @@ class LLMEngine:
             outputs.append(self._output(req, len(new or ())))
         return outputs
 
-    def _output(self, req: Request, num_new: int) -> RequestOutput:
+    def _output(self, req: Request, num_new: int, search_from: int | None = None) -> RequestOutput:
+        """Build the step's output: text delta, stop strings, finish. ``search_from``: where a
+        stop string may start (default: just before the text added by this step)."""
         detok = self._detok[req.request_id]
         start = len(detok.text)
-        detok.step(req.output_token_ids, final=req.is_finished)
+        done = req.is_finished and req.status != RequestStatus.PREFILLED  # decode goes on elsewhere
+        detok.step(req.output_token_ids, final=done)
         text = detok.text
         sp = req.sampling_params
         if sp.stop:
             # Only the tail can hold a new match: look back the longest stop string.
-            look = max(0, start - max(map(len, sp.stop)) + 1)
+            look = max(0, start - max(map(len, sp.stop)) + 1) if search_from is None else search_from
             hits = [i for i in (text.find(s, look) for s in sp.stop) if i >= 0]
             if hits:
                 text = text[:min(hits)]  # the stop string itself is not returned
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         # A stop string may straddle the previous delta's end: never return text we must take back.
-        hold = max(map(len, sp.stop)) - 1 if sp.stop and not req.is_finished else 0
+        done = req.is_finished and req.status != RequestStatus.PREFILLED
+        hold = max(map(len, sp.stop)) - 1 if sp.stop and not done else 0
         emit_to = len(text) - hold
         emitted = self._emitted[req.request_id]
         delta = text[emitted:emit_to] if emit_to > emitted else ""

@@ -36,10 +36,21 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def _generator(self, req) -> torch.Generator | None:
-        rid = req.request_id
-        if rid not in self._generators:
-            self._generators[rid] = make_generator(req.sampling_params.seed, self.device)
-        return self._generators[rid]
+        """The request's generator, re-seeded for the position of the token it draws next.
+
+        Seeding by (seed, output index) makes a seeded request's draws depend only on its own
+        progress: the same tokens whether it runs alone, batched, after a preemption, or on a
+        decode worker that continues after a prefill worker drew its first token.
+        """
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = self._generators[req.request_id] = make_generator(seed, self.device)
+        # splitmix-style mixing keeps neighbouring (seed, index) pairs far apart
+        gen.manual_seed((seed * 0x9E3779B97F4A7C15 + req.num_output_tokens * 0xBF58476D1CE4E5B9) % 2**63)
+        return gen
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, layer_done: Callable[[int], None] | None = None) -> StepResult:

@@ -82,3 +82,41 @@ def test_add_remote_is_not_now_when_blocks_are_short(make_engine):
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         decode.kv_arrived("a", first_token=10**9)
     decode.abort("a")
+
+
+def _remote(decode, prompt_ids, first, sp, rid):
+    assert decode.add_remote(prompt_ids, sp, request_id=rid) is not None
+    return decode.kv_arrived(rid, first_token=first)
+
+
+def test_first_token_from_prefill_can_finish_the_request(make_engine):
+    decode = make_engine()
+    eos = decode.eos_token_ids[0]
+    out = _remote(decode, [5, 6, 7], 42, SamplingParams(max_tokens=1), "len")
+    assert out.finished and out.finish_reason == "length" and out.token_ids == [42]
+    out = _remote(decode, [5, 6, 7], eos, SamplingParams(max_tokens=9), "eos")
+    assert out.finished and out.finish_reason == "stop"
+    out = _remote(decode, [5, 6, 7], 42, SamplingParams(max_tokens=9, stop_token_ids=[42]), "stopid")
+    assert out.finished and out.finish_reason == "stop"
+    nl = decode.tokenizer("\n")["input_ids"][0]
+    out = _remote(decode, [5, 6, 7], nl, SamplingParams(max_tokens=9, stop=["\n"]), "stopstr")
+    assert out.finished and out.finish_reason == "stop" and out.text == ""
+    assert decode.block_manager.num_used_blocks == 0
+    with pytest.raises(KeyError, match="not waiting"):
+        decode.kv_arrived("len", first_token=1)
+
+
+def test_seeded_sampling_is_the_same_disaggregated(make_engine):
+    single, prefill, decode = make_engine(), make_engine(), make_engine()
+    sp = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    want = single.generate(["Tell me a story"], sp)[0].token_ids
+    rid = prefill.add_request("Tell me a story", sp, request_id="s", prefill_only=True)
+    first = [o for o in prefill.stream() if o.finished][0].token_ids[0]
+    req = prefill.scheduler.requests[rid]
+    blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid)
+    _copy_kv(prefill, req.block_ids, decode, blocks, req.num_prompt_tokens)
+    prefill.release(rid)
+    assert decode.kv_arrived(rid, first_token=first) is None
+    got = [o for o in decode.stream() if o.finished][0].token_ids
+    assert got == want
+

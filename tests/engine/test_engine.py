@@ -59,10 +59,17 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(make_engine):
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(seed=-1), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(stop=5), "lists"),
 ])
 def test_bad_sampling_params_are_refused(kwargs, msg):
     with pytest.raises(InvalidRequestError, match=msg):
         SamplingParams(**kwargs)
+
+
+def test_none_stop_lists_mean_empty():
+    sp = SamplingParams(stop=None, stop_token_ids=None)
+    assert sp.stop == [] and sp.stop_token_ids == []
 
 
 def test_bad_requests_leave_the_engine_undisturbed(make_engine):
