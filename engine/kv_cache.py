@@ -14,6 +14,8 @@ mean equal whole prefixes, not just equal blocks.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -30,10 +32,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[bytes, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
 
@@ -52,8 +54,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     @staticmethod
-    def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
-        return hash((parent_hash, tuple(tokens)))
+    def hash_block(parent_hash: bytes | None, tokens: Sequence[int]) -> bytes:
+        """128-bit BLAKE2b over the parent's digest and the block's token ids.
+
+        A cryptographic digest, not Python's 64-bit ``hash()``: a hit is trusted without
+        comparing tokens, so a crafted collision must not let one request read another's KV.
+        """
+        h = hashlib.blake2b(parent_hash or b"", digest_size=16)
+        h.update(array("q", tokens).tobytes())
+        return h.digest()
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Block ids of the longest cached prefix of ``token_ids`` covering at most ``max_tokens``.
@@ -64,7 +73,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         for start in range(0, (max_tokens // bs) * bs, bs):
             parent = self.hash_block(parent, token_ids[start:start + bs])
             block = self._hash_to_block.get(parent)

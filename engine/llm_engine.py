@@ -54,6 +54,9 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model, progress=progress)
         self.model_config = mc = ModelConfig.from_hf(self.model_path)
         self.dtype = getattr(torch, config.dtype)
+        if config.attention_backend == "flash_attn" and config.cache.block_size % 256:
+            raise ValueError("attention backend flash_attn needs cache block_size to be a multiple of 256 "
+                             f"(paged KV in flash-attn), got {config.cache.block_size}")
         backend = get_attention_backend(config.attention_backend)
         self.model = load_model(self.model_path, backend, self.dtype, config.device)
         from transformers import AutoTokenizer
@@ -213,7 +216,12 @@ class LLMEngine:
         return list(self.scheduler.requests[request_id].block_ids)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a queued or running request; its blocks are freed now. False if unknown."""
+        """Abort a request in any state; its blocks are freed now. False if unknown.
+
+        Decode side of disaggregation: abort the request's KV transfer first
+        (``KVReceiver.abort``); after that the receiver drops late frames, so freeing the
+        reserved blocks here cannot race a write into them.
+        """
         req = self.scheduler.abort(request_id)
         if req is None:
             return False

@@ -7,6 +7,7 @@ never deep inside a worker.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,9 @@ _RULES: dict[str, tuple[Any, str]] = {
 def _check_number(path: str, value: Any, kind: type) -> None:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ConfigError(f"{path}: expected {'a number' if kind is float else 'an integer'}, got {value!r}")
+    if not isinstance(value, kind) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(f"{path}: expected {'a finite number' if kind is float else 'an integer'}, "
+                          f"got {value!r}")
     if path not in _RULES and value <= 0:
         raise ConfigError(f"{path}: must be > 0, got {value!r}")
     if path.endswith("block_size") and value & (value - 1):
@@ -126,7 +128,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         node = data
         *parents, last = key.split(".")
         for p in parents:
-            node = node.setdefault(p, {})
+            if not isinstance(node.get(p), dict):  # absent, or an empty section (None)
+                node[p] = {}
+            node = node[p]
         node[last] = value
     cfg = _build(ClusterConfig, data, "")
     if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":

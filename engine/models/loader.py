@@ -35,7 +35,8 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
+    # Mistral folders also ship consolidated.safetensors (the same weights, other names).
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
     if files:
         from safetensors.torch import load_file
         sd: dict[str, torch.Tensor] = {}

@@ -99,6 +99,8 @@ def test_unknown_model_path_and_architecture(tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path)), progress=False)
     with pytest.raises(ValueError, match="attention backend"):
         LLMEngine(EngineConfig(attention_backend="nope"), progress=False)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        LLMEngine(EngineConfig(attention_backend="flash_attn"), progress=False)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int3")
     with pytest.raises(ValueError, match="block_size"):

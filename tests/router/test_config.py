@@ -32,6 +32,8 @@ def test_local_yaml_documents_every_key_with_its_default():
     ({"decode.reserve_fraction": 1.5}, "decode.reserve_fraction: must be in (0, 1]"),
     ({"kv_transfer.transport": "inproc"}, "inproc works only with mode: colocated"),
     ({"decode": 3}, "decode: expected a mapping"),
+    ({"prefill.kv_cache_gb": float("nan")}, "prefill.kv_cache_gb: expected a finite number"),
+    ({"kv_transfer.lease_s": float("inf")}, "kv_transfer.lease_s: expected a finite number"),
 ])
 def test_bad_keys_and_values_are_named(override, needle):
     with pytest.raises(ConfigError, match=None) as e:
@@ -43,6 +45,12 @@ def test_overrides_and_numbers_coerce():
     cfg = load_config(LOCAL, {"decode.kv_cache_gb": 2, "mode": "colocated", "kv_transfer.transport": "inproc"})
     assert cfg.decode.kv_cache_gb == 2.0 and isinstance(cfg.decode.kv_cache_gb, float)
     assert cfg.mode == "colocated"
+
+
+def test_override_into_an_empty_section(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("decode:\n")
+    assert load_config(f, {"decode.replicas": 3}).decode.replicas == 3
 
 
 def test_unreadable_and_invalid_yaml(tmp_path):
