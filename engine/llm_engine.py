@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -232,12 +232,19 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, update; returns outputs of requests that produced tokens."""
+    def step(self, layer_done: Callable[[int, StepPlan], None] | None = None) -> list[RequestOutput]:
+        """Schedule, run one forward, update; returns outputs of requests that produced tokens.
+
+        Args:
+            layer_done: called as ``layer_done(i, plan)`` once layer i's KV of this step is in
+                the cache (a prefill worker streams it from there); requests in ``plan`` still
+                show their pre-step ``num_computed_tokens``.
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        result = self.runner.execute(plan)
+        hook = None if layer_done is None else (lambda i: layer_done(i, plan))
+        result = self.runner.execute(plan, hook)
         touched = self.scheduler.update(plan, result)
         outputs = []
         for req in touched:

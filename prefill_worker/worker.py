@@ -1,0 +1,94 @@
+"""Prefill worker core: runs prompts and streams their KV, layer by layer, to decode workers.
+
+Lifecycle of a request here (the engine's queues plus one table):
+    submit() -> engine waiting -> running (prompt chunks; after each layer of each chunk its
+    KV goes to the decode worker) -> prefilled (first token out; blocks held) -> the transfer
+    ends (ack or failure) -> released (blocks freed).
+``transfers`` maps request id -> (decode address, tokens sent so far). The Ray actor around
+this class (the cluster issue) only forwards calls; everything here is testable in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
+from engine.scheduler import StepPlan
+from kvtransfer.base import FrameTransport, KVLayout, TransferState
+from kvtransfer.format import gather_layer
+from kvtransfer.sender import KVSender
+
+
+def engine_layout(engine: LLMEngine) -> KVLayout:
+    """The KV layout this engine's cache advertises in a transfer handshake."""
+    mc = engine.model_config
+    return KVLayout(mc.fingerprint(), mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                    engine.block_manager.block_size, engine.config.dtype)
+
+
+@dataclass
+class _Outgoing:
+    address: str
+    sent: int = 0  # tokens whose KV has been queued for every layer
+
+
+class PrefillWorker:
+    """Engine + KV sender. Drive it with :meth:`step`; never blocks but in ``connect``."""
+
+    def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = 30.0) -> None:
+        self.engine = engine
+        self.sender = KVSender(transport, engine_layout(engine), lease_s=lease_s)
+        self.transfers: dict[str, _Outgoing] = {}
+
+    def connect(self, decode_address: str) -> None:
+        """Handshake with a decode worker (blocks until it answers; once per worker)."""
+        self.sender.connect(decode_address)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               decode_address: str) -> None:
+        """Queue a prompt whose KV goes to the (connected) decode worker at ``decode_address``,
+        which has already reserved blocks for it (``DecodeWorker.reserve``)."""
+        self.engine.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
+        self.sender.begin(request_id, decode_address, len(prompt_ids))
+        self.transfers[request_id] = _Outgoing(decode_address)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request here and fail its transfer (the decode side frees its blocks)."""
+        if request_id in self.transfers:
+            self.sender.abort(request_id)
+        self.engine.abort(request_id)
+
+    def _send_layer(self, layer: int, plan: StepPlan) -> None:
+        bs = self.engine.block_manager.block_size
+        for s in plan.scheduled:
+            req = s.request
+            t = self.transfers.get(req.request_id)
+            if t is None:
+                continue
+            # A prefix-cache hit was never computed here: its KV goes with the first chunk.
+            start = 0 if t.sent == 0 else req.num_computed_tokens
+            end = req.num_computed_tokens + s.num_new_tokens
+            k, v = gather_layer(self.engine.runner.kv_caches[layer], req.block_ids, bs, start, end)
+            self.sender.send_layer(req.request_id, layer, k, v, token_start=start)
+            if layer == len(self.engine.runner.kv_caches) - 1:
+                t.sent = end
+        self.sender.progress()
+
+    def step(self) -> tuple[list[RequestOutput], list[tuple[str, TransferState]]]:
+        """One engine step with KV streaming, then transfer bookkeeping.
+
+        Returns:
+            (outputs: first tokens, finish_reason "prefilled" — or a normal finish when the
+            first token already ends the request; transfers that ended: their blocks are freed)
+        """
+        outputs = self.engine.step(layer_done=self._send_layer) if self.engine.scheduler.has_work() else []
+        self.sender.progress()
+        ended = self.sender.pop_finished()
+        for rid, _ in ended:
+            self.transfers.pop(rid, None)
+            self.engine.release(rid)  # False when aborted or finished meanwhile: already freed
+        return outputs, ended
+
+    def close(self) -> None:
+        self.sender.close()
