@@ -167,10 +167,12 @@ def get_transport(name: str, **kwargs) -> FrameTransport:
 
 def _load_builtin() -> None:
     # Transports register themselves on import; import lazily so a missing optional
-    # dependency (ucxx) only matters to whoever asks for that transport.
+    # dependency (ucxx) only matters to whoever asks for that transport. Any other import
+    # error is a bug and surfaces.
     import importlib
     for mod in ("kvtransfer.inproc", "kvtransfer.zmq_transport", "kvtransfer.ucx"):
         try:
             importlib.import_module(mod)
-        except ImportError:
-            pass
+        except ImportError as e:
+            if mod != "kvtransfer.ucx" or (e.name or "").split(".")[0] not in ("ucxx", "rmm"):
+                raise
