@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
-from kvtransfer.base import FrameTransport, TransferState
+from kvtransfer.base import FrameTransport, KVLayout, TransferState
 from kvtransfer.receiver import KVReceiver
-from prefill_worker.worker import engine_layout
 
 
 class DecodeWorker:
@@ -22,7 +21,7 @@ class DecodeWorker:
 
     def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = 30.0) -> None:
         self.engine = engine
-        self.receiver = KVReceiver(transport, engine_layout(engine), engine.runner.kv_caches, lease_s=lease_s)
+        self.receiver = KVReceiver(transport, KVLayout.of_engine(engine), engine.runner.kv_caches, lease_s=lease_s)
         self.first_tokens: dict[str, int] = {}
         self.arrived: set[str] = set()
         self.failed: dict[str, str] = {}

@@ -66,6 +66,13 @@ class KVLayout:
     def heads(self) -> tuple[int, int]:
         return self.head_start, (self.num_kv_heads if self.head_end < 0 else self.head_end)
 
+    @classmethod
+    def of_engine(cls, engine) -> KVLayout:
+        """The layout of an ``engine.llm_engine.LLMEngine``'s cache (all heads)."""
+        mc = engine.model_config
+        return cls(mc.fingerprint(), mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                   engine.block_manager.block_size, engine.config.dtype)
+
 
 MAX_ENDED = 4096  # popped transfer ids remembered to recognise late messages
 

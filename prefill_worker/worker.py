@@ -20,13 +20,6 @@ from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
 
 
-def engine_layout(engine: LLMEngine) -> KVLayout:
-    """The KV layout this engine's cache advertises in a transfer handshake."""
-    mc = engine.model_config
-    return KVLayout(mc.fingerprint(), mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                    engine.block_manager.block_size, engine.config.dtype)
-
-
 @dataclass
 class _Outgoing:
     address: str
@@ -38,7 +31,7 @@ class PrefillWorker:
 
     def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = 30.0) -> None:
         self.engine = engine
-        self.sender = KVSender(transport, engine_layout(engine), lease_s=lease_s)
+        self.sender = KVSender(transport, KVLayout.of_engine(engine), lease_s=lease_s)
         self.transfers: dict[str, _Outgoing] = {}
 
     def connect(self, decode_address: str) -> None:
