@@ -1,0 +1,54 @@
+"""Router-side validation of GenerateRequest: every bad input named, good ones converted."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from pdserve.v1 import pdserve_pb2 as pb
+from router.requests import Limits, prompt_ids, sampling_params
+
+LIMITS = Limits(context_length=64, vocab_size=49152, default_max_tokens=16)
+
+
+def _req(**kw):
+    sampling = kw.pop("sampling", {})
+    return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **kw)
+
+
+def _parse(req, tokenizer):
+    ids = prompt_ids(req, tokenizer, LIMITS)
+    return ids, sampling_params(req.sampling, LIMITS, len(ids))
+
+
+def test_prompt_token_ids_and_messages(tokenizer):
+    ids, sp = _parse(_req(prompt="Hello world"), tokenizer)
+    assert ids == tokenizer("Hello world")["input_ids"]
+    assert sp.max_tokens == 16 and sp.greedy  # defaults: greedy, default_max_tokens
+    ids, _ = _parse(_req(token_ids=pb.TokenIds(ids=[5, 6, 7])), tokenizer)
+    assert ids == [5, 6, 7]
+    msgs = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    ids, _ = _parse(_req(messages=msgs), tokenizer)
+    assert ids == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+    _, sp = _parse(_req(prompt="x", sampling=dict(temperature=0.7, top_p=0.9, seed=3, stop=["\n"])), tokenizer)
+    assert (sp.temperature, sp.seed, sp.stop) == (pytest.approx(0.7), 3, ["\n"])
+    assert sp.top_p == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("req,needle", [
+    (_req(), "no input"),
+    (_req(prompt=""), "empty"),
+    (_req(prompt="word " * 80), "context length"),
+    (_req(token_ids=pb.TokenIds(ids=[1, 10**6])), "token_ids must be in"),
+    (_req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "unknown chat role"),
+    (_req(prompt="hi", sampling=dict(max_tokens=0)), "max_tokens must be >= 1"),
+    (_req(prompt="hi", sampling=dict(max_tokens=1000)), "does not fit"),
+    (_req(prompt="hi", sampling=dict(temperature=-1.0)), "temperature"),
+    (_req(prompt="hi", sampling=dict(top_p=0.0)), "top_p"),
+    (_req(prompt="hi", sampling=dict(top_p=1.5)), "top_p"),
+    (_req(prompt="hi", sampling=dict(stop_token_ids=[60000])), "stop_token_ids"),
+])
+def test_bad_requests_are_named(req, needle, tokenizer):
+    with pytest.raises(InvalidRequestError, match=needle):
+        _parse(req, tokenizer)
