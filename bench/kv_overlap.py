@@ -30,6 +30,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
@@ -39,14 +40,13 @@ import time  # noqa: E402
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
-def _receiver_main(conn, transport: str, layout_kw: dict, num_blocks: int) -> None:
+def _receiver_main(conn, transport: str, layout, num_blocks: int) -> None:
     import torch
 
     from engine.kv_cache import BlockManager, allocate_kv_tensors
-    from kvtransfer.base import KVLayout, TransferState, get_transport
+    from kvtransfer.base import TransferState, get_transport
     from kvtransfer.receiver import KVReceiver
     torch.set_num_threads(1)
-    layout = KVLayout(**layout_kw)
     kv = allocate_kv_tensors(layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads,
                              layout.head_dim, getattr(torch, layout.dtype))
     bm = BlockManager(num_blocks, layout.block_size, enable_prefix_caching=False)
@@ -90,16 +90,16 @@ def measure_overlap(transport: str, prompt_len: int = 2048, reps: int = 2, progr
     eng = LLMEngine(EngineConfig(cache=CacheConfig(memory_gb=0.5, enable_prefix_caching=False),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=prompt_len)), progress=False)
     mc, bs = eng.model_config, eng.block_manager.block_size
-    layout_kw = dict(fingerprint=mc.fingerprint(), num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                     head_dim=mc.head_dim, block_size=32, dtype=eng.config.dtype)
+    layout = KVLayout.of_engine(eng)
+    # The decode side uses other blocks than prefill: the transfer must not care.
+    rx_layout = dataclasses.replace(layout, block_size=32)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child, transport, layout_kw, prompt_len // 32 + 8),
+    proc = ctx.Process(target=_receiver_main, args=(child, transport, rx_layout, prompt_len // 32 + 8),
                        daemon=True)
     proc.start()
     try:
         address = parent.recv()
-        layout = KVLayout(**{**layout_kw, "block_size": bs})
         tx = KVSender(get_transport(transport), layout, lease_s=60.0)
         tx.connect(address)
         rng = random.Random(0)

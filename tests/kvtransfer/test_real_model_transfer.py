@@ -33,12 +33,6 @@ def _engine(model_path, block_size: int) -> LLMEngine:
                                   scheduler=SchedulerConfig(max_num_batched_tokens=2048)), progress=False)
 
 
-def _layout(eng: LLMEngine) -> KVLayout:
-    mc = eng.model_config
-    return KVLayout(mc.fingerprint(), mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                    eng.block_manager.block_size, eng.config.dtype)
-
-
 @pytest.fixture(scope="module")
 def engines(model_path):
     p, d = _engine(model_path, 16), _engine(model_path, 32)
@@ -95,8 +89,8 @@ def links(engines):
     p, d = engines
     made = {}
     for name in NAMES:
-        tx = KVSender(get_transport(name), _layout(p))
-        rx = KVReceiver(get_transport(name), _layout(d), d.runner.kv_caches)
+        tx = KVSender(get_transport(name), KVLayout.of_engine(p))
+        rx = KVReceiver(get_transport(name), KVLayout.of_engine(d), d.runner.kv_caches)
         _connect(tx, rx)
         made[name] = (tx, rx)
     yield made
