@@ -1,7 +1,8 @@
 """Ray actor around DecodeWorker, stepped by engine.step_loop.StepLoop.
 
-Created by the router with ``DecodeActor.options(resources={"decode": 1}).remote(...)`` so the
-pool lands on nodes that advertise the ``decode`` resource.
+Created by the router's pools with ``DecodeActor.options(resources={"decode": 1})`` so the
+pool lands on nodes that advertise the ``decode`` resource. In colocated mode the same actor
+also prefills (``submit``: a normal request, chunked by the engine's token budget).
 """
 
 from __future__ import annotations
@@ -10,20 +11,26 @@ import ray
 
 from engine.config import EngineConfig
 from engine.request import SamplingParams
-from engine.step_loop import StepLoop
+from engine.step_loop import StepLoop, error_record, output_record
 
 
 @ray.remote
 class DecodeActor(StepLoop):
     def __init__(self, config: EngineConfig, transport: str = "ucx", lease_s: float = 30.0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, colocated: bool = False,
+                 router: tuple[str, str] | None = None) -> None:
         import torch
 
         from decode_worker.worker import DecodeWorker
         from engine.llm_engine import LLMEngine
         from kvtransfer.base import get_transport
         torch.set_num_threads(threads)  # several workers share a node's cores
-        self._start(DecodeWorker(LLMEngine(config, progress=False), get_transport(transport), lease_s))
+        self.role = "colocated" if colocated else "decode"
+        self._start(DecodeWorker(LLMEngine(config, progress=False), get_transport(transport), lease_s), router)
+
+    def _records(self, step_result) -> list[dict]:
+        failed, self.worker.failed = self.worker.failed, {}
+        return [output_record(o) for o in step_result] + [error_record(r, m) for r, m in failed.items()]
 
     def address(self) -> str:
         return self.worker.address
@@ -34,7 +41,13 @@ class DecodeActor(StepLoop):
 
     def first_token(self, request_id: str, token: int) -> None:
         with self.lock:
-            self.outbox.extend(self.worker.first_token(request_id, token))
+            if request_id in self.worker.engine.scheduler.receiving:  # else aborted meanwhile
+                self.outbox.extend(output_record(o) for o in self.worker.first_token(request_id, token))
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Colocated mode: prefill and decode here."""
+        with self.lock:
+            self.worker.engine.add_request(prompt_ids, params, request_id=request_id)
 
     def abort(self, request_id: str) -> None:
         with self.lock:

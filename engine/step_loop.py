@@ -1,58 +1,151 @@
 """A worker core stepped by a background thread, with one lock for every outside call.
 
 Both worker kinds' Ray actors build on it: the loop keeps stepping (engine and network)
-while actor methods (reserve, submit, abort, poll...) run between steps under the same lock.
-Outputs leave in per-step batches through :meth:`poll`, never one call per token.
+while actor methods (reserve, submit, abort, status...) run between steps under the same lock.
+Outputs leave as plain records (:func:`output_record`) in per-step batches, pushed over zmq
+to the router named at start (else kept for :meth:`StepLoop.poll`), never one call per token.
+
+Wire message on the zmq PUSH socket, after every step with outputs and at least every
+``HEARTBEAT_S``: ``msgpack([worker_id, incarnation, [record, ...], status])``. The status rides
+along, so the router's view of each worker's load is never older than one step, without polls.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
 import time
+import uuid
 from typing import Any
+
+from engine.llm_engine import RequestOutput
+from engine.request import RequestStatus
+
+TOKEN_RATE_WINDOW_S = 5.0
+HEARTBEAT_S = 0.05  # an idle worker's load report interval
+
+
+def output_record(o: RequestOutput) -> dict:
+    """The least state the router needs from one step's output of one request.
+
+    ``finish`` is None while the request goes on, else ``stop``/``length``/``abort``, or
+    ``prefilled`` (prefill side: the first token is out, decode goes on elsewhere).
+    """
+    return {"id": o.request_id, "tokens": list(o.new_token_ids), "text": o.new_text,
+            "finish": o.finish_reason if o.finished else None,
+            "prompt_tokens": o.num_prompt_tokens, "cached_tokens": o.num_cached_tokens}
+
+
+def error_record(request_id: str, message: str) -> dict:
+    """A request this worker dropped for a reason other than its own finish (e.g. its KV
+    transfer failed); its blocks are already freed here."""
+    return {"id": request_id, "tokens": [], "text": "", "finish": "error", "error": message,
+            "prompt_tokens": 0, "cached_tokens": 0}
 
 
 class StepLoop:
     """Drives ``worker.step()`` in a thread. ``worker`` needs ``engine``, ``step``, ``close``.
 
-    Subclasses turn ``step()``'s result into a list of outputs (``_outputs``) and may say when
+    Subclasses turn ``step()``'s result into a list of records (``_records``) and may say when
     there is work beyond the engine's own (``_busy``).
     """
 
-    def _start(self, worker: Any) -> None:
+    role = "worker"
+
+    def _start(self, worker: Any, router: tuple[str, str] | None = None) -> None:
+        """Start stepping ``worker``. ``router``: (zmq address of the router's PULL socket, this
+        worker's id there); None keeps outputs for :meth:`poll` (tests, tools)."""
         self.worker = worker
         self.lock = threading.Lock()
-        self.outbox: list = []
+        self.outbox: list[dict] = []
+        self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
+        self.router = router
+        self._token_times: collections.deque[tuple[float, int]] = collections.deque()
         self.running = True
         self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self.loop.start()
 
-    def _outputs(self, step_result: Any) -> list:
-        return step_result
+    def _records(self, step_result: Any) -> list[dict]:
+        return [output_record(o) for o in step_result]
 
     def _busy(self) -> bool:
         return self.worker.engine.scheduler.has_work()
 
     def _run(self) -> None:
-        while self.running:
-            with self.lock:
-                busy = self._busy()
-                self.outbox.extend(self._outputs(self.worker.step()))
-            if not busy:
-                time.sleep(0.0005)  # idle: keep polling the network, give the core back
+        sink = self._connect() if self.router is not None else None
+        last_beat = 0.0
+        try:
+            while self.running:
+                with self.lock:
+                    busy = self._busy()
+                    self.outbox.extend(self._records(self.worker.step()))
+                    now = time.monotonic()
+                    # Outputs go at once; an idle worker still reports its load (a heartbeat).
+                    if sink is not None and (self.outbox or now - last_beat >= HEARTBEAT_S):
+                        import msgpack
+                        batch, self.outbox = self.outbox, []
+                        self._count_tokens(batch, now)
+                        sink.send(msgpack.packb([self.router[1], self.incarnation, batch, self._status()]))
+                        last_beat = now
+                if not busy:
+                    time.sleep(0.0005)  # idle: keep polling the network, give the core back
+        finally:
+            if sink is not None:
+                sink.close(linger=1000)
 
-    def poll(self) -> list:
-        """Outputs since the last call (per-step batches)."""
+    def _connect(self) -> Any:
+        import zmq
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)  # tokens are never dropped; the router drains them
+        sock.connect(self.router[0])
+        return sock
+
+    def _count_tokens(self, batch: list[dict], now: float) -> None:
+        self._token_times.append((now, sum(len(r["tokens"]) for r in batch)))
+        while self._token_times and self._token_times[0][0] < now - TOKEN_RATE_WINDOW_S:
+            self._token_times.popleft()
+
+    def poll(self) -> list[dict]:
+        """Records since the last call (only while no router is attached)."""
         with self.lock:
             out, self.outbox = self.outbox, []
         return out
 
     def status(self) -> dict:
-        """KV blocks and queue sizes, for placement and ``GetClusterStatus``."""
+        """Load and identity, for placement and ``GetClusterStatus``.
+
+        ``queued_prompt_tokens``: prompt tokens not yet computed (its TTFT backlog);
+        ``remaining_decode_tokens``: tokens its requests may still generate.
+        """
         with self.lock:
-            bm, sch = self.worker.engine.block_manager, self.worker.engine.scheduler
-            return {"kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
-                    "block_size": bm.block_size, "running": len(sch.running), "waiting": len(sch.waiting)}
+            return self._status()
+
+    def _status(self) -> dict:
+        eng = self.worker.engine
+        bm, sch = eng.block_manager, eng.scheduler
+        reqs = list(sch.requests.values())
+        now = time.monotonic()
+        tokens = sum(n for t, n in self._token_times if t >= now - TOKEN_RATE_WINDOW_S)
+        return {
+            "role": self.role, "incarnation": self.incarnation, "pid": os.getpid(),
+            "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
+            "block_size": bm.block_size, "running": len(sch.running),
+            "waiting": len(sch.waiting) + len(sch.receiving),
+            "queued_prompt_tokens": sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in reqs
+                                        if not r.is_finished and r.status != RequestStatus.WAITING_FOR_KV),
+            "remaining_decode_tokens": sum(max(0, r.sampling_params.max_tokens - r.num_output_tokens)
+                                           for r in reqs if not r.prefill_only and not r.is_finished),
+            "tokens_per_s": tokens / TOKEN_RATE_WINDOW_S,
+        }
+
+    def model_info(self) -> dict:
+        """What the router needs to validate requests and answer ``GetModelInfo``."""
+        eng = self.worker.engine
+        return {"model": str(eng.model_path), "fingerprint": eng.model_config.fingerprint(),
+                "incarnation": self.incarnation, "context_length": eng.max_model_len,
+                "vocab_size": eng.model_config.vocab_size, "dtype": eng.config.dtype,
+                "block_size": eng.block_manager.block_size}
 
     def shutdown(self) -> None:
         self.running = False

@@ -1,6 +1,9 @@
 """Ray actor around PrefillWorker, stepped by engine.step_loop.StepLoop.
 
-Created with ``PrefillActor.options(resources={"prefill": 1}).remote(...)``.
+Created by the router's pools with ``PrefillActor.options(resources={"prefill": 1})`` so the
+pool lands on nodes that advertise the ``prefill`` resource. Its first tokens (records with
+finish ``prefilled``) and failed transfers (``error`` records) go to the router in per-step
+batches over zmq.
 """
 
 from __future__ import annotations
@@ -9,23 +12,29 @@ import ray
 
 from engine.config import EngineConfig
 from engine.request import SamplingParams
-from engine.step_loop import StepLoop
+from engine.step_loop import StepLoop, error_record, output_record
 
 
 @ray.remote
 class PrefillActor(StepLoop):
+    role = "prefill"
+
     def __init__(self, config: EngineConfig, transport: str = "ucx", lease_s: float = 30.0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, router: tuple[str, str] | None = None) -> None:
         import torch
 
         from engine.llm_engine import LLMEngine
-        from kvtransfer.base import get_transport
+        from kvtransfer.base import TransferState, get_transport
         from prefill_worker.worker import PrefillWorker
         torch.set_num_threads(threads)  # several workers share a node's cores
-        self._start(PrefillWorker(LLMEngine(config, progress=False), get_transport(transport), lease_s))
+        self._failed = TransferState.FAILED
+        self._start(PrefillWorker(LLMEngine(config, progress=False), get_transport(transport), lease_s), router)
 
-    def _outputs(self, step_result):
-        return step_result[0]  # (outputs, ended transfers): the worker already freed the latter
+    def _records(self, step_result) -> list[dict]:
+        outputs, ended = step_result  # the worker already freed the ended transfers' blocks
+        return [output_record(o) for o in outputs] + [
+            error_record(rid, "KV transfer to the decode worker failed")
+            for rid, state in ended if state == self._failed]
 
     def _busy(self) -> bool:
         return self.worker.engine.scheduler.has_work() or bool(self.worker.transfers)

@@ -33,6 +33,7 @@ class DecodePool:
     kv_cache_gb: float = 1.0
     block_size: int = 16
     max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
     reserve_fraction: float = 1.0
 
 
@@ -55,6 +56,7 @@ class ClusterConfig:
     mode: str = "disaggregated"
     model: str | None = None
     dtype: str = "float32"
+    device: str = "cpu"
     prefill: PrefillPool = field(default_factory=PrefillPool)
     decode: DecodePool = field(default_factory=DecodePool)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -66,6 +68,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "mode": (lambda v: v in ("disaggregated", "colocated"), "disaggregated or colocated"),
     "model": (lambda v: v is None or (isinstance(v, str) and v), "null or a model folder path"),
     "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    "device": (lambda v: v in ("cpu", "cuda"), "cpu or cuda"),
     "kv_transfer.transport": (lambda v: v in ("ucx", "zmq", "inproc"), "ucx, zmq or inproc"),
     "router.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),

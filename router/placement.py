@@ -5,10 +5,11 @@ cluster states. Never round-robin:
 
 - prefill: the worker with the fewest queued prompt tokens (its TTFT backlog), among those
   with room for the prompt's KV; ties go to more free memory.
-- decode: among workers that can reserve the prompt plus a share of ``max_tokens`` now, the
-  one with the most *projected headroom*: free KV tokens after this reservation minus the
-  tokens its running requests are still going to generate (each will grow its KV by that
-  much). A nearly full worker loses; with equal memory the one with less work left wins.
+- decode: among workers whose free KV, after the growth already promised to their running
+  requests (the tokens they may still generate, times ``reserve_fraction``), still holds this
+  request's prompt plus that share of ``max_tokens``, the one with the most of it left (the
+  *projected headroom*). A nearly full worker loses; with equal memory the one with less work
+  left wins; a worker whose memory is all promised takes nothing new.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
     for w in workers:
         if not (w.accepting and w.role in ("decode", "colocated")):
             continue
-        need = w.blocks_for(need_tokens)
-        if w.free_blocks < need:
+        # Tokens still free once the running requests have grown by (the same share of) what
+        # they may still generate: with reserve_fraction 1 no admitted request is ever preempted.
+        promised = int(round(reserve_fraction * w.remaining_decode_tokens))
+        headroom = w.free_blocks * w.block_size - promised - need_tokens
+        if w.free_blocks < w.blocks_for(need_tokens) or headroom < 0:
             continue
-        headroom = (w.free_blocks - need) * w.block_size - w.remaining_decode_tokens
         key = (-headroom, w.remaining_decode_tokens, w.worker_id)
         if best_key is None or key < best_key:
             best, best_key = w, key

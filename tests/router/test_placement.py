@@ -49,3 +49,11 @@ def test_prefill_least_queued_tokens_with_room_for_the_prompt():
 def test_not_round_robin_repeated_picks_follow_load():
     ws = [decode("a", free=900, remaining=0), decode("b", free=100, remaining=0)]
     assert {pick_decode(ws, 50, 50).worker_id for _ in range(5)} == {"a"}
+
+
+def test_memory_promised_to_running_requests_is_not_free():
+    # 100 free blocks = 1600 tokens, but the running requests may still generate 1500 of them.
+    promised = decode("promised", free=100, remaining=1500)
+    assert pick_decode([promised], 100, 100) is None
+    assert pick_decode([promised], 100, 100, reserve_fraction=0.5).worker_id == "promised"
+    assert pick_decode([promised, decode("other", free=20)], 100, 100).worker_id == "other"

@@ -48,13 +48,15 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_cluster, model_path
         deadline = time.monotonic() + 120
         while len(done) < len(want):
             assert time.monotonic() < deadline, "actors did not finish"
-            for o in ray.get(prefill.poll.remote()):
-                tokens[o.request_id] = list(o.token_ids)
-                decode.first_token.remote(o.request_id, o.token_ids[0])
-            for o in ray.get(decode.poll.remote()):
-                tokens[o.request_id] = list(o.token_ids)
-                if o.finished:
-                    done.add(o.request_id)
+            for r in ray.get(prefill.poll.remote()):
+                assert r["finish"] == "prefilled" and len(r["tokens"]) == 1, r
+                tokens[r["id"]] = list(r["tokens"])
+                decode.first_token.remote(r["id"], r["tokens"][0])
+            for r in ray.get(decode.poll.remote()):
+                assert r["finish"] != "error", r
+                tokens[r["id"]] += r["tokens"]
+                if r["finish"]:
+                    done.add(r["id"])
             time.sleep(0.01)
         assert tokens == want
         end = time.monotonic() + 10

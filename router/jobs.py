@@ -1,0 +1,83 @@
+"""One client request as the router tracks it across workers and attempts.
+
+A job owns its state: the prompt, what it has streamed so far, where it runs now and the
+events for it. Workers know it as ``<request_id>#<attempt>``: a re-run after a lost worker is
+a new attempt, so late records of the old one are told apart and dropped.
+
+Events (``Job.events``), each ``(attempt, worker or None, record)``:
+    an output record from a worker (engine.step_loop.output_record / error_record),
+    ``{"lost": True}`` when a worker the job runs on was lost, ``{"abort": True}`` from Abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import SamplingParams
+from pdserve.v1 import pdserve_pb2 as pb
+
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    attempt: int = 0
+    prefill: Any = None  # pools.Worker
+    decode: Any = None
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished: bool = False
+
+    @property
+    def key(self) -> str:
+        """The id workers know this attempt by."""
+        return f"{self.request_id}#{self.attempt}"
+
+    def inputs(self) -> tuple[list[int], SamplingParams]:
+        """What the next attempt runs: the prompt plus every token already streamed, for what
+        is left of ``max_tokens`` (so the client never sees a token twice)."""
+        if not self.generated:
+            return self.prompt_ids, self.params
+        left = self.params.max_tokens - len(self.generated)
+        return self.prompt_ids + self.generated, dataclasses.replace(self.params, max_tokens=left)
+
+    def put(self, worker: Any, record: dict) -> None:
+        self.events.put_nowait((self.attempt, worker, record))
+
+    def tokens(self, record: dict) -> pb.GenerateResponse | None:
+        """The response for a record's new tokens (None when it has none)."""
+        ids = record["tokens"]
+        if not ids and not record["text"]:
+            return None
+        now = time.monotonic()
+        if ids and self.first_token_time is None:
+            self.first_token_time = now
+            self.cached_tokens = record.get("cached_tokens", 0)
+        if ids:
+            self.last_token_time = now
+        self.generated += ids
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=record["text"])
+
+    def final(self, finish: str) -> pb.GenerateResponse:
+        """The last response: finish reason and usage."""
+        self.finished = True
+        n = len(self.generated)
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time is not None else 0.0
+        tpot = ((self.last_token_time - self.first_token_time) / (n - 1)
+                if n > 1 and self.first_token_time is not None else 0.0)
+        usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=n,
+                         cached_prompt_tokens=self.cached_tokens, ttft_s=ttft, mean_tpot_s=tpot,
+                         prefill_worker=self.prefill.worker_id if self.prefill else "",
+                         decode_worker=self.decode.worker_id if self.decode else "")
+        return pb.GenerateResponse(request_id=self.request_id, finish_reason=FINISH[finish], usage=usage)

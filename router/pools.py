@@ -1,0 +1,253 @@
+"""Worker pools: the router's view of every prefill and decode actor, and their output stream.
+
+Lifecycle of a worker here (``Worker.state``)::
+
+    starting (actor created, model loading) ──up──► ready ──lost──► dead ──up again──► ready
+                                                     (Ray restarts the actor; a fresh incarnation)
+
+``up`` means: its model info answered (same model as the others) and, for a decode worker,
+every ready prefill worker has connected to its KV receiver (a prefill worker coming up
+connects to every ready decode worker). ``lost`` is any of: Ray reports the actor RESTARTING
+or DEAD after its heartbeat went quiet, a heartbeat arrives from a new incarnation, or a call
+to it failed with a Ray actor error. The router then re-runs that worker's requests elsewhere
+(``on_lost``) and this module brings the restarted actor back.
+
+Every worker pushes ``[worker_id, incarnation, records, status]`` over zmq after each step with
+outputs and at least every 50 ms (engine.step_loop); one PULL socket here receives them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from router.config import ClusterConfig
+from router.placement import WorkerLoad
+
+log = logging.getLogger("pdserve.router")
+
+HEALTH_PERIOD_S = 0.25
+QUIET_S = 1.0  # a heartbeat older than this makes the router ask Ray whether the actor lives
+
+
+@dataclass
+class Worker:
+    """One actor as the router sees it."""
+
+    worker_id: str
+    role: str  # prefill, decode or colocated
+    actor: Any
+    state: str = "starting"
+    incarnation: str | None = None
+    address: str | None = None  # decode and colocated: the KV receiver's address
+    status: dict = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    reserved_blocks: int = 0  # reserved by the router since the last heartbeat
+    restarts: int = 0
+    info: dict = field(default_factory=dict)  # model_info() of its current incarnation
+
+    def load(self) -> WorkerLoad:
+        s = self.status
+        total, bs = s.get("kv_blocks_total", 0), s.get("block_size", 16)
+        free = total - s.get("kv_blocks_used", total) - self.reserved_blocks
+        return WorkerLoad(self.worker_id, self.role, max(0, free), total, bs,
+                          s.get("queued_prompt_tokens", 0), s.get("remaining_decode_tokens", 0),
+                          accepting=self.state == "ready")
+
+
+def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
+    """(prefill, decode) engine configs from the cluster config."""
+    p, d = cfg.prefill, cfg.decode
+    common = dict(model=model_path, dtype=cfg.dtype, device=cfg.device)
+    prefill = EngineConfig(**common, cache=CacheConfig(block_size=p.block_size, memory_gb=p.kv_cache_gb),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=p.max_batched_tokens))
+    decode = EngineConfig(**common, cache=CacheConfig(block_size=d.block_size, memory_gb=d.kv_cache_gb),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
+                                                    max_num_seqs=d.max_num_seqs))
+    return prefill, decode
+
+
+class Pools:
+    """Creates the actors, keeps their loads current, notices deaths and restarts.
+
+    Args:
+        cfg: the cluster config (pool sizes, transport).
+        model_path: the model folder every worker loads (resolved by the router once).
+        on_records: called with (worker, records) for every output batch of a ready worker.
+        on_lost: called with the worker when it is lost; its requests must move elsewhere.
+    """
+
+    def __init__(self, cfg: ClusterConfig, model_path: str,
+                 on_records: Callable[[Worker, list[dict]], None],
+                 on_lost: Callable[[Worker], None]) -> None:
+        self.cfg, self.model_path = cfg, model_path
+        self.on_records, self.on_lost = on_records, on_lost
+        self.workers: dict[str, Worker] = {}
+        self.model_info: dict = {}
+        self._changed = asyncio.Event()  # replaced on every notify: waiters wake once each
+        self._tasks: list[asyncio.Task] = []
+        self._sock = None
+
+    # ---- start / stop ------------------------------------------------------------------------
+    async def start(self, progress: Callable[[str], None] = lambda s: None) -> None:
+        """Create every actor and wait until all are ready (model loaded, connected)."""
+        import ray
+        import zmq
+        import zmq.asyncio
+
+        from decode_worker.actor import DecodeActor
+        from prefill_worker.actor import PrefillActor
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{ray.util.get_node_ip_address()}")
+        address = f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        self._tasks.append(asyncio.create_task(self._receive(), name="pools-receive"))
+
+        cfg, kt = self.cfg, self.cfg.kv_transfer
+        prefill_cfg, decode_cfg = engine_configs(cfg, self.model_path)
+        colocated = cfg.mode == "colocated"
+        gpus = {"num_gpus": 1} if cfg.device == "cuda" else {}
+        restart = {"max_restarts": -1, "max_task_retries": 0}
+        for i in range(0 if colocated else cfg.prefill.replicas):
+            wid = f"prefill-{i}"
+            actor = PrefillActor.options(resources={"prefill": 1}, num_cpus=cfg.prefill.threads, **gpus,
+                                         **restart).remote(prefill_cfg, kt.transport, kt.lease_s,
+                                                           cfg.prefill.threads, (address, wid))
+            self.workers[wid] = Worker(wid, "prefill", actor)
+        for i in range(cfg.decode.replicas):
+            wid = f"decode-{i}"
+            actor = DecodeActor.options(resources={"decode": 1}, num_cpus=cfg.decode.threads, **gpus,
+                                        **restart).remote(decode_cfg, kt.transport, kt.lease_s,
+                                                          cfg.decode.threads, colocated, (address, wid))
+            self.workers[wid] = Worker(wid, "colocated" if colocated else "decode", actor)
+        progress(f"starting {len(self.workers)} workers ({cfg.mode}) ...")
+        # Decode workers first: a prefill worker coming up connects to every ready decode worker.
+        decode = [w for w in self.workers.values() if w.role != "prefill"]
+        await asyncio.gather(*(self._bring_up(w) for w in decode))
+        await asyncio.gather(*(self._bring_up(w) for w in self.workers.values() if w.role == "prefill"))
+        bad = [w.worker_id for w in self.workers.values() if w.state != "ready"]
+        if bad:
+            raise RuntimeError(f"workers failed to start: {', '.join(bad)}")
+        progress(f"{len(self.workers)} workers ready")
+        self._tasks.append(asyncio.create_task(self._health(), name="pools-health"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        import ray
+        for w in self.workers.values():
+            try:
+                await asyncio.wait_for(w.actor.shutdown.remote(), 10)
+            except Exception:  # already dead or stuck: the kill below settles it
+                pass
+            ray.kill(w.actor, no_restart=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    # ---- views -------------------------------------------------------------------------------
+    def loads(self, *roles: str) -> list[WorkerLoad]:
+        return [w.load() for w in self.workers.values() if w.role in roles]
+
+    def reserved(self, worker_id: str, blocks: int) -> None:
+        """The router reserved ``blocks`` there; count them until its next heartbeat."""
+        self.workers[worker_id].reserved_blocks += blocks
+
+    def any_alive(self, *roles: str) -> bool:
+        """Some worker of these roles is ready or coming back (a request may wait for it)."""
+        return any(w.state != "gone" for w in self.workers.values() if w.role in roles)
+
+    def _notify(self) -> None:
+        """Capacity may have grown (a request ended, a worker came or went): wake admission."""
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    async def wait_change(self, timeout: float) -> None:
+        """Until the next :meth:`_notify`, or ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    # ---- liveness ----------------------------------------------------------------------------
+    def lost(self, w: Worker, why: str) -> None:
+        """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background."""
+        if w.state != "ready":
+            return
+        log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
+        w.state, w.status, w.reserved_blocks = "dead", {}, 0
+        w.restarts += 1
+        self.on_lost(w)
+        self._notify()
+        self._tasks.append(asyncio.create_task(self._bring_up(w), name=f"up-{w.worker_id}"))
+
+    async def _bring_up(self, w: Worker) -> None:
+        from ray.exceptions import RayActorError
+        try:
+            info = await w.actor.model_info.remote()  # waits while Ray restarts the actor
+            if self.model_info and info["fingerprint"] != self.model_info["fingerprint"]:
+                raise RuntimeError(f"{w.worker_id} serves another model: {info['model']}")
+            self.model_info = self.model_info or info
+            w.info = info
+            if w.role != "prefill":
+                w.address = await w.actor.address.remote()
+                await asyncio.gather(*(p.actor.connect.remote(w.address) for p in self.workers.values()
+                                       if p.role == "prefill" and p.state == "ready"))
+            else:
+                await asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
+                                       if d.role == "decode" and d.state == "ready"))
+        except RayActorError as e:
+            log.error("worker %s is gone: %s", w.worker_id, e)
+            w.state = "gone"
+            self._notify()
+            return
+        w.incarnation, w.state, w.last_seen = info["incarnation"], "ready", time.monotonic()
+        self._notify()
+
+    async def _health(self) -> None:
+        """Ask Ray about workers whose heartbeat went quiet (a long step is not death)."""
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if w.state == "ready" and now - w.last_seen > QUIET_S:
+                    state = await asyncio.to_thread(_actor_state, w.actor)
+                    if state in ("RESTARTING", "DEAD"):
+                        self.lost(w, f"Ray reports it {state}")
+
+    async def _receive(self) -> None:
+        import msgpack
+        while True:
+            msg = await self._sock.recv()
+            wid, incarnation, records, status = msgpack.unpackb(msg)
+            w = self.workers.get(wid)
+            if w is None:
+                continue
+            if w.state == "ready" and incarnation != w.incarnation:
+                self.lost(w, "it restarted")  # a new process: the old one's requests are gone
+                continue
+            if incarnation != w.incarnation:
+                continue  # starting, or a late message of a lost incarnation
+            freed = status.get("kv_blocks_used", 0) < w.status.get("kv_blocks_used", 0)
+            w.status, w.reserved_blocks, w.last_seen = status, 0, time.monotonic()
+            if records:
+                self.on_records(w, records)
+            if freed or any(r["finish"] for r in records):
+                self._notify()
+
+
+def _actor_state(actor: Any) -> str:
+    """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD...); "UNKNOWN" if unavailable."""
+    try:
+        from ray._private import state  # no public API answers this without the dashboard
+        return state.actors(actor_id=actor._actor_id.hex()).get("State", "UNKNOWN")
+    except Exception:  # an API change must not take the router down: heartbeats still work
+        return "UNKNOWN"
+

@@ -1,0 +1,256 @@
+"""The gRPC front door (``grpc.aio``): validate, place, relay, stream. No model code here.
+
+Lifecycle of a request in the router (``Job``)::
+
+    Generate ─validate─► admission (waits in a bounded queue while no decode worker can
+    reserve it; full queue: RESOURCE_EXHAUSTED) ─► decode.reserve ─► prefill.submit
+    ─► first token (prefill's record): streamed, relayed to decode.first_token
+    ─► decode's per-step records: streamed ─► finish: last response with usage.
+
+Disaggregated mode places on a prefill and a decode worker; colocated mode on one worker that
+does both. A lost worker (see router.pools) or a failed KV transfer re-runs the job from its
+prompt plus the tokens already streamed (a new attempt; the client sees no token twice), up to
+``MAX_ATTEMPTS``; then UNAVAILABLE. Client cancel and Abort free the job's blocks on both
+sides (abort on each worker that holds it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.config import ClusterConfig
+from router.jobs import Job
+from router.placement import pick_decode, pick_prefill
+from router.pools import Pools, Worker
+from router.requests import Limits, prompt_ids, sampling_params
+
+log = logging.getLogger("pdserve.router")
+
+MAX_ATTEMPTS = 3
+RETRY_WAIT_S = 0.1  # admission re-checks at least this often, besides every load change
+
+
+class Reject(Exception):
+    """End a Generate call with this gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Router(pb_grpc.GenerationServicer):
+    """The Generation service over the worker pools.
+
+    Args:
+        cfg: cluster config.
+        model_path: the model folder (already resolved; every worker loads it).
+    """
+
+    def __init__(self, cfg: ClusterConfig, model_path: str) -> None:
+        from transformers import AutoTokenizer
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pools = Pools(cfg, model_path, self._on_records, self._on_lost)
+        self.jobs: dict[str, Job] = {}
+        self.queued = 0  # jobs waiting for a decode worker
+        self.limits: Limits | None = None
+        self.colocated = cfg.mode == "colocated"
+
+    async def start(self, progress=lambda s: None) -> None:
+        await self.pools.start(progress)
+        info = self.pools.model_info
+        self.limits = Limits(context_length=min(w.info["context_length"] for w in self.pools.workers.values()),
+                             vocab_size=info["vocab_size"], default_max_tokens=self.cfg.router.default_max_tokens)
+
+    async def stop(self) -> None:
+        for job in list(self.jobs.values()):
+            job.put(None, {"abort": True})
+        await self.pools.stop()
+
+    # ---- worker events -----------------------------------------------------------------------
+    def _on_records(self, worker: Worker, records: list[dict]) -> None:
+        for r in records:
+            rid, _, attempt = r["id"].rpartition("#")
+            job = self.jobs.get(rid)
+            if job is not None and str(job.attempt) == attempt:
+                job.put(worker, r)
+
+    def _on_lost(self, worker: Worker) -> None:
+        for job in self.jobs.values():
+            if worker is job.prefill or worker is job.decode:
+                job.put(worker, {"lost": True})
+
+    # ---- Generate ----------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.jobs:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
+        try:
+            ids = prompt_ids(request, self.tokenizer, self.limits)
+            params = sampling_params(request.sampling, self.limits, len(ids))
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        job = Job(rid, ids, params)
+        self.jobs[rid] = job
+        try:
+            async for response in self._run(job):
+                yield response
+        except Reject as e:
+            await context.abort(e.code, str(e))
+        finally:
+            self.jobs.pop(rid, None)
+            if not job.finished:  # cancelled by the client, aborted or failed: free both sides
+                self._release(job)
+
+    async def _run(self, job: Job):
+        while True:
+            await self._place(job)
+            while True:
+                attempt, worker, r = await job.events.get()
+                if attempt != job.attempt:
+                    continue
+                if r.get("abort"):
+                    self._release(job)
+                    yield job.final("abort")
+                    return
+                if r.get("lost") or r["finish"] == "error":
+                    why = "a worker was lost" if r.get("lost") else r.get("error", "error")
+                    self._release(job)
+                    job.attempt += 1
+                    if job.attempt >= MAX_ATTEMPTS:
+                        raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
+                    log.warning("re-running %s (attempt %d): %s", job.request_id, job.attempt, why)
+                    break
+                response = job.tokens(r)
+                if response is not None:
+                    yield response
+                if worker is job.prefill and worker is not job.decode:
+                    if r["tokens"]:  # the first token: decode goes on from it
+                        job.decode.actor.first_token.remote(job.key, r["tokens"][0])
+                    continue
+                if r["finish"]:
+                    yield job.final(r["finish"])
+                    return
+
+    def _release(self, job: Job) -> None:
+        """Abort the job's current attempt wherever it may hold blocks (idempotent there)."""
+        for w in {id(w): w for w in (job.prefill, job.decode) if w is not None}.values():
+            if w.state == "ready":
+                w.actor.abort.remote(job.key)
+        job.prefill = job.decode = None
+
+    async def _place(self, job: Job) -> None:
+        """Reserve on a decode worker and submit to a prefill worker (or one colocated worker).
+
+        Raises:
+            Reject: RESOURCE_EXHAUSTED (admission queue full), UNAVAILABLE (no worker left).
+        """
+        from ray.exceptions import RayActorError, RayTaskError
+        ids, params = job.inputs()
+        roles = ("colocated",) if self.colocated else ("decode",)
+        frac = self.cfg.decode.reserve_fraction
+        queued = False
+        try:
+            while True:
+                if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
+                    raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
+                d = pick_decode(self.pools.loads(*roles), len(ids), params.max_tokens, frac)
+                p = None if self.colocated or d is None else self._pick_prefill(len(ids))
+                if d is None or (p is None and not self.colocated):
+                    if not queued:
+                        if self.queued >= self.cfg.router.max_queue:
+                            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"all decode workers are full and {self.queued} requests are "
+                                         "already waiting; retry later")
+                        queued, self.queued = True, self.queued + 1
+                    await self.pools.wait_change(RETRY_WAIT_S)
+                    continue
+                dw = self.pools.workers[d.worker_id]
+                need = d.blocks_for(len(ids) + int(round(frac * params.max_tokens)))
+                self.pools.reserved(dw.worker_id, need)
+                try:
+                    if self.colocated:
+                        await dw.actor.submit.remote(job.key, ids, params)
+                        job.prefill = job.decode = dw
+                        return
+                    if not await dw.actor.reserve.remote(job.key, ids, params):
+                        self.pools.reserved(dw.worker_id, d.free_blocks)  # full until it reports
+                        continue
+                except RayActorError as e:
+                    self.pools.lost(dw, f"reserve failed: {e}")
+                    continue
+                except RayTaskError as e:
+                    if isinstance(e.cause, InvalidRequestError):
+                        raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e.cause)) from None
+                    raise
+                pw = self.pools.workers[p.worker_id]
+                job.prefill, job.decode = pw, dw
+                pw.actor.submit.remote(job.key, ids, params, dw.address)
+                return
+        finally:
+            if queued:
+                self.queued -= 1
+
+    def _pick_prefill(self, prompt_tokens: int):
+        loads = self.pools.loads("prefill")
+        # No prefill worker has room now: the least loaded queues it in its own engine.
+        return pick_prefill(loads, prompt_tokens) or min(
+            (w for w in loads if w.accepting), key=lambda w: w.queued_prompt_tokens, default=None)
+
+    # ---- the other RPCs ----------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        job = self.jobs.get(request.request_id)
+        if job is None:
+            return pb.AbortResponse(found=False)
+        job.put(None, {"abort": True})
+        return pb.AbortResponse(found=True)
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        info = self.pools.model_info
+        return pb.ModelInfo(model=Path(info["model"]).name, context_length=self.limits.context_length,
+                            vocab_size=info["vocab_size"], dtype=info["dtype"], quantization="none",
+                            speculative="none", block_size=info["block_size"])
+
+    async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
+        workers = []
+        for w in self.pools.workers.values():
+            s = w.status
+            workers.append(pb.WorkerStatus(
+                worker_id=w.worker_id, role=w.role, state=w.state, running=s.get("running", 0),
+                waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
+                kv_blocks_total=s.get("kv_blocks_total", 0), tokens_per_s=s.get("tokens_per_s", 0.0)))
+        return pb.ClusterStatus(mode=self.cfg.mode, workers=workers)
+
+
+async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Serve ``router`` plus grpc.health.v1 and reflection; returns (server, bound port)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(router, server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", service):
+        await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+    return server, bound
+
+
+async def _maybe_await(x: Any) -> None:
+    if asyncio.iscoroutine(x):
+        await x
+
