@@ -189,27 +189,35 @@ class Pools:
         self._tasks.append(asyncio.create_task(self._bring_up(w), name=f"up-{w.worker_id}"))
 
     async def _bring_up(self, w: Worker) -> None:
-        from ray.exceptions import RayActorError
-        try:
-            info = await w.actor.model_info.remote()  # waits while Ray restarts the actor
-            if self.model_info and info["fingerprint"] != self.model_info["fingerprint"]:
-                raise RuntimeError(f"{w.worker_id} serves another model: {info['model']}")
-            self.model_info = self.model_info or info
-            w.info = info
-            if w.role != "prefill":
-                w.address = await w.actor.address.remote()
-                await asyncio.gather(*(p.actor.connect.remote(w.address) for p in self.workers.values()
-                                       if p.role == "prefill" and p.state == "ready"))
-            else:
-                await asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
-                                       if d.role == "decode" and d.state == "ready"))
-        except RayActorError as e:
-            log.error("worker %s is gone: %s", w.worker_id, e)
-            w.state = "gone"
-            self._notify()
-            return
-        w.incarnation, w.state, w.last_seen = info["incarnation"], "ready", time.monotonic()
+        from ray.exceptions import ActorUnavailableError, RayActorError
+        while True:
+            try:
+                info = await self._connect(w)
+                break
+            except ActorUnavailableError:  # Ray is restarting it: ask again shortly
+                await asyncio.sleep(0.2)
+            except RayActorError as e:  # dead for good (restarts exhausted, node gone)
+                log.error("worker %s is gone: %s", w.worker_id, e)
+                w.state = "gone"
+                self._notify()
+                return
+        w.info, w.incarnation, w.state, w.last_seen = info, info["incarnation"], "ready", time.monotonic()
         self._notify()
+
+    async def _connect(self, w: Worker) -> dict:
+        """Check the worker's model and wire its KV connections; returns its model info."""
+        info = await w.actor.model_info.remote()  # waits while its model loads
+        if self.model_info and info["fingerprint"] != self.model_info["fingerprint"]:
+            raise RuntimeError(f"{w.worker_id} serves another model: {info['model']}")
+        self.model_info = self.model_info or info
+        if w.role != "prefill":
+            w.address = await w.actor.address.remote()
+            await asyncio.gather(*(p.actor.connect.remote(w.address) for p in self.workers.values()
+                                   if p.role == "prefill" and p.state == "ready"))
+        else:
+            await asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
+                                   if d.role == "decode" and d.state == "ready"))
+        return info
 
     async def _health(self) -> None:
         """Ask Ray about workers whose heartbeat went quiet (a long step is not death)."""

@@ -25,6 +25,32 @@ def hf_model(model_path):
     return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
 
 
+# Prompts with HF's greedy continuations: the reference every serving path must equal.
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "clockmaker who had never once left the valley. Every morning he",
+    "Q: What is 17 times 3?\nA:",
+    "A list of the planets of the solar system, in order from the sun: Mercury, Venus,",
+]
+GREEDY_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(hf_model, tokenizer) -> list[tuple[str, list[int]]]:
+    """(prompt, HF generate's greedy new tokens, at most 64), one prompt at a time (no padding
+    effects in the reference). HF stops at EOS: so must every path compared with it."""
+    out = []
+    with torch.inference_mode():
+        for p in GREEDY_PROMPTS:
+            ids = torch.tensor([tokenizer(p)["input_ids"]])
+            g = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY_NEW_TOKENS,
+                                  do_sample=False)
+            out.append((p, g[0, ids.shape[1]:].tolist()))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
     from transformers import AutoTokenizer
@@ -54,3 +80,17 @@ def make_engine(model_path) -> Iterator[Callable[..., LLMEngine]]:
         assert not eng.has_unfinished(), "a test left requests in the engine"
         assert eng.block_manager.num_used_blocks == 0, "a test leaked KV blocks"
         eng.block_manager.check_invariants()
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """One private local Ray for the whole test session (dashboard off, no auth token file,
+    its own temp dir), with room for every pool the tests create."""
+    import os
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    ray.init(num_cpus=8, resources={"prefill": 4, "decode": 4}, include_dashboard=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False,
+             _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n"}})
+    yield ray
+    ray.shutdown()

@@ -7,33 +7,22 @@ import torch
 
 from engine.request import SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
-    "clockmaker who had never once left the valley. Every morning he",
-    "Q: What is 17 times 3?\nA:",
-    "A list of the planets of the solar system, in order from the sun: Mercury, Venus,",
-]
 NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_model, tokenizer) -> list[list[int]]:
-    """HF generate, greedy, one prompt at a time (no padding effects in the reference)."""
-    out = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = torch.tensor([tokenizer(p)["input_ids"]])
-            g = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                  do_sample=False)
-            out.append(g[0, ids.shape[1]:].tolist())
-    return out
+def prompts(greedy_reference) -> list[str]:
+    return [p for p, _ in greedy_reference]
 
 
-def test_logits_match_hf(make_engine, hf_model, tokenizer):
+@pytest.fixture(scope="module")
+def hf_greedy(greedy_reference) -> list[list[int]]:
+    return [ids for _, ids in greedy_reference]
+
+
+def test_logits_match_hf(make_engine, hf_model, tokenizer, prompts):
     eng = make_engine()
-    for p in PROMPTS[:3]:
+    for p in prompts[:3]:
         ids = tokenizer(p)["input_ids"]
         ours = eng.prompt_logits(ids)
         with torch.inference_mode():
@@ -42,36 +31,36 @@ def test_logits_match_hf(make_engine, hf_model, tokenizer):
         assert (ours - ref).abs().max().item() <= 1e-3
 
 
-def _greedy(eng, prompts=PROMPTS):
+def _greedy(eng, prompts):
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
     return eng.generate(prompts, sp)
 
 
 @pytest.mark.parametrize("budget,chunked", [(2048, False), (16, True), (7, True)],
                          ids=["no-chunking", "chunked-16", "chunked-7"])
-def test_greedy_batch_matches_hf(make_engine, hf_greedy, budget, chunked):
+def test_greedy_batch_matches_hf(make_engine, hf_greedy, prompts, budget, chunked):
     eng = make_engine(budget=budget, chunked=chunked)
-    outs = _greedy(eng)
+    outs = _greedy(eng, prompts)
     for out, ref in zip(outs, hf_greedy):
         assert out.token_ids == ref
         # HF stops at EOS before the budget; so must we, with the right reason.
         assert out.finish_reason == ("length" if len(ref) == NEW_TOKENS else "stop")
 
 
-def test_greedy_with_prefix_cache_hit(make_engine, hf_greedy, tokenizer):
+def test_greedy_with_prefix_cache_hit(make_engine, hf_greedy, tokenizer, prompts):
     eng = make_engine(budget=64)
     # Warm the cache with one prompt, then run the batch: prompt 2 (>= one full block) is a hit.
-    _greedy(eng, [PROMPTS[2]])
-    outs = _greedy(eng)
+    _greedy(eng, [prompts[2]])
+    outs = _greedy(eng, prompts)
     assert outs[2].num_cached_tokens >= 16
     assert eng.block_manager.prefix_hits > 0
     for out, ref in zip(outs, hf_greedy):
         assert out.token_ids == ref
 
 
-def test_bf16_close_to_fp32(make_engine, tokenizer):
+def test_bf16_close_to_fp32(make_engine, tokenizer, prompts):
     fp32, bf16 = make_engine(), make_engine(dtype="bfloat16")
-    for p in PROMPTS[:3]:
+    for p in prompts[:3]:
         ids = tokenizer(p)["input_ids"]
         a, b = fp32.prompt_logits(ids)[-1], bf16.prompt_logits(ids)[-1]
         assert a.argmax() == b.argmax()

@@ -4,7 +4,6 @@ token, collect per-step token batches — and gets one engine's greedy output, l
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -15,19 +14,8 @@ from engine.request import SamplingParams
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # local test cluster: no token file
-    import ray
-    ray.init(num_cpus=2, resources={"prefill": 1, "decode": 1}, include_dashboard=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False,
-             runtime_env={"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n"}})
-    yield ray
-    ray.shutdown()
-
-
-def test_prefill_and_decode_actors_serve_greedy_requests(ray_cluster, model_path, make_engine, tokenizer):
-    ray = ray_cluster
+def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path, make_engine, tokenizer):
+    ray = ray_session
     from decode_worker.actor import DecodeActor
     from prefill_worker.actor import PrefillActor
     sp = SamplingParams(max_tokens=16, temperature=0)
