@@ -57,7 +57,7 @@ test: install
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 serve: install
-	$(VENV)/bin/pdserve serve --local
+	$(VENV)/bin/pdserve serve --config deploy/local.yaml
 
 # -P: keep bench/ off sys.path, or bench/engine.py would shadow the engine package.
 bench: install

@@ -1,9 +1,10 @@
 """The ``pdserve`` command line.
 
 Subcommands:
-  generate --local   run one prompt through the engine in this process, streaming its text
-  serve --local      load the bundled model and stream answers to a few example prompts, all in
-                     one continuous batch (the disaggregated cluster lands with the router)
+  serve              start the cluster: local Ray (or --address), prefill and decode pools, gRPC
+  generate           send one prompt to a running server and stream its text (--local: in-process)
+  status             the cluster's workers as a table
+  serve --local      in-process demo: a few example prompts in one continuous batch, no cluster
   convert            convert the bundled GGUF (or another) into the HF-format cache folder
 """
 
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+DEFAULT_SERVER = "127.0.0.1:50051"
 EXAMPLE_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a haiku about the sea.",
@@ -24,7 +26,7 @@ EXAMPLE_PROMPTS = [
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+    g = p.add_argument_group("engine (--local only)")
     g.add_argument("--model", default=None,
                    help="HF-format model folder (Llama/Mistral/Qwen2 family); default: the bundled "
                         "SmolLM2-135M-Instruct, converted from its GGUF on first use")
@@ -71,10 +73,67 @@ def _params(args: argparse.Namespace):
                           seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos)
 
 
+def _rpc_error(e, server: str) -> int:
+    import grpc
+    if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (e.details() or "").lower():
+        print(f"pdserve: error: cannot reach a server at {server} (is `pdserve serve` running?)", file=sys.stderr)
+    else:
+        print(f"pdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+    return 1
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from router.client import collect, connect, make_request
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    if args.chat:
+        req = make_request(messages=[{"role": "user", "content": args.prompt}], stop=args.stop,
+                           ignore_eos=args.ignore_eos, **kw)
+    else:
+        req = make_request(args.prompt, stop=args.stop, ignore_eos=args.ignore_eos, **kw)
+    try:
+        out = collect(connect(args.server).Generate(req),
+                      None if args.json else lambda t: print(t, end="", flush=True))
+    except grpc.RpcError as e:
+        return _rpc_error(e, args.server)
+    u = out.pop("usage")
+    if args.json:
+        print(json.dumps({**out, **u}))
+    else:
+        print(f"\n[{out['finish_reason']}; {u['completion_tokens']} tokens; TTFT {u['ttft_s'] * 1e3:.0f} ms; "
+              f"TPOT {u['mean_tpot_s'] * 1e3:.1f} ms; {u['prefill_worker']} -> {u['decode_worker']}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.v1 import pdserve_pb2 as pb
+    from router.client import connect
+    try:
+        st = connect(args.server).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=10)
+    except grpc.RpcError as e:
+        return _rpc_error(e, args.server)
+    rows = [(w.worker_id, w.role, w.state, str(w.running), str(w.waiting),
+             f"{w.kv_blocks_used}/{w.kv_blocks_total}", f"{w.tokens_per_s:.1f}") for w in st.workers]
+    if args.json:
+        keys = ("worker_id", "role", "state", "running", "waiting", "kv_blocks", "tokens_per_s")
+        print(json.dumps({"mode": st.mode, "workers": [dict(zip(keys, r)) for r in rows]}))
+        return 0
+    head = ("WORKER", "ROLE", "STATE", "RUNNING", "WAITING", "KV BLOCKS", "TOK/S")
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    print(f"mode: {st.mode}")
+    for r in (head, *rows):
+        print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     if not args.local:
-        print("pdserve generate: only --local (in-process engine) is available so far", file=sys.stderr)
-        return 2
+        return cmd_generate_remote(args)
     params = _params(args)  # validate before the slow model load
     eng = _build_engine(args)
     t0 = time.monotonic()
@@ -103,11 +162,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_cluster(args: argparse.Namespace) -> int:
+    from router.app import serve
+    from router.config import load_config
+    overrides = {k: v for k, v in (("router.host", args.host), ("router.port", args.port)) if v is not None}
+    cfg = load_config(args.config, overrides)  # a bad key or value stops here, naming it
+    return serve(cfg, args.address, cfg.router.host, cfg.router.port)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if not args.local:
-        print("pdserve serve: the disaggregated cluster (router + Ray pools) is not available yet; "
-              "use `pdserve serve --local` to run the engine in-process", file=sys.stderr)
-        return 2
+        return cmd_serve_cluster(args)
     params = _params(args)
     eng = _build_engine(args)
     prompts = args.prompt or EXAMPLE_PROMPTS
@@ -166,24 +231,40 @@ def build_parser() -> argparse.ArgumentParser:
                                    "is plain text completion (tokenized as tokenizer(prompt)); --chat wraps "
                                    "it in the model's chat template.")
     g.add_argument("prompt", help="the prompt text")
-    g.add_argument("--local", action="store_true", help="run the engine in this process")
+    g.add_argument("--server", default=DEFAULT_SERVER, help=f"the pdserve server (default {DEFAULT_SERVER})")
+    g.add_argument("--local", action="store_true",
+                   help="run the engine in this process instead of asking a server (engine options apply)")
     g.add_argument("--chat", action="store_true", help="format the prompt as one user chat message")
     g.add_argument("--json", action="store_true",
-                   help="print one JSON object at the end (text, token_ids, finish_reason, timing) "
-                        "instead of streaming text")
+                   help="print one JSON object at the end (text, token_ids, finish_reason and the "
+                        "usage: tokens, TTFT, TPOT, workers; with --local: timing) instead of streaming text")
     _sampling_args(g, max_tokens=128)
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="serve the model (in-process demo with --local)",
-                       description="Load the model and stream answers to example chat prompts, all run "
-                                   "together in one continuous batch. The gRPC cluster comes with the "
-                                   "router; until then only --local is available.")
-    s.add_argument("--local", action="store_true", help="run the engine in this process")
-    s.add_argument("--prompt", action="append", help="a chat prompt instead of the examples (repeatable)")
+    s = sub.add_parser("serve", help="start the cluster and serve gRPC (--local: in-process demo)",
+                       description="Start a local Ray (dashboard off, no auth token file, a private temp "
+                                   "dir) or join one (--address), create the prefill and decode pools of "
+                                   "the config, and serve pdserve.v1.Generation (plus health and "
+                                   "reflection) until Ctrl-C. With --local: load the model in this process "
+                                   "and stream answers to example chat prompts in one continuous batch.")
+    s.add_argument("--config", default=None,
+                   help="cluster config YAML (default: built-in defaults, as in deploy/local.yaml)")
+    s.add_argument("--address", default=None, help="join this running Ray cluster instead of starting one")
+    s.add_argument("--host", default=None, help="gRPC listen host (overrides router.host; default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="gRPC listen port (overrides router.port; default 50051)")
+    s.add_argument("--local", action="store_true", help="in-process demo, no cluster (engine options apply)")
+    s.add_argument("--prompt", action="append", help="--local: a chat prompt instead of the examples (repeatable)")
     _sampling_args(s, max_tokens=96)
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", help="show the cluster's workers as a table",
+                        description="Ask a running server for each worker's role, state, running and "
+                                    "waiting requests, KV blocks used/total and tokens/s.")
+    st.add_argument("--server", default=DEFAULT_SERVER, help=f"the pdserve server (default {DEFAULT_SERVER})")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.set_defaults(func=cmd_status)
 
     c = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format folder",
                        description="Dequantize a llama-architecture GGUF into an HF-format folder "

@@ -19,7 +19,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([PDSERVE, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("cmd", [[], ["generate"], ["serve"], ["convert"]])
+@pytest.mark.parametrize("cmd", [[], ["generate"], ["serve"], ["status"], ["convert"]])
 def test_every_command_has_help(cmd):
     r = _run(*cmd, "--help")
     assert r.returncode == 0 and "usage: pdserve" in r.stdout and len(r.stdout) > 200
@@ -50,3 +50,52 @@ def test_serve_local_streams_answers():
     assert r.returncode == 0, r.stderr
     assert "[1/2] What is the capital of France?" in r.stdout and "[2/2] Say hello." in r.stdout
     assert "Paris" in r.stdout
+
+
+def test_serve_with_a_bad_config_fails_at_start_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode:\n  replica: 2\n")
+    r = _run("serve", "--config", str(bad), timeout=60)
+    assert r.returncode == 2 and "unknown key decode.replica" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_client_commands_without_a_server_say_so():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for cmd in (["status"], ["generate", "hi"]):
+        r = _run(*cmd, "--server", f"127.0.0.1:{port}", timeout=60)
+        assert r.returncode == 1 and "cannot reach a server" in r.stderr, r.stderr
+
+
+def test_serve_generate_status_and_ctrl_c(tmp_path):
+    """`pdserve serve` as `make serve` runs it (1 prefill + 1 decode worker): a client gets an
+    answer, `status` shows both workers, Ctrl-C stops everything cleanly."""
+    import signal
+    import socket
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([PDSERVE, "serve", "--config", os.path.join(root, "deploy", "local.yaml"),
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 240
+        while not any("serving pdserve.v1.Generation" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stderr.readline())
+        server = f"127.0.0.1:{port}"
+        r = _run("generate", "The capital of France is", "--server", server, "--max-tokens", "8", "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert "Paris" in out["text"] and out["finish_reason"] == "length" and len(out["token_ids"]) == 8
+        assert out["prefill_worker"] == "prefill-0" and out["decode_worker"] == "decode-0"
+        r = _run("status", "--server", server)
+        assert r.returncode == 0 and "prefill-0" in r.stdout and "decode-0" in r.stdout and "ready" in r.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0 and "shutting down" in rest, rest
