@@ -1,5 +1,5 @@
 # pdserve developer entry points. Everything installs into ./.venv.
-#   make serve   install, then stream the bundled model's answers in-process
+#   make serve   install, then serve the bundled model on a local cluster (gRPC 127.0.0.1:50051)
 #   make test    install, then run the test suite (what CI runs: .ci/run)
 
 SHELL := /bin/bash

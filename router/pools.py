@@ -201,7 +201,8 @@ class Pools:
                 w.state = "gone"
                 self._notify()
                 return
-        w.info, w.incarnation, w.state, w.last_seen = info, info["incarnation"], "ready", time.monotonic()
+        w.info, w.incarnation, w.last_seen = info, info["incarnation"], time.monotonic()
+        w.state = "ready"
         self._notify()
 
     async def _connect(self, w: Worker) -> dict:
@@ -217,6 +218,7 @@ class Pools:
         else:
             await asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
                                    if d.role == "decode" and d.state == "ready"))
+        w.status, w.reserved_blocks = await w.actor.status.remote(), 0  # placement needs a load now
         return info
 
     async def _health(self) -> None:
