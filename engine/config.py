@@ -134,6 +134,51 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+SPECULATIVE_METHODS = ("draft", "ngram", "layer_skip", "quant_self")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a cheap draft proposes tokens, the target verifies them in one forward.
+
+    ``method``: ``draft`` (a separate Llama-family checkpoint at ``draft_model`` with the
+    target's tokenizer), ``ngram`` (prompt lookup: what followed the last n tokens earlier in
+    the sequence), ``layer_skip`` (the target's first ``draft_layers`` layers + its LM head) or
+    ``quant_self`` (an INT4 copy of the target). ``num_speculative_tokens`` is K, the most draft
+    tokens verified per step; with ``adaptive`` each request's K moves in 1..K with its recent
+    acceptance, and speculation is switched off for it while the measured gain is below 1.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    draft_layers: int | None = None  # layer_skip; None = half the target's layers
+    ngram_max: int = 4
+    ngram_min: int = 2
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..8, got {k!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (an HF-format folder)")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
+        if self.draft_layers is not None and (not isinstance(self.draft_layers, int) or self.draft_layers < 1):
+            raise ValueError(f"draft_layers must be an integer >= 1, got {self.draft_layers!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def label(self) -> str:
+        """Short name for status pages, e.g. ``ngram-k4``."""
+        return f"{self.method}-k{self.num_speculative_tokens}" + ("" if self.adaptive else "-fixed")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs. ``model=None`` means the bundled SmolLM2-135M-Instruct."""
@@ -146,6 +191,7 @@ class EngineConfig:
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -4,6 +4,9 @@ Lifecycle of a request: ``add_request`` validates and queues it (bad input raise
 InvalidRequestError before any state changes); each ``step`` schedules, runs one forward,
 updates progress and returns a RequestOutput (new tokens and text delta) for every request
 that produced something; finished and aborted requests have already released their blocks.
+
+With ``EngineConfig.speculative`` a step may give a request several tokens: its drafts are
+proposed after scheduling and verified in the same forward (``engine.spec.decoder``).
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class LLMEngine:
 
         cc = config.cache
         per_block = kv_bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if config.speculative is not None:  # a draft with its own KV shares the cache's memory
+            from engine.spec.registry import extra_kv_bytes_per_block
+            per_block += extra_kv_bytes_per_block(config.speculative, self.model_path, cc.block_size, self.dtype)
         num_blocks = cc.num_blocks or max(1, int(cc.memory_gb * 2**30) // per_block)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings, num_blocks * cc.block_size)
@@ -72,6 +78,10 @@ class LLMEngine:
                                  mc.head_dim, self.dtype, config.device)
         self.runner = ModelRunner(self.model, backend, kv, cc.block_size, config.device)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.spec = None
+        if config.speculative is not None:
+            from engine.spec.decoder import build_spec_decoder
+            self.spec = build_spec_decoder(config.speculative, self)
 
         eos = set(mc.eos_token_ids) | set(read_generation_eos(self.model_path))
         if self.tokenizer.eos_token_id is not None:
@@ -240,11 +250,19 @@ class LLMEngine:
                 the cache (a prefill worker streams it from there); requests in ``plan`` still
                 show their pre-step ``num_computed_tokens``.
         """
+        spec = self.spec
+        if spec is not None:
+            spec.before_schedule(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         hook = None if layer_done is None else (lambda i: layer_done(i, plan))
+        if spec is not None:
+            spec.propose(plan, self.runner.generator)
+            t0 = time.perf_counter()
         result = self.runner.execute(plan, hook)
+        if spec is not None:
+            spec.observe(plan, result, time.perf_counter() - t0)
         touched = self.scheduler.update(plan, result)
         outputs = []
         for req in touched:
@@ -269,6 +287,7 @@ class LLMEngine:
             hits = [i for i in (text.find(s, look) for s in sp.stop) if i >= 0]
             if hits:
                 text = text[:min(hits)]  # the stop string itself is not returned
+                num_new = self._drop_after_stop(req, num_new)
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         # A stop string may straddle the previous delta's end: never return text we must take back.
@@ -286,10 +305,24 @@ class LLMEngine:
                              list(req.output_token_ids), text, req.is_finished, req.finish_reason,
                              req.num_prompt_tokens, req.num_cached_tokens, req.ttft, req.mean_tpot)
 
+    def _drop_after_stop(self, req: Request, num_new: int) -> int:
+        """A step that added several tokens (speculative verify) may run past a stop string:
+        keep only the tokens up to the one that completed it, as one-token steps would."""
+        stops = req.sampling_params.stop
+        while num_new > 1:
+            text = self.tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=True)
+            if not any(s in text for s in stops):
+                break
+            req.output_token_ids.pop()
+            num_new -= 1
+        return num_new
+
     def _forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self._emitted.pop(request_id, None)
         self.runner.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [T, vocab] of every position of ``token_ids`` (for evaluation and tests).

@@ -3,6 +3,9 @@
 Owns the model, the KV tensors, the attention backend and the sampler. Knows nothing of
 queues: it reads each scheduled request's tokens, positions and blocks, and returns a
 StepResult with the sampled tokens of the requests that reached their last token.
+
+A speculative request brings its last token plus k draft tokens; all 1+k positions get logits
+and ``engine.spec.verify`` turns them into the accepted drafts plus one token of the target's.
 """
 
 from __future__ import annotations
@@ -42,14 +45,21 @@ class ModelRunner:
         progress: the same tokens whether it runs alone, batched, after a preemption, or on a
         decode worker that continues after a prefill worker drew its first token.
         """
+        return self.generator(req, req.num_output_tokens, 0) if req.sampling_params.seed is not None else None
+
+    def generator(self, req, index: int, stream: int = 0) -> torch.Generator | None:
+        """The generator for output token ``index`` of ``req`` in random ``stream`` (0: plain
+        sampling; speculative decoding keeps its draft and verify draws in streams of their
+        own). Unseeded requests get the sampler's shared generator."""
         seed = req.sampling_params.seed
         if seed is None:
-            return None
+            return self.sampler.default_generator(self.device) if stream else None
         gen = self._generators.get(req.request_id)
         if gen is None:
             gen = self._generators[req.request_id] = make_generator(seed, self.device)
         # splitmix-style mixing keeps neighbouring (seed, index) pairs far apart
-        gen.manual_seed((seed * 0x9E3779B97F4A7C15 + req.num_output_tokens * 0xBF58476D1CE4E5B9) % 2**63)
+        gen.manual_seed((seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9
+                         + stream * 0x94D049BB133111EB) % 2**63)
         return gen
 
     @torch.inference_mode()
@@ -62,9 +72,19 @@ class ModelRunner:
         """
         hidden, sample_rows, sample_reqs = self._forward(plan, layer_done)
         result = StepResult()
+        verified = [s for s in plan.scheduled if s.max_spec_tokens]
+        if not sample_reqs and not verified:
+            return result
+        if verified:  # verify rows first (1+k per request), then the plain sampling rows
+            vrows = [i for s in verified for i in range(s.first_row, s.first_row + s.num_new_tokens)]
+            logits = self.model.compute_logits(hidden[torch.tensor(vrows + sample_rows, device=self.device)])
+            from engine.spec.verify import verify
+            result.sampled.update(verify(logits[:len(vrows)], verified, self.generator))
+            logits = logits[len(vrows):]
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         if not sample_reqs:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         tokens = self.sampler(
             logits,
             [r.sampling_params for r in sample_reqs],
@@ -94,7 +114,8 @@ class ModelRunner:
         for s in plan.scheduled:
             r, n = s.request, s.num_new_tokens
             start = r.num_computed_tokens
-            toks = r.all_token_ids[start:start + n]
+            s.first_row = len(ids)
+            toks = r.all_token_ids[start:start + n - len(s.spec_token_ids)] + s.spec_token_ids
             ids.extend(toks)
             rng = range(start, start + n)
             pos.extend(rng)
@@ -103,7 +124,7 @@ class ModelRunner:
             qlens.append(n)
             ctxs.append(start + n)
             tables.append(bt)
-            if s.samples:
+            if s.samples and not s.max_spec_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_reqs.append(r)
         dev = self.device

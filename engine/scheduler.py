@@ -20,12 +20,20 @@ Each step has a token budget. Running requests go first (decodes take 1 token, a
 prompt takes a chunk of what is left), then waiting ones while budget, seats and blocks last.
 Progress is a token count: a request is given ``num_tokens - num_computed_tokens`` tokens (or a
 chunk of them); the step that catches it up samples its next token.
+
+Speculative decoding: a decoding request with ``spec_k > 0`` is scheduled with room for up to
+``spec_k`` draft tokens after its last token (budget and blocks reserved; when blocks are short
+it decodes plainly instead of preempting for drafts). The proposer fills the drafts into the
+plan, the runner verifies 1+k tokens in the same forward, and ``update`` keeps the accepted
+ones: ``num_computed_tokens`` advances by 1 + accepted (rejected positions are rolled back)
+and blocks past the end are released.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import SchedulerConfig
 from engine.kv_cache import BlockManager
@@ -38,12 +46,25 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
+    # Speculative verify: room reserved for up to max_spec_tokens drafts after the last token;
+    # the proposer fills spec_token_ids (and, for a sampled draft, spec_probs [k, vocab]).
+    max_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None
+    first_row: int = 0  # set by the runner: this request's first row in the flattened batch
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the request's last token, so a new token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
+
+    def set_draft(self, token_ids: list[int], probs: Any = None) -> None:
+        """Put the proposer's draft tokens (at most ``max_spec_tokens``) into this step."""
+        token_ids = list(token_ids)[:self.max_spec_tokens]
+        self.num_new_tokens += len(token_ids) - len(self.spec_token_ids)
+        self.spec_token_ids = token_ids
+        self.spec_probs = None if probs is None or not token_ids else probs[:len(token_ids)]
 
 
 @dataclass
@@ -56,6 +77,11 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def speculative(self) -> list[ScheduledRequest]:
+        """Scheduled requests with room for draft tokens this step."""
+        return [s for s in self.scheduled if s.max_spec_tokens]
 
     @property
     def is_empty(self) -> bool:
@@ -171,8 +197,9 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            plan.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            k = self._spec_room(req, n, budget)
+            plan.scheduled.append(ScheduledRequest(req, n, max_spec_tokens=k))
+            budget -= n + k
             i += 1
 
         # Admit waiting requests, but not in a step that had to preempt: memory is short.
@@ -214,6 +241,20 @@ class Scheduler:
             budget -= n
         return plan
 
+    def _spec_room(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens a decoding request may verify this step (0: plain decode).
+
+        Never more than the budget left, the tokens it may still generate (the verify also
+        yields one token of its own) or the context; blocks are taken only if free now.
+        """
+        if req.spec_k <= 0 or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        k = min(req.spec_k, budget - n, req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens)
+        if k <= 0 or not self.bm.allocate(req.block_ids, req.num_computed_tokens + n + k):
+            return 0
+        return k
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.bm.free(req.block_ids)
@@ -228,6 +269,10 @@ class Scheduler:
         for s in plan.scheduled:
             req = s.request
             if req.is_finished:  # aborted while the step ran
+                continue
+            if s.max_spec_tokens:
+                self._update_verified(s, result)
+                touched.append(req)
                 continue
             before = req.num_computed_tokens
             req.num_computed_tokens += s.num_new_tokens
@@ -245,6 +290,41 @@ class Scheduler:
                 self.sending[req.request_id] = req
             touched.append(req)
         return touched
+
+    def _update_verified(self, s: ScheduledRequest, result: StepResult) -> None:
+        """Keep what a verify step accepted and roll back the rest.
+
+        The step computed KV for the last token and the k drafts. ``result`` holds the accepted
+        drafts plus one token from the target, so the last token and the accepted drafts are
+        computed now; rejected drafts' positions are not (their slots are overwritten later,
+        never hashed: only blocks full of computed tokens enter the prefix cache), and blocks
+        past the request's end go back to the block manager. Tokens after a stop are dropped
+        from ``result`` too, so outputs show only what was appended.
+        """
+        req = s.request
+        tokens = result.sampled.get(req.request_id, [])
+        before = req.num_computed_tokens
+        base = s.num_new_tokens - len(s.spec_token_ids)  # 1: the last token
+        computed = before + base + max(len(tokens) - 1, 0)
+        if s.spec_token_ids:
+            req.spec_verify_steps += 1
+            req.spec_draft_tokens += len(s.spec_token_ids)
+            req.spec_accepted_tokens += max(len(tokens) - 1, 0)
+        # Hash blocks that became full of accepted tokens before a stop may free them.
+        self.bm.cache_blocks(req.block_ids, req.all_token_ids + tokens, before, computed)
+        req.num_computed_tokens = computed
+        appended = 0
+        for tok in tokens:
+            req.append_output_token(tok)
+            appended += 1
+            status = self.check_stop(req, tok)
+            if status is not None:
+                self.finish(req, status)
+                break
+        if appended < len(tokens):
+            result.sampled[req.request_id] = tokens[:appended]
+        if not req.is_finished:
+            self.bm.trim(req.block_ids, req.num_tokens)
 
     def check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """Stop on EOS (unless ignored), a stop token id, max_tokens or the context limit."""

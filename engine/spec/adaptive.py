@@ -1,0 +1,135 @@
+"""Adaptive K: each request's draft length from its recent acceptance and measured step costs.
+
+Expected tokens from one verify of K drafts when each draft is accepted with probability a
+(independently, the standard model): E(a, K) = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a).
+A verify step costs the target's forward over B(1+K) tokens instead of B, plus K draft
+forwards. With T(n) the measured step time for n tokens and d the measured time of one draft
+forward, the gain of speculating with K over plain decoding is
+
+    gain(K) = E(a, K) * T(B) / (T(B * (1 + K)) + K * d)
+
+(B: the requests decoding in the batch, all assumed to speculate: pessimistic for a mixed
+batch). Each request takes the K in 1..K_max with the best gain, or K = 0 (off) when no K
+gains more than ``MIN_GAIN``; an off request probes again with a short draft every
+``PROBE_EVERY`` steps, so a text that turns repetitive gets speculation back. a is a decayed
+estimate: accepted drafts / (accepted drafts + rejections), with a prior worth two drafts.
+T(n) is a decayed least-squares line fitted to decode-only steps; until the steps seen differ
+in size, its slope comes from a deliberately pessimistic prior.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECAY = 0.7  # per verify step, for a request's acceptance counts
+TIME_DECAY = 0.97  # per step, for the step-time fit and the draft time
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0
+PRIOR_SLOPE = 0.3  # marginal cost of one more token, as a share of the mean per-token cost
+MIN_GAIN = 1.02
+PROBE_EVERY = 16
+PROBE_K = 2
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(a, K) = (1 - a^(K+1)) / (1 - a): tokens one verify of K drafts yields on average."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = PRIOR_ALPHA * PRIOR_WEIGHT
+    rejected: float = (1 - PRIOR_ALPHA) * PRIOR_WEIGHT
+    off_steps: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+class StepTimeModel:
+    """T(n) = a + b n, decayed least squares over (tokens, seconds) of decode-only steps."""
+
+    def __init__(self) -> None:
+        self.w = self.sn = self.st = self.snn = self.snt = 0.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        d = TIME_DECAY
+        self.w = self.w * d + 1
+        self.sn = self.sn * d + n
+        self.st = self.st * d + seconds
+        self.snn = self.snn * d + n * n
+        self.snt = self.snt * d + n * seconds
+
+    def predict(self, n: float) -> float | None:
+        if self.w < 1e-9:
+            return None
+        mn, mt = self.sn / self.w, self.st / self.w
+        var = self.snn / self.w - mn * mn
+        cov = self.snt / self.w - mn * mt
+        prior = PRIOR_SLOPE * mt / max(mn, 1.0)
+        slope = max(0.0, (cov + prior) / (var + 1.0))  # shrunk towards the prior by one token^2
+        return max(1e-6, mt + slope * (n - mn))
+
+
+class AdaptiveK:
+    """Chooses ``spec_k`` per request; ``k_max`` from the config, ``adaptive=False`` fixes it."""
+
+    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.times = StepTimeModel()
+        self.draft_step_s = 0.0  # decayed mean time of one draft forward
+        self._draft_w = 0.0
+        self._req: dict[str, _Acceptance] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._req.pop(request_id, None)
+
+    def alpha(self, request_id: str) -> float:
+        return self._req.get(request_id, _Acceptance()).alpha
+
+    def observe_verify(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A verify of ``proposed`` drafts kept ``accepted`` of them."""
+        if proposed <= 0:
+            return
+        st = self._req.setdefault(request_id, _Acceptance())
+        st.accepted = st.accepted * DECAY + accepted
+        st.rejected = st.rejected * DECAY + (1 if accepted < proposed else 0)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.times.observe(num_tokens, seconds)
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        if forwards <= 0:
+            return
+        self._draft_w = self._draft_w * TIME_DECAY + forwards
+        self.draft_step_s += (seconds - forwards * self.draft_step_s) / self._draft_w
+
+    def gain(self, alpha: float, k: int, batch: int) -> float:
+        """Modelled speedup of verifying k drafts per request over plain decoding."""
+        base = self.times.predict(batch)
+        spec = self.times.predict(batch * (1 + k))
+        if base is None or spec is None:
+            return expected_tokens(alpha, k) / (1 + 0.1 * k)  # no timings yet: assume a cheap verify
+        return expected_tokens(alpha, k) * base / (spec + k * self.draft_step_s)
+
+    def choose(self, request_id: str, batch: int) -> int:
+        """K for this request's next step (0: plain decode)."""
+        if not self.adaptive:
+            return self.k_max
+        st = self._req.setdefault(request_id, _Acceptance())
+        a = st.alpha
+        best_k, best = 0, MIN_GAIN
+        for k in range(1, self.k_max + 1):
+            g = self.gain(a, k, batch)
+            if g > best:
+                best_k, best = k, g
+        if best_k == 0:
+            st.off_steps += 1
+            if st.off_steps % PROBE_EVERY == 0:
+                return min(PROBE_K, self.k_max)
+        else:
+            st.off_steps = 0
+        return best_k
