@@ -7,26 +7,29 @@ also prefills (``submit``: a normal request, chunked by the engine's token budge
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
 from engine.config import EngineConfig
 from engine.request import SamplingParams
-from engine.step_loop import StepLoop, error_record, output_record
+from engine.step_loop import StepLoop, WorkerOptions, error_record, output_record
 
 
 @ray.remote
 class DecodeActor(StepLoop):
-    def __init__(self, config: EngineConfig, transport: str = "ucx", lease_s: float = 30.0,
-                 threads: int = 1, colocated: bool = False,
-                 router: tuple[str, str] | None = None) -> None:
+    def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
         import torch
 
         from decode_worker.worker import DecodeWorker
         from engine.llm_engine import LLMEngine
         from kvtransfer.base import get_transport
-        torch.set_num_threads(threads)  # several workers share a node's cores
-        self.role = "colocated" if colocated else "decode"
-        self._start(DecodeWorker(LLMEngine(config, progress=False), get_transport(transport), lease_s), router)
+        torch.set_num_threads(options.threads)  # several workers share a node's cores
+        if options.metrics is not None and not options.metrics[0]:  # "": this node's address
+            options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
+        self.role = "colocated" if options.colocated else "decode"
+        self._start(DecodeWorker(LLMEngine(config, progress=False), get_transport(options.transport),
+                                 options.lease_s), options)
 
     def _records(self, step_result) -> list[dict]:
         failed, self.worker.failed = self.worker.failed, {}

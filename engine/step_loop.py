@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from engine.llm_engine import RequestOutput
@@ -44,6 +45,18 @@ def error_record(request_id: str, message: str) -> dict:
             "prompt_tokens": 0, "cached_tokens": 0}
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a worker actor runs, besides its engine config."""
+
+    transport: str = "ucx"  # KV transport by name (kvtransfer.base.get_transport)
+    lease_s: float = 30.0  # KV transfer lease; the same on both sides
+    threads: int = 1  # torch threads: several workers share a node's cores
+    router: tuple[str, str] | None = None  # (router's zmq PULL address, this worker's id); None: poll()
+    metrics: tuple[str, int] | None = None  # serve /metrics on (host, port; 0 = a free port)
+    colocated: bool = False  # decode workers only: also prefill (mode: colocated)
+
+
 class StepLoop:
     """Drives ``worker.step()`` in a thread. ``worker`` needs ``engine``, ``step``, ``close``.
 
@@ -53,15 +66,25 @@ class StepLoop:
 
     role = "worker"
 
-    def _start(self, worker: Any, router: tuple[str, str] | None = None) -> None:
-        """Start stepping ``worker``. ``router``: (zmq address of the router's PULL socket, this
-        worker's id there); None keeps outputs for :meth:`poll` (tests, tools)."""
+    def _start(self, worker: Any, options: WorkerOptions) -> None:
+        """Start stepping ``worker``; with ``options.router`` push outputs there, with
+        ``options.metrics`` serve ``/metrics``."""
         self.worker = worker
+        self.options = options
         self.lock = threading.Lock()
         self.outbox: list[dict] = []
         self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
-        self.router = router
+        self.router = options.router
         self._token_times: collections.deque[tuple[float, int]] = collections.deque()
+        self._generated = 0  # tokens sent to the router since start
+        self.metrics_address = None
+        self._metrics_server = None
+        if options.metrics is not None:
+            from engine.metrics import WorkerCollector, serve_metrics
+            host, port = options.metrics
+            labels = {"worker": options.router[1] if options.router else self.incarnation, "role": self.role}
+            self._metrics_server, port = serve_metrics(WorkerCollector(labels, self.status), host, port)
+            self.metrics_address = f"{host}:{port}"
         self.running = True
         self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self.loop.start()
@@ -102,7 +125,9 @@ class StepLoop:
         return sock
 
     def _count_tokens(self, batch: list[dict], now: float) -> None:
-        self._token_times.append((now, sum(len(r["tokens"]) for r in batch)))
+        n = sum(len(r["tokens"]) for r in batch)
+        self._generated += n
+        self._token_times.append((now, n))
         while self._token_times and self._token_times[0][0] < now - TOKEN_RATE_WINDOW_S:
             self._token_times.popleft()
 
@@ -129,6 +154,7 @@ class StepLoop:
         tokens = sum(n for t, n in self._token_times if t >= now - TOKEN_RATE_WINDOW_S)
         return {
             "role": self.role, "incarnation": self.incarnation, "pid": os.getpid(),
+            "metrics_address": self.metrics_address,
             "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": bm.num_blocks,
             "block_size": bm.block_size, "running": len(sch.running),
             "waiting": len(sch.waiting) + len(sch.receiving),
@@ -137,7 +163,14 @@ class StepLoop:
             "remaining_decode_tokens": sum(max(0, r.sampling_params.max_tokens - r.num_output_tokens)
                                            for r in reqs if not r.prefill_only and not r.is_finished),
             "tokens_per_s": tokens / TOKEN_RATE_WINDOW_S,
+            "generated_tokens": self._generated,
+            "prefix_query_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
+            "kv_transfer": self._transfer_stats(),
         }
+
+    def _transfer_stats(self) -> dict:
+        side = getattr(self.worker, "sender", None) or getattr(self.worker, "receiver", None)
+        return side.stats.as_dict() if side is not None else {}
 
     def model_info(self) -> dict:
         """What the router needs to validate requests and answer ``GetModelInfo``."""
@@ -150,4 +183,6 @@ class StepLoop:
     def shutdown(self) -> None:
         self.running = False
         self.loop.join(timeout=5)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         self.worker.close()

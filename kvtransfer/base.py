@@ -77,6 +77,19 @@ class KVLayout:
 MAX_ENDED = 4096  # popped transfer ids remembered to recognise late messages
 
 
+@dataclass
+class TransferStats:
+    """Totals since start, for metrics. ``seconds``: first byte to completion, DONE ones only."""
+
+    done: int = 0
+    failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"done": self.done, "failed": self.failed, "bytes": self.bytes, "seconds": self.seconds}
+
+
 class TransferTable:
     """The bookkeeping sender and receiver share: live transfers, newly final ones, and a
     bounded memory of popped ones (so a late message is told from an unknown id).
@@ -86,9 +99,16 @@ class TransferTable:
     """
 
     def _init_table(self) -> None:
+        self.stats = TransferStats()
+        self._first_byte: dict[str, float] = {}  # live transfer id -> when its first KV moved
         self._transfers: dict = {}
         self._finished: list[str] = []
         self._ended: OrderedDict[str, tuple[TransferState, str | None]] = OrderedDict()
+
+    def _moved(self, transfer_id: str, nbytes: int) -> None:
+        """Count KV bytes of a transfer that just went out or came in."""
+        self.stats.bytes += nbytes
+        self._first_byte.setdefault(transfer_id, self._clock())
 
     def poll(self, transfer_id: str) -> TransferState:
         """State of a transfer (no I/O: call ``progress`` to advance it).
@@ -111,9 +131,16 @@ class TransferTable:
         """Transfers that became DONE or FAILED since the last call, in order; they leave the
         live table. The caller frees or admits their blocks now."""
         out = []
+        now = self._clock()
         for tid in self._finished:
             t = self._transfers.pop(tid)
             out.append((tid, t.state))
+            started = self._first_byte.pop(tid, None)
+            if t.state == TransferState.DONE:
+                self.stats.done += 1
+                self.stats.seconds += now - started if started is not None else 0.0
+            else:
+                self.stats.failed += 1
             self._ended[tid] = (t.state, t.error)
         self._finished.clear()
         while len(self._ended) > MAX_ENDED:

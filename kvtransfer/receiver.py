@@ -259,6 +259,7 @@ class KVReceiver(TransferTable):
             self._fail(tid, t, f"bad KV frame: {e}")
             return
         t.add(header.layer, lo, hi, header.token_start, header.token_end)
+        self._moved(tid, k.numel() * k.element_size() * 2)
         t.state = TransferState.TRANSFERRING
         if t.missing == 0:
             t.state = TransferState.DONE

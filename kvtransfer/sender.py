@@ -176,6 +176,7 @@ class KVSender(TransferTable):
                                self.layout.num_kv_heads, head_start=lo,
                                keep_on_device=getattr(self.transport, "device_frames", False))
         self.transport.send(t.peer, frames)
+        self._moved(transfer_id, k.numel() * k.element_size() * 2)
         t.state = TransferState.TRANSFERRING
         return True
 

@@ -8,27 +8,31 @@ batches over zmq.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
 from engine.config import EngineConfig
 from engine.request import SamplingParams
-from engine.step_loop import StepLoop, error_record, output_record
+from engine.step_loop import StepLoop, WorkerOptions, error_record, output_record
 
 
 @ray.remote
 class PrefillActor(StepLoop):
     role = "prefill"
 
-    def __init__(self, config: EngineConfig, transport: str = "ucx", lease_s: float = 30.0,
-                 threads: int = 1, router: tuple[str, str] | None = None) -> None:
+    def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
         import torch
 
         from engine.llm_engine import LLMEngine
         from kvtransfer.base import TransferState, get_transport
         from prefill_worker.worker import PrefillWorker
-        torch.set_num_threads(threads)  # several workers share a node's cores
+        torch.set_num_threads(options.threads)  # several workers share a node's cores
+        if options.metrics is not None and not options.metrics[0]:  # "": this node's address
+            options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
         self._failed = TransferState.FAILED
-        self._start(PrefillWorker(LLMEngine(config, progress=False), get_transport(transport), lease_s), router)
+        self._start(PrefillWorker(LLMEngine(config, progress=False), get_transport(options.transport),
+                                  options.lease_s), options)
 
     def _records(self, step_result) -> list[dict]:
         outputs, ended = step_result  # the worker already freed the ended transfers' blocks

@@ -118,14 +118,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         return _rpc_error(e, args.server)
     rows = [(w.worker_id, w.role, w.state, str(w.running), str(w.waiting),
-             f"{w.kv_blocks_used}/{w.kv_blocks_total}", f"{w.tokens_per_s:.1f}") for w in st.workers]
+             f"{w.kv_blocks_used}/{w.kv_blocks_total}", f"{w.tokens_per_s:.1f}", str(w.restarts),
+             w.metrics_address or "-") for w in st.workers]
     if args.json:
-        keys = ("worker_id", "role", "state", "running", "waiting", "kv_blocks", "tokens_per_s")
-        print(json.dumps({"mode": st.mode, "workers": [dict(zip(keys, r)) for r in rows]}))
+        keys = ("worker_id", "role", "state", "running", "waiting", "kv_blocks", "tokens_per_s", "restarts",
+                "metrics_address")
+        print(json.dumps({"mode": st.mode, "queued_requests": st.queued_requests,
+                          "active_requests": st.active_requests, "metrics_address": st.metrics_address,
+                          "workers": [dict(zip(keys, r)) for r in rows]}))
         return 0
-    head = ("WORKER", "ROLE", "STATE", "RUNNING", "WAITING", "KV BLOCKS", "TOK/S")
+    head = ("WORKER", "ROLE", "STATE", "RUNNING", "WAITING", "KV BLOCKS", "TOK/S", "RESTARTS", "METRICS")
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    print(f"mode: {st.mode}")
+    print(f"mode: {st.mode}; {st.active_requests} active requests, {st.queued_requests} queued for admission; "
+          f"metrics: {st.metrics_address or 'off'}")
     for r in (head, *rows):
         print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
     return 0
@@ -165,7 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve_cluster(args: argparse.Namespace) -> int:
     from router.app import serve
     from router.config import load_config
-    overrides = {k: v for k, v in (("router.host", args.host), ("router.port", args.port)) if v is not None}
+    overrides = {k: v for k, v in (("router.host", args.host), ("router.port", args.port),
+                                   ("metrics.port", args.metrics_port)) if v is not None}
     cfg = load_config(args.config, overrides)  # a bad key or value stops here, naming it
     return serve(cfg, args.address, cfg.router.host, cfg.router.port)
 
@@ -253,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="join this running Ray cluster instead of starting one")
     s.add_argument("--host", default=None, help="gRPC listen host (overrides router.host; default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="gRPC listen port (overrides router.port; default 50051)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="the router's Prometheus /metrics port (overrides metrics.port; 0 = a free port)")
     s.add_argument("--local", action="store_true", help="in-process demo, no cluster (engine options apply)")
     s.add_argument("--prompt", action="append", help="--local: a chat prompt instead of the examples (repeatable)")
     _sampling_args(s, max_tokens=96)

@@ -52,6 +52,12 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    port: int | None = 9400  # the router's /metrics; 0 = a free port; null = off
+    worker_port: int | None = 0  # each worker's /metrics; 0 = a free port; null = off
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     mode: str = "disaggregated"
     model: str | None = None
@@ -61,6 +67,7 @@ class ClusterConfig:
     decode: DecodePool = field(default_factory=DecodePool)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 # Per key: (check, what a valid value is). Keys are dotted paths.
@@ -71,8 +78,13 @@ _RULES: dict[str, tuple[Any, str]] = {
     "device": (lambda v: v in ("cpu", "cuda"), "cpu or cuda"),
     "kv_transfer.transport": (lambda v: v in ("ucx", "zmq", "inproc"), "ucx, zmq or inproc"),
     "router.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535"),
+    "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
+    "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
 }
+
+
+_NULLABLE = {"metrics.port", "metrics.worker_port"}
 
 
 def _check_number(path: str, value: Any, kind: type) -> None:
@@ -101,6 +113,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             else fields[name].default
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value if value is not None else {}, path + ".")
+            continue
+        if value is None and path in _NULLABLE:
+            kwargs[name] = None
             continue
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             _check_number(path, value, type(default))

@@ -31,13 +31,16 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
-    prefill: Any = None  # pools.Worker
+    prefill: Any = None  # pools.Worker, while placed
     decode: Any = None
+    prefill_id: str = ""  # the workers of the latest attempt (kept after it ends)
+    decode_id: str = ""
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished: bool = False
+    gaps: list[float] = field(default_factory=list)  # seconds between streamed token batches
 
     @property
     def key(self) -> str:
@@ -52,6 +55,10 @@ class Job:
         left = self.params.max_tokens - len(self.generated)
         return self.prompt_ids + self.generated, dataclasses.replace(self.params, max_tokens=left)
 
+    def placed(self, prefill: Any, decode: Any) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.prefill_id, self.decode_id = prefill.worker_id, decode.worker_id
+
     def put(self, worker: Any, record: dict) -> None:
         self.events.put_nowait((self.attempt, worker, record))
 
@@ -65,19 +72,27 @@ class Job:
             self.first_token_time = now
             self.cached_tokens = record.get("cached_tokens", 0)
         if ids:
+            if self.last_token_time is not None:
+                self.gaps.append(now - self.last_token_time)
             self.last_token_time = now
         self.generated += ids
         return pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=record["text"])
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.generated)
+        return (self.last_token_time - self.first_token_time) / (n - 1) if n > 1 else None
 
     def final(self, finish: str) -> pb.GenerateResponse:
         """The last response: finish reason and usage."""
         self.finished = True
         n = len(self.generated)
-        ttft = (self.first_token_time - self.arrival) if self.first_token_time is not None else 0.0
-        tpot = ((self.last_token_time - self.first_token_time) / (n - 1)
-                if n > 1 and self.first_token_time is not None else 0.0)
+        ttft, tpot = self.ttft or 0.0, self.tpot or 0.0
         usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=n,
                          cached_prompt_tokens=self.cached_tokens, ttft_s=ttft, mean_tpot_s=tpot,
-                         prefill_worker=self.prefill.worker_id if self.prefill else "",
-                         decode_worker=self.decode.worker_id if self.decode else "")
+                         prefill_worker=self.prefill_id, decode_worker=self.decode_id)
         return pb.GenerateResponse(request_id=self.request_id, finish_reason=FINISH[finish], usage=usage)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.step_loop import WorkerOptions
 from router.config import ClusterConfig
 from router.placement import WorkerLoad
 
@@ -114,17 +115,19 @@ class Pools:
         colocated = cfg.mode == "colocated"
         gpus = {"num_gpus": 1} if cfg.device == "cuda" else {}
         restart = {"max_restarts": -1, "max_task_retries": 0}
+        metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
+
+        def options(wid: str, threads: int) -> WorkerOptions:
+            return WorkerOptions(kt.transport, kt.lease_s, threads, (address, wid), metrics, colocated)
         for i in range(0 if colocated else cfg.prefill.replicas):
             wid = f"prefill-{i}"
             actor = PrefillActor.options(resources={"prefill": 1}, num_cpus=cfg.prefill.threads, **gpus,
-                                         **restart).remote(prefill_cfg, kt.transport, kt.lease_s,
-                                                           cfg.prefill.threads, (address, wid))
+                                         **restart).remote(prefill_cfg, options(wid, cfg.prefill.threads))
             self.workers[wid] = Worker(wid, "prefill", actor)
         for i in range(cfg.decode.replicas):
             wid = f"decode-{i}"
             actor = DecodeActor.options(resources={"decode": 1}, num_cpus=cfg.decode.threads, **gpus,
-                                        **restart).remote(decode_cfg, kt.transport, kt.lease_s,
-                                                          cfg.decode.threads, colocated, (address, wid))
+                                        **restart).remote(decode_cfg, options(wid, cfg.decode.threads))
             self.workers[wid] = Worker(wid, "colocated" if colocated else "decode", actor)
         progress(f"starting {len(self.workers)} workers ({cfg.mode}) ...")
         # Decode workers first: a prefill worker coming up connects to every ready decode worker.

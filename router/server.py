@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,12 @@ class Router(pb_grpc.GenerationServicer):
         self.queued = 0  # jobs waiting for a decode worker
         self.limits: Limits | None = None
         self.colocated = cfg.mode == "colocated"
+        from router.metrics import RouterMetrics
+        self.metrics = RouterMetrics(self)
 
     async def start(self, progress=lambda s: None) -> None:
+        if self.cfg.metrics.port is not None:
+            progress(f"metrics on http://{self.metrics.serve(self.cfg.router.host, self.cfg.metrics.port)}/metrics")
         await self.pools.start(progress)
         info = self.pools.model_info
         self.limits = Limits(context_length=min(w.info["context_length"] for w in self.pools.workers.values()),
@@ -75,6 +80,7 @@ class Router(pb_grpc.GenerationServicer):
         for job in list(self.jobs.values()):
             job.put(None, {"abort": True})
         await self.pools.stop()
+        self.metrics.stop()
 
     # ---- worker events -----------------------------------------------------------------------
     def _on_records(self, worker: Worker, records: list[dict]) -> None:
@@ -101,15 +107,36 @@ class Router(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         job = Job(rid, ids, params)
         self.jobs[rid] = job
+        self.metrics.prompt_tokens.inc(len(ids))
+        outcome = "cancelled"
         try:
             async for response in self._run(job):
+                if response.finish_reason:
+                    outcome = {1: "stop", 2: "length", 3: "abort"}[response.finish_reason]
                 yield response
         except Reject as e:
+            outcome = e.code.name.lower()
             await context.abort(e.code, str(e))
         finally:
             self.jobs.pop(rid, None)
             if not job.finished:  # cancelled by the client, aborted or failed: free both sides
                 self._release(job)
+            self._observe(job, outcome)
+
+    def _observe(self, job: Job, outcome: str) -> None:
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        m.generation_tokens.inc(len(job.generated))
+        m.e2e.observe(time.monotonic() - job.arrival)
+        if job.ttft is not None:
+            m.ttft.observe(job.ttft)
+        if job.tpot is not None:
+            m.tpot.observe(job.tpot)
+        for gap in job.gaps:
+            m.itl.observe(gap)
+        log.info("request %s %s: %d prompt + %d tokens, ttft %s, %s -> %s, attempts %d", job.request_id, outcome,
+                 len(job.prompt_ids), len(job.generated), f"{job.ttft:.3f}s" if job.ttft else "-",
+                 job.prefill_id, job.decode_id, job.attempt + 1)
 
     async def _run(self, job: Job):
         while True:
@@ -129,6 +156,7 @@ class Router(pb_grpc.GenerationServicer):
                     if job.attempt >= MAX_ATTEMPTS:
                         raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
                     log.warning("re-running %s (attempt %d): %s", job.request_id, job.attempt, why)
+                    self.metrics.retries.inc()
                     break
                 response = job.tokens(r)
                 if response is not None:
@@ -180,7 +208,7 @@ class Router(pb_grpc.GenerationServicer):
                 try:
                     if self.colocated:
                         await dw.actor.submit.remote(job.key, ids, params)
-                        job.prefill = job.decode = dw
+                        job.placed(dw, dw)
                         return
                     if not await dw.actor.reserve.remote(job.key, ids, params):
                         self.pools.reserved(dw.worker_id, d.free_blocks)  # full until it reports
@@ -193,7 +221,7 @@ class Router(pb_grpc.GenerationServicer):
                         raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e.cause)) from None
                     raise
                 pw = self.pools.workers[p.worker_id]
-                job.prefill, job.decode = pw, dw
+                job.placed(pw, dw)
                 pw.actor.submit.remote(job.key, ids, params, dw.address)
                 return
         finally:
@@ -227,8 +255,10 @@ class Router(pb_grpc.GenerationServicer):
             workers.append(pb.WorkerStatus(
                 worker_id=w.worker_id, role=w.role, state=w.state, running=s.get("running", 0),
                 waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
-                kv_blocks_total=s.get("kv_blocks_total", 0), tokens_per_s=s.get("tokens_per_s", 0.0)))
-        return pb.ClusterStatus(mode=self.cfg.mode, workers=workers)
+                kv_blocks_total=s.get("kv_blocks_total", 0), tokens_per_s=s.get("tokens_per_s", 0.0),
+                metrics_address=s.get("metrics_address") or "", restarts=w.restarts))
+        return pb.ClusterStatus(mode=self.cfg.mode, workers=workers, metrics_address=self.metrics.address or "",
+                                queued_requests=self.queued, active_requests=len(self.jobs))
 
 
 async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -80,7 +80,7 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([PDSERVE, "serve", "--config", os.path.join(root, "deploy", "local.yaml"),
-                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+                             "--port", str(port), "--metrics-port", "0"], stderr=subprocess.PIPE, text=True)
     try:
         lines = []
         deadline = time.monotonic() + 240

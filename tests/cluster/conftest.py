@@ -20,6 +20,7 @@ def make_cluster(ray_session):
     started = []
 
     def make(**overrides):
+        overrides.setdefault("metrics__port", 0)  # a free port: clusters may overlap across modules
         c = BackgroundCluster(load_config(CONFIG, {k.replace("__", "."): v for k, v in overrides.items()}))
         started.append(c)
         return c

@@ -174,3 +174,39 @@ def test_killed_decode_worker_its_streams_complete_identically(stub, cluster, gr
     assert {w.worker_id: w.state for w in workers}[victim.worker_id] == "ready"
     out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=64, temperature=0)))
     assert out["token_ids"] == greedy_reference[0][1]
+
+
+def _scrape(address: str) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_endpoints_parse_and_move(stub, cluster, wait_idle):
+    st = stub.GetClusterStatus(pb.GetClusterStatusRequest())
+    assert st.metrics_address and all(w.metrics_address for w in st.workers)
+    before = _scrape(st.metrics_address)
+    out = collect(stub.Generate(make_request("The capital of France is", max_tokens=8)))
+    wait_idle(stub, cluster)
+    after = _scrape(st.metrics_address)
+
+    def total(m, name, **labels):
+        return sum(v for (n, ls), v in m.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))
+    assert total(after, "pdserve_requests_total", status="length") == total(before, "pdserve_requests_total",
+                                                                            status="length") + 1
+    assert total(after, "pdserve_generation_tokens_total") - total(before, "pdserve_generation_tokens_total") == 8
+    assert total(after, "pdserve_request_ttft_seconds_count") == total(before, "pdserve_request_ttft_seconds_count") + 1
+    d, p = out["usage"]["decode_worker"], out["usage"]["prefill_worker"]
+    # The router repeats each worker's series; the KV of the 6-token prompt moved prefill -> decode.
+    assert total(after, "pdserve_kv_transfer_completed_total", worker=d) > total(
+        before, "pdserve_kv_transfer_completed_total", worker=d)
+    assert total(after, "pdserve_kv_transfer_bytes_total", worker=p) > total(
+        before, "pdserve_kv_transfer_bytes_total", worker=p)
+    assert total(after, "pdserve_pool_workers", role="decode", state="ready") == 2
+    assert total(after, "pdserve_worker_kv_blocks_used") == 0
+    # Each worker's own endpoint has its series too.
+    own = _scrape(next(w.metrics_address for w in st.workers if w.worker_id == d))
+    assert total(own, "pdserve_worker_generated_tokens_total") >= 7

@@ -60,3 +60,12 @@ def test_unreadable_and_invalid_yaml(tmp_path):
     bad.write_text("mode: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_metrics_ports_may_be_null_but_not_out_of_range():
+    cfg = load_config(None, {"metrics.port": None, "metrics.worker_port": 0})
+    assert cfg.metrics.port is None and cfg.metrics.worker_port == 0
+    with pytest.raises(ConfigError, match="metrics.port"):
+        load_config(None, {"metrics.port": 70000})
+    with pytest.raises(ConfigError, match="metrics.worker_port"):
+        load_config(None, {"metrics.worker_port": "x"})

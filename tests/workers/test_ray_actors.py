@@ -10,6 +10,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.request import SamplingParams
+from engine.step_loop import WorkerOptions
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
@@ -22,8 +23,8 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
     want = {f"r{i}": o.token_ids for i, o in enumerate(make_engine().generate(PROMPTS, sp))}
     cfg = EngineConfig(model=str(model_path), cache=CacheConfig(memory_gb=0.05),
                        scheduler=SchedulerConfig(max_num_batched_tokens=512))
-    decode = DecodeActor.options(resources={"decode": 1}, num_cpus=0).remote(cfg, "zmq")
-    prefill = PrefillActor.options(resources={"prefill": 1}, num_cpus=0).remote(cfg, "zmq")
+    decode = DecodeActor.options(resources={"decode": 1}, num_cpus=0).remote(cfg, WorkerOptions(transport="zmq"))
+    prefill = PrefillActor.options(resources={"prefill": 1}, num_cpus=0).remote(cfg, WorkerOptions(transport="zmq"))
     try:
         address = ray.get(decode.address.remote())
         ray.get(prefill.connect.remote(address))

@@ -1,0 +1,99 @@
+"""Prometheus metric families built from a worker's status report (``StepLoop.status``).
+
+One definition serves both places that show worker metrics: each worker's own ``/metrics``
+and the router's, which repeats every worker's (labelled ``worker``, ``role``) so that one
+scrape target shows the whole cluster. Names follow Prometheus conventions: ``pdserve_``
+prefix, base units in the name, ``_total`` on counters (added by the client library).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# name, kind, help, value from a status dict (None: not reported by this worker)
+_WORKER_SERIES: list[tuple[str, str, str, Callable[[dict], Any]]] = [
+    ("pdserve_worker_running_requests", "gauge", "Requests in the worker's running batch",
+     lambda s: s.get("running")),
+    ("pdserve_worker_waiting_requests", "gauge", "Requests waiting for compute or for their KV",
+     lambda s: s.get("waiting")),
+    ("pdserve_worker_queued_prompt_tokens", "gauge", "Prompt tokens not yet prefilled",
+     lambda s: s.get("queued_prompt_tokens")),
+    ("pdserve_worker_kv_blocks_used", "gauge", "KV cache blocks in use", lambda s: s.get("kv_blocks_used")),
+    ("pdserve_worker_kv_blocks_free", "gauge", "KV cache blocks free",
+     lambda s: s["kv_blocks_total"] - s["kv_blocks_used"] if "kv_blocks_total" in s else None),
+    ("pdserve_worker_generated_tokens", "counter", "Tokens this worker sent to the router",
+     lambda s: s.get("generated_tokens")),
+    ("pdserve_worker_tokens_per_second", "gauge", "Tokens sent over the last 5 s, per second",
+     lambda s: s.get("tokens_per_s")),
+    ("pdserve_worker_prefix_cache_query_tokens", "counter", "Prompt tokens looked up in the prefix cache",
+     lambda s: s.get("prefix_query_tokens")),
+    ("pdserve_worker_prefix_cache_hit_tokens", "counter", "Prompt tokens found in the prefix cache",
+     lambda s: s.get("prefix_hit_tokens")),
+    ("pdserve_worker_prefix_cache_hit_ratio", "gauge", "Prefix cache hit tokens / query tokens",
+     lambda s: s["prefix_hit_tokens"] / s["prefix_query_tokens"] if s.get("prefix_query_tokens") else None),
+    ("pdserve_kv_transfer_bytes", "counter", "KV bytes sent (prefill) or received (decode)",
+     lambda s: s.get("kv_transfer", {}).get("bytes")),
+    ("pdserve_kv_transfer_seconds", "counter", "Time from first byte to completion, completed transfers",
+     lambda s: s.get("kv_transfer", {}).get("seconds")),
+    ("pdserve_kv_transfer_completed", "counter", "KV transfers acknowledged complete",
+     lambda s: s.get("kv_transfer", {}).get("done")),
+    ("pdserve_kv_transfer_failed", "counter", "KV transfers failed (lease, bad frame, abort, dead peer)",
+     lambda s: s.get("kv_transfer", {}).get("failed")),
+    ("pdserve_kv_transfer_bytes_per_second", "gauge", "Mean KV transfer rate of completed transfers",
+     lambda s: (s["kv_transfer"]["bytes"] / s["kv_transfer"]["seconds"])
+     if s.get("kv_transfer", {}).get("seconds") else None),
+    ("pdserve_speculative_acceptance_ratio", "gauge", "Draft tokens accepted / proposed",
+     lambda s: s.get("speculative", {}).get("acceptance_rate") if isinstance(s.get("speculative"), dict) else None),
+]
+
+
+def worker_families(workers: Iterable[tuple[dict[str, str], dict]]) -> list:
+    """Metric families for ``(labels, status)`` pairs (labels e.g. ``{"worker": "decode-0",
+    "role": "decode"}``); every pair must carry the same label names."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    workers = list(workers)
+    if not workers:
+        return []
+    names = sorted(workers[0][0])
+    out = []
+    for name, kind, doc, get in _WORKER_SERIES:
+        fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=names)
+        for labels, status in workers:
+            value = get(status) if status else None
+            if value is not None:
+                fam.add_metric([labels[n] for n in names], float(value))
+        out.append(fam)
+    info = GaugeMetricFamily("pdserve_worker_info", "Worker identity: role, model, quantization, "
+                             "speculative method (value 1)", labels=names + ["quantization", "speculative"])
+    for labels, status in workers:
+        info.add_metric([labels[n] for n in names] + [str(status.get("quantization", "none")),
+                                                      str(status.get("speculative_method", "none"))], 1.0)
+    out.append(info)
+    return out
+
+
+class WorkerCollector:
+    """A prometheus_client collector reading one worker's status at scrape time."""
+
+    def __init__(self, labels: dict[str, str], status: Callable[[], dict]) -> None:
+        self.labels, self.status = labels, status
+
+    def collect(self):
+        yield from worker_families([(self.labels, self.status())])
+
+
+def serve_metrics(source: Any, host: str, port: int) -> tuple[Any, int]:
+    """Serve ``/metrics`` on ``host:port`` (0: a free port) in a thread, for a
+    ``CollectorRegistry`` or a single collector.
+
+    Returns:
+        (the HTTP server, to ``shutdown()``; the bound port)
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+    registry = source
+    if not isinstance(source, CollectorRegistry):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(source)
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_port

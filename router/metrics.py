@@ -1,0 +1,71 @@
+"""The router's Prometheus metrics: requests, latencies, admission, pools, and every worker's.
+
+Request latencies are measured where the client sees them (the router): TTFT from arrival to
+the first token sent, TPOT as a request's mean gap after the first token, ITL each gap
+between token batches, e2e from arrival to the last message. Worker series (engine.metrics)
+are read from the pools' latest heartbeats at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.metrics import serve_metrics, worker_families
+
+# Seconds; fine at the low end for TPOT/ITL, wide for TTFT/e2e of long prompts.
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                   3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    """Counters and histograms the router updates, plus a collector over its pools."""
+
+    def __init__(self, router: Any) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        self.router = router
+        self.registry = reg = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("pdserve_requests", "Finished requests by outcome (stop, length, abort, "
+                                "or the gRPC status of a failed one)", ["status"], registry=reg)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients", registry=reg)
+        self.retries = Counter("pdserve_request_reruns", "Re-runs after a lost worker or failed transfer",
+                               registry=reg)
+        self.ttft = Histogram("pdserve_request_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
+                              registry=reg)
+        self.tpot = Histogram("pdserve_request_tpot_seconds", "Mean time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("pdserve_request_inter_token_latency_seconds", "Gap between streamed token batches",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram("pdserve_request_e2e_seconds", "Arrival to the last response",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        reg.register(self)
+        self._server = None
+        self.address: str | None = None
+
+    def serve(self, host: str, port: int) -> str:
+        """Serve ``/metrics``; returns ``host:port``."""
+        self._server, bound = serve_metrics(self.registry, host, port)
+        self.address = f"{host}:{bound}"
+        return self.address
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+
+    def collect(self):
+        """Gauges read at scrape time (called by prometheus_client, from its HTTP thread)."""
+        from prometheus_client.core import GaugeMetricFamily
+        r = self.router
+        yield GaugeMetricFamily("pdserve_admission_queue_requests", "Requests waiting for a decode worker",
+                                value=r.queued)
+        yield GaugeMetricFamily("pdserve_router_active_requests", "Requests the router is streaming",
+                                value=len(r.jobs))
+        workers = list(r.pools.workers.values())
+        pools = GaugeMetricFamily("pdserve_pool_workers", "Workers by role and state", labels=["role", "state"])
+        counts: dict[tuple[str, str], int] = {}
+        for w in workers:
+            counts[(w.role, w.state)] = counts.get((w.role, w.state), 0) + 1
+        for (role, state), n in sorted(counts.items()):
+            pools.add_metric([role, state], n)
+        yield pools
+        yield from worker_families(({"worker": w.worker_id, "role": w.role}, dict(w.status)) for w in workers)
