@@ -189,6 +189,9 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     num_threads: int | None = None
+    # weight quantization applied at load: "none", "int8", "int4", "int4-g64", "w8a8" (see
+    # engine/quant/config.py); a quantized checkpoint folder as `model` needs none here
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -198,3 +201,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization is not None:
+            from engine.quant.config import QuantConfig
+            QuantConfig.parse(self.quantization)  # raises ValueError listing the valid names

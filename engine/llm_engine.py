@@ -61,7 +61,8 @@ class LLMEngine:
             raise ValueError("attention backend flash_attn needs cache block_size to be a multiple of 256 "
                              f"(paged KV in flash-attn), got {config.cache.block_size}")
         backend = get_attention_backend(config.attention_backend)
-        self.model = load_model(self.model_path, backend, self.dtype, config.device)
+        self.model = load_model(self.model_path, backend, self.dtype, config.device,
+                                quantization=config.quantization)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
 

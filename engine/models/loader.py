@@ -53,12 +53,22 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
-               device: str = "cpu") -> LlamaForCausalLM:
+               device: str = "cpu", quantization=None, prepack: bool = True) -> LlamaForCausalLM:
     """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
+
+    A quantized checkpoint folder (engine/quant/checkpoint.py) loads as saved; otherwise
+    ``quantization`` (an ``engine.quant.QuantConfig`` or short name like "int8") is applied
+    with round-to-nearest before the remaining fp32 linears are prepacked (``prepack=False``
+    keeps plain ``nn.Linear``, e.g. for offline quantization).
 
     Raises:
         ModelLoadError: unsupported config, or weights that do not match it.
     """
+    from engine.quant.checkpoint import is_quantized_checkpoint, load_quantized
+    if is_quantized_checkpoint(path):
+        if quantization is not None:
+            raise ValueError(f"{str(path)!r} is already a quantized checkpoint: leave quantization unset")
+        return load_quantized(path, backend, dtype, device)
     cfg = ModelConfig.from_hf(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
@@ -103,7 +113,10 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                 raise ModelLoadError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(params[name].shape)}")
             params[name].copy_(w)
     model = model.to(dtype).eval().requires_grad_(False)
-    if can_prepack(dtype, device):
+    if quantization is not None:
+        from engine.quant import quantize
+        quantize(model, quantization)
+    if prepack and can_prepack(dtype, device):
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)
     return model

@@ -1,0 +1,307 @@
+"""Quantized linear layers: drop-in ``nn.Linear`` replacements over packed integer kernels.
+
+Each module keeps the canonical integer weight (what a checkpoint stores, see formats.py) as
+its state and builds the kernel's own layout from it once, at construction. Kernels, by name:
+
+    int8  "int8pack"  torch ``aten._weight_int8pack_mm`` (CPU; CUDA/MPS where torch has it)
+          "fused"     a compiled dequantize-matvec (torch.compile / Inductor C++): reads the
+                      int8 weight once, converts in registers; fp32 activations
+    int4  "int4pack"  ``aten._weight_int4pack_mm_for_cpu`` (CPU) or ``aten._weight_int4pack_mm``
+                      (CUDA, tinygemm), both over a weight repacked once at load
+    w8a8  "fbgemm"    ``quantized::linear_dynamic``: int8 x int8 GEMM with per-token dynamic
+                      activation quantization (fbgemm/oneDNN on x86 CPUs)
+
+The packed CPU kernels are fast only with bf16 activations on AVX2 CPUs (fp32 activations are
+6-13x slower, see bench/quant.py), so ``act_dtype`` says in which dtype the kernel runs; the
+module casts in and out, and its output has the input's dtype. ``choose_act_dtype`` times both
+per layer shape and keeps the faster.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant.formats import QuantizedWeight, pack_int4, unpack_int4
+
+_INNER_K_TILES = 8  # tinygemm / CPU int4 packing tile; needs K % (inner_k_tiles * 16) == 0
+
+
+def _bias(linear_bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if linear_bias is None else linear_bias.detach().float().clone()
+
+
+class QuantLinear(nn.Module):
+    """Base: ``in_features``/``out_features``, optional fp32 bias, output in the input's dtype."""
+
+    bits: int = 0
+    kernel: str = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", bias)
+        self.act_dtype = torch.bfloat16
+
+    def quantized_weight(self) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes the kernel reads per forward (packed weight + scales/zeros + bias)."""
+        raise NotImplementedError
+
+    def set_act_dtype(self, dtype: torch.dtype) -> None:
+        self.act_dtype = dtype
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernel={self.kernel}, act_dtype={str(self.act_dtype).removeprefix('torch.')}")
+
+
+class Int8Linear(QuantLinear):
+    """W [N, K] ~= (q - zero) * scale per output channel; y = x W^T (+ bias).
+
+    Asymmetric weights use ``x (q - z)^T s = (x q^T) s - (sum_k x_k) (z s)``: the kernel runs on
+    q, and one rank-1 correction follows.
+    """
+
+    bits = 8
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, kernel: str = "int8pack") -> None:
+        n, k = qw.shape
+        super().__init__(k, n, _bias(bias))
+        if kernel not in ("int8pack", "fused"):
+            raise ValueError(f"unknown int8 kernel {kernel!r}; valid: int8pack, fused")
+        self.kernel = kernel
+        self.symmetric = qw.symmetric
+        self.register_buffer("qweight", qw.q.to(torch.int8).contiguous())
+        self.register_buffer("scale", qw.scale.float().contiguous())
+        self.register_buffer("zero", qw.zero.float().contiguous())
+        self._prepare()
+
+    def _prepare(self) -> None:
+        self._scale_act = self.scale.to(self.act_dtype)
+        # (z s) per channel, for the asymmetric rank-1 correction
+        self._zs = None if self.symmetric else (self.zero * self.scale).to(self.act_dtype)
+
+    def set_act_dtype(self, dtype: torch.dtype) -> None:
+        self.act_dtype = dtype
+        self._prepare()
+
+    def _apply(self, fn, recurse=True):  # .to(device) etc. must move the derived tensors too
+        out = super()._apply(fn, recurse)
+        self._prepare()
+        return out
+
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scale, self.zero, 8, None, self.symmetric)
+
+    def weight_bytes(self) -> int:
+        n = self.qweight.numel() + self._scale_act.numel() * self._scale_act.element_size()
+        return n + (0 if self._zs is None else self._zs.numel() * self._zs.element_size())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if self.kernel == "fused":
+            y = fused_int8_matmul(x2, self.qweight, self._scale_act)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self._scale_act)
+        if self._zs is not None:
+            y = y - x2.sum(-1, keepdim=True) * self._zs
+        y = y.to(dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int4Linear(QuantLinear):
+    """W [N, K] ~= (q - zero) * scale per group of ``group_size`` inputs; y = x W^T (+ bias).
+
+    The kernels' convention is ``w = (q - 8) * s + z'``; ours maps to it exactly with
+    ``z' = (8 - zero) * s``.
+    """
+
+    bits = 4
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        n, k = qw.shape
+        super().__init__(k, n, _bias(bias))
+        self.group_size = qw.group_size
+        self.symmetric = qw.symmetric
+        self.register_buffer("qweight", pack_int4(qw.q).contiguous())  # canonical, [N, K/2]
+        self.register_buffer("scale", qw.scale.float().contiguous())
+        self.register_buffer("zero", qw.zero.float().contiguous())
+        self._prepare()
+
+    def _prepare(self) -> None:
+        dev = self.qweight.device
+        q = unpack_int4(self.qweight).to(torch.int32)
+        if dev.type == "cuda":
+            self.kernel = "int4pack-cuda"
+            self._packed = torch.ops.aten._convert_weight_to_int4pack(
+                (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), _INNER_K_TILES)
+        else:
+            self.kernel = "int4pack"
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+        sz = torch.stack((self.scale, (8.0 - self.zero) * self.scale), -1)  # [N, G, 2]
+        self._scales_zeros = sz.transpose(0, 1).contiguous().to(self.act_dtype)  # [G, N, 2]
+
+    def set_act_dtype(self, dtype: torch.dtype) -> None:
+        self.act_dtype = dtype
+        self._scales_zeros = self._scales_zeros.to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._prepare()
+        return out
+
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(unpack_int4(self.qweight), self.scale, self.zero, 4, self.group_size,
+                               self.symmetric)
+
+    def weight_bytes(self) -> int:
+        return (self._packed.numel() * self._packed.element_size()
+                + self._scales_zeros.numel() * self._scales_zeros.element_size())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if self.kernel == "int4pack-cuda":
+            y = torch.ops.aten._weight_int4pack_mm(x2, self._packed, self.group_size, self._scales_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._packed, self.group_size, self._scales_zeros)
+        y = y.to(dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def w8a8_available(device: str = "cpu") -> bool:
+    """An int8 x int8 GEMM exists: fbgemm/x86 quantized engines on CPU (not on CUDA here)."""
+    engines = torch.backends.quantized.supported_engines
+    return device == "cpu" and any(e in engines for e in ("x86", "fbgemm"))
+
+
+class W8A8Linear(QuantLinear):
+    """SmoothQuant W8A8: INT8 per-channel weights, activations quantized per call (int8 x int8).
+
+    The smoothing factor s has been folded offline: ``x / s`` into the preceding op (a norm or
+    a linear) where there is one, else kept here as ``in_scale`` (multiplied before the GEMM);
+    ``W * s`` into the weight before quantization.
+    """
+
+    bits = 8
+    kernel = "fbgemm"
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                 in_scale: torch.Tensor | None = None) -> None:
+        n, k = qw.shape
+        super().__init__(k, n, _bias(bias))
+        if not qw.symmetric or qw.bits != 8:
+            raise ValueError("W8A8 needs symmetric INT8 weights")
+        if not w8a8_available():
+            raise ValueError("W8A8 needs an int8 x int8 kernel (fbgemm/x86 on CPU); unavailable on this "
+                             f"build/device (quantized engines: {torch.backends.quantized.supported_engines})")
+        self.act_dtype = torch.float32
+        self.register_buffer("qweight", qw.q.to(torch.int8).contiguous())
+        self.register_buffer("scale", qw.scale.float().contiguous())
+        self.register_buffer("zero", qw.zero.float().contiguous())
+        self.register_buffer("in_scale", None if in_scale is None else in_scale.float().contiguous())
+        self._prepare()
+
+    def _prepare(self) -> None:
+        n = self.out_features
+        qt = torch._make_per_channel_quantized_tensor(self.qweight.cpu(), self.scale.double().cpu(),
+                                                      torch.zeros(n, dtype=torch.long), 0)
+        self._packed = torch.ops.quantized.linear_prepack(qt, self.bias)
+
+    def set_act_dtype(self, dtype: torch.dtype) -> None:  # fbgemm takes fp32 only
+        pass
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._prepare()
+        return out
+
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scale, self.zero, 8, None, True)
+
+    def weight_bytes(self) -> int:
+        return self.qweight.numel() + self.scale.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.in_scale is not None:
+            x2 = x2 * self.in_scale
+        y = torch.ops.quantized.linear_dynamic(x2, self._packed, False)
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+
+
+# ---- fused dequantize-matvec (compiled) ------------------------------------------------------
+def _int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # y[m, n] = sum_k x[m, k] q[n, k] * s[n]: Inductor fuses the int8->float conversion into
+    # the reduction (no dequantized weight is ever written to memory).
+    return (x[:, None, :] * q[None].to(x.dtype)).sum(-1) * scale
+
+
+_compiled: dict[str, object] = {}
+
+
+def fused_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x (q * s)^T`` via a compiled fused kernel (falls back to int8pack if compiling fails)."""
+    fn = _compiled.get("int8")
+    if fn is None:
+        fn = _compiled["int8"] = torch.compile(_int8_matmul_ref, dynamic=True)
+    return fn(x, q, scale)  # type: ignore[operator]
+
+
+# ---- per-layer activation dtype --------------------------------------------------------------
+def _time(fn, reps: int = 20) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+@torch.inference_mode()
+def choose_act_dtype(model: nn.Module, rows: int = 1, candidates=(torch.bfloat16, torch.float32)) -> dict:
+    """Time each distinct quantized layer shape with each activation dtype; keep the fastest.
+
+    Returns:
+        {(kind, out, in): (chosen dtype, {dtype: seconds})} for the shapes measured.
+    """
+    chosen: dict = {}
+    for mod in model.modules():
+        if not isinstance(mod, (Int8Linear, Int4Linear)):
+            continue
+        key = (type(mod).__name__, mod.out_features, mod.in_features)
+        if key not in chosen:
+            x = torch.randn(rows, mod.in_features)
+            times = {}
+            for dt in candidates:
+                mod.set_act_dtype(dt)
+                times[dt] = _time(lambda: mod(x))
+            chosen[key] = (min(times, key=times.get), times)
+        mod.set_act_dtype(chosen[key][0])
+    return chosen
+
+
+def fp_linear_bytes(linear: nn.Module) -> int:
+    """Bytes of a full-precision linear's parameters."""
+    return sum(p.numel() * p.element_size() for p in linear.parameters(recurse=False))
+
+
+def reference_forward(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The dequantized reference: ``F.linear(x, dequantize(W), bias)`` in fp32 (for tests)."""
+    w = mod.quantized_weight().dequantize()
+    y = F.linear(x.float(), w, mod.bias)
+    return y
