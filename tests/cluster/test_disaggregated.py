@@ -210,3 +210,25 @@ def test_metrics_endpoints_parse_and_move(stub, cluster, wait_idle):
     # Each worker's own endpoint has its series too.
     own = _scrape(next(w.metrics_address for w in st.workers if w.worker_id == d))
     assert total(own, "pdserve_worker_generated_tokens_total") >= 7
+
+
+def test_bench_against_the_cluster_reports_consistent_numbers(cluster, capsys, wait_idle, stub):
+    import json
+
+    from router.bench import main as bench_main
+    n = 6
+    rc = bench_main(["--server", f"127.0.0.1:{cluster.port}", "--dataset", "mix", "--long-tokens", "200",
+                     "--long-share", "0.3", "--num-requests", str(n), "--rate", "4", "--seed", "3"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["requests"] == out["completed"] == n and out["failed"] == 0
+    assert out.get("requests_chat", 0) + out.get("requests_long", 0) == n
+    for m in ("ttft", "tpot", "itl", "e2e"):
+        assert 0 < out[f"{m}_ms_p50"] <= out[f"{m}_ms_p90"] <= out[f"{m}_ms_p99"]
+    assert out["ttft_ms_p99"] <= out["e2e_ms_p99"]
+    assert out["goodput_rps"] <= out["request_throughput"] and 0 <= out["slo_attainment"] <= 1
+    assert out["output_tokens_per_s"] * out["wall_s"] == pytest.approx(out["output_tokens"])
+    from router.loadgen import make_workload  # ignore_eos: every request makes all its max_tokens
+    assert out["output_tokens"] == sum(s.max_tokens for s in make_workload(n, "mix", 49152, 3, long_share=0.3,
+                                                                            long_tokens=200))
+    wait_idle(stub, cluster)

@@ -1,0 +1,73 @@
+"""PNG plots of a serving benchmark (matplotlib, only when asked for with --plot-dir)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
+    """Latency CDFs, per-token latency over time and (for sweeps) goodput vs rate."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot-dir needs matplotlib: pip install 'pdserve[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for label, res in results.items():
+        rs = [r for r in res["runs"][0]["results"] if r.error is None]
+        for ax, name, xs in ((axes[0], "TTFT", [r.ttft for r in rs if r.ttft is not None]),
+                             (axes[1], "TPOT", [r.tpot for r in rs if r.tpot is not None]),
+                             (axes[2], "inter-token latency", [g for r in rs for g in r.itls])):
+            xs = sorted(x * 1e3 for x in xs)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+            ax.set_xlabel(f"{name} (ms)")
+            ax.set_xscale("log")
+            ax.set_ylabel("fraction of requests" if name != "inter-token latency" else "fraction of gaps")
+            ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("latency CDFs")
+    fig.tight_layout()
+    paths.append(out / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(12, 4))
+    for label, res in results.items():
+        rs = res["runs"][0]["results"]
+        t0 = min(r.sent for r in rs)
+        pts = sorted((b - t0, (b - a) * 1e3) for r in rs if r.error is None and r.spec.kind != "long"
+                     for a, b in zip(r.batch_times, r.batch_times[1:]))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", markersize=3, label=label)
+    ax.set_xlabel("time since the first request (s)")
+    ax.set_ylabel("gap between tokens (ms)")
+    ax.set_yscale("log")
+    ax.set_title("per-token latency of streaming requests over time (prefill stalls show as spikes)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    paths.append(out / "tpot_over_time.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    sweeps = {k: v for k, v in results.items() if len(v["runs"]) > 1}
+    if sweeps:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, res in sweeps.items():
+            ax.plot([r["rate"] for r in res["runs"]], [r["summary"]["all"]["goodput_rps"] for r in res["runs"]],
+                    "o-", label=label)
+        ax.set_xlabel("offered rate (requests/s)")
+        ax.set_ylabel("goodput (requests/s meeting both SLOs)")
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        paths.append(out / "goodput_vs_rate.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

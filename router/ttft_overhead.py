@@ -1,0 +1,56 @@
+"""What the cluster adds to time to first token: gRPC + router + Ray + KV transfer, measured
+against the in-process engine with the prefill worker's config, in the same run."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+PROMPT_TOKENS = 512
+
+
+def _client_ttft(stub, ids: list[int]) -> float:
+    from router.client import make_request
+    t0 = time.perf_counter()
+    for r in stub.Generate(make_request(token_ids=ids, max_tokens=1, ignore_eos=True)):
+        if r.token_ids:
+            return time.perf_counter() - t0
+    raise RuntimeError("the server sent no token")
+
+
+def ttft_overhead(stub, cfg, vocab: int, log: Callable[[str], None] = print, reps: int = 5) -> dict:
+    """Median TTFT of fresh 512-token prompts (``max_tokens=1``, after a warm-up): through the
+    idle cluster, then in this process on an engine built like its prefill worker (same engine
+    config and thread count). Returns ms values and their difference."""
+    import torch
+
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+    from router.pools import engine_configs
+    rng = random.Random(1234)
+
+    def prompt() -> list[int]:  # fresh ids: the prefix cache never helps
+        return [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)]
+    log(f"TTFT overhead: {reps} cluster requests of {PROMPT_TOKENS} tokens ...")
+    _client_ttft(stub, prompt())
+    cluster = [_client_ttft(stub, prompt()) for _ in range(reps)]
+    log("TTFT overhead: the in-process engine with the prefill worker's config ...")
+    prefill_cfg, decode_cfg = engine_configs(cfg, cfg.model)
+    colocated = cfg.mode == "colocated"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.decode.threads if colocated else cfg.prefill.threads)
+    try:
+        eng = LLMEngine(decode_cfg if colocated else prefill_cfg, progress=False)
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        local = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            eng.generate([prompt()], sp)
+            if i:  # the first is the warm-up
+                local.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    c, e = statistics.median(cluster) * 1e3, statistics.median(local) * 1e3
+    return {"cluster_ttft_ms_512": c, "engine_ttft_ms_512": e, "cluster_ttft_overhead_ms_512": c - e}
