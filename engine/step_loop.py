@@ -13,6 +13,7 @@ along, so the router's view of each worker's load is never older than one step, 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,8 @@ from typing import Any
 
 from engine.llm_engine import RequestOutput
 from engine.request import RequestStatus
+
+log = logging.getLogger("pdserve.worker")
 
 TOKEN_RATE_WINDOW_S = 5.0
 HEARTBEAT_S = 0.05  # an idle worker's load report interval
@@ -71,6 +74,12 @@ class StepLoop:
         ``options.metrics`` serve ``/metrics``."""
         self.worker = worker
         self.options = options
+        root = logging.getLogger("pdserve")
+        if not root.handlers:  # a worker process: its stderr goes to the Ray worker log file
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+            root.addHandler(handler)
+            root.setLevel(logging.INFO)
         self.lock = threading.Lock()
         self.outbox: list[dict] = []
         self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
@@ -109,6 +118,7 @@ class StepLoop:
                         import msgpack
                         batch, self.outbox = self.outbox, []
                         self._count_tokens(batch, now)
+                        self._log(batch)
                         sink.send(msgpack.packb([self.router[1], self.incarnation, batch, self._status()]))
                         last_beat = now
                 if not busy:
@@ -123,6 +133,15 @@ class StepLoop:
         sock.setsockopt(zmq.SNDHWM, 0)  # tokens are never dropped; the router drains them
         sock.connect(self.router[0])
         return sock
+
+    def _log(self, batch: list[dict]) -> None:
+        """One key=value line per request that ends here; ids are ``<request id>#<attempt>``,
+        the router's request id, so one grep follows a request across router and workers."""
+        for r in batch:
+            if r["finish"]:
+                log.info("rid=%s event=%s worker=%s prompt_tokens=%d cached_tokens=%d%s", r["id"], r["finish"],
+                         self.router[1] if self.router else self.incarnation, r["prompt_tokens"],
+                         r["cached_tokens"], f" error={r['error']!r}" if "error" in r else "")
 
     def _count_tokens(self, batch: list[dict], now: float) -> None:
         n = sum(len(r["tokens"]) for r in batch)

@@ -63,9 +63,11 @@ async def stop_cluster(router, server) -> None:
 
 def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
     """Foreground server until Ctrl-C (or SIGTERM)."""
+    import logging
     import signal
 
     import ray
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     init_ray(cfg, address)
 
     async def main() -> None:

@@ -134,9 +134,10 @@ class Router(pb_grpc.GenerationServicer):
             m.tpot.observe(job.tpot)
         for gap in job.gaps:
             m.itl.observe(gap)
-        log.info("request %s %s: %d prompt + %d tokens, ttft %s, %s -> %s, attempts %d", job.request_id, outcome,
-                 len(job.prompt_ids), len(job.generated), f"{job.ttft:.3f}s" if job.ttft else "-",
-                 job.prefill_id, job.decode_id, job.attempt + 1)
+        log.info("rid=%s event=finished outcome=%s prompt_tokens=%d tokens=%d ttft_s=%s tpot_s=%s prefill=%s "
+                 "decode=%s attempts=%d", job.request_id, outcome, len(job.prompt_ids), len(job.generated),
+                 f"{job.ttft:.3f}" if job.ttft is not None else "-", f"{job.tpot:.4f}" if job.tpot else "-",
+                 job.prefill_id or "-", job.decode_id or "-", job.attempt + 1)
 
     async def _run(self, job: Job):
         while True:
@@ -155,7 +156,7 @@ class Router(pb_grpc.GenerationServicer):
                     job.attempt += 1
                     if job.attempt >= MAX_ATTEMPTS:
                         raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
-                    log.warning("re-running %s (attempt %d): %s", job.request_id, job.attempt, why)
+                    log.warning("rid=%s event=rerun attempt=%d reason=%r", job.request_id, job.attempt, why)
                     self.metrics.retries.inc()
                     break
                 response = job.tokens(r)
@@ -222,6 +223,8 @@ class Router(pb_grpc.GenerationServicer):
                     raise
                 pw = self.pools.workers[p.worker_id]
                 job.placed(pw, dw)
+                log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
+                          pw.worker_id, dw.worker_id, len(ids))
                 pw.actor.submit.remote(job.key, ids, params, dw.address)
                 return
         finally:

@@ -1,0 +1,53 @@
+"""Metric names and the Grafana dashboard: every series the dashboard queries is exported."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.metrics import RouterMetrics
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+
+STATUS = {"role": "decode", "running": 2, "waiting": 1, "queued_prompt_tokens": 0, "kv_blocks_used": 10,
+          "kv_blocks_total": 100, "generated_tokens": 50, "tokens_per_s": 3.0, "prefix_query_tokens": 64,
+          "prefix_hit_tokens": 16, "kv_transfer": {"done": 3, "failed": 1, "bytes": 3000, "seconds": 0.5},
+          "speculative": {"acceptance_rate": 0.5}}
+
+
+def exported(workers) -> dict[str, list]:
+    router = SimpleNamespace(queued=1, jobs={}, pools=SimpleNamespace(workers=workers))
+    m = RouterMetrics(router)
+    m.requests.labels("stop").inc()
+    for h in (m.ttft, m.tpot, m.itl, m.e2e):
+        h.observe(0.1)
+    text = generate_latest(m.registry).decode()
+    return {s.name: s for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_worker_series_carry_labels_and_values():
+    w = SimpleNamespace(worker_id="decode-0", role="decode", state="ready", status=STATUS)
+    samples = exported({"decode-0": w})
+    assert samples["pdserve_worker_kv_blocks_free"].value == 90
+    assert samples["pdserve_worker_kv_blocks_free"].labels == {"worker": "decode-0", "role": "decode"}
+    assert samples["pdserve_worker_prefix_cache_hit_ratio"].value == 0.25
+    assert samples["pdserve_kv_transfer_bytes_per_second"].value == 6000
+    assert samples["pdserve_kv_transfer_failed_total"].value == 1
+    assert samples["pdserve_pool_workers"].labels == {"role": "decode", "state": "ready"}
+    assert samples["pdserve_admission_queue_requests"].value == 1
+    # A worker that has not reported yet exports nothing rather than zeros.
+    assert "pdserve_worker_running_requests" not in exported(
+        {"x": SimpleNamespace(worker_id="x", role="prefill", state="starting", status={})})
+
+
+def test_dashboard_queries_only_exported_series():
+    w = SimpleNamespace(worker_id="decode-0", role="decode", state="ready", status=STATUS)
+    names = set(exported({"decode-0": w}))
+    dash = json.loads(DASHBOARD.read_text())
+    used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"pdserve_[a-z0-9_]+", t["expr"])}
+    assert used and used <= names, sorted(used - names)
