@@ -7,9 +7,10 @@ Lifecycle of one transfer here (``TransferState``)::
                    └── bad frame | sender's fail | abort() | lease deadline passed ──► FAILED
                                                                                       (fail → senders)
 
-``expect`` starts the lease: ``lease_s`` after it the transfer is FAILED unless DONE, so decode
-can always free the reserved blocks, even when the sender died silently. Once a transfer is
-final nothing more is written into its blocks: later frames for it are dropped.
+``expect`` starts the lease: ``lease_s`` of silence and the transfer is FAILED unless DONE, so
+decode can always free the reserved blocks, even when the sender died silently. Each frame and
+each ``renew`` (sent while the prompt is still queued at the sender) starts it over. Once a
+transfer is final nothing more is written into its blocks: later frames for it are dropped.
 
 Tables (exactly these): ``_transfers`` (id → live transfer, or final but not yet popped),
 ``_finished`` (ids that turned final, in order, drained by ``pop_finished``) and ``_ended``
@@ -25,6 +26,8 @@ msgpack map with a ``"type"`` field; a message of THREE frames is KV data
              side does not expect is answered by fail: decode must ``expect`` before prefill
              begins.
     ack      {id}                        receiver → senders: all KV is in; they may free
+    renew    {id}                        sender → receiver while the prompt still waits in the
+             sender's queue: the lease starts over (a live sender never lets it expire)
     fail     {id, reason}                either way: the transfer is FAILED (bad frame, abort,
                                          lease), the other side stops too
 """
@@ -201,7 +204,7 @@ class KVReceiver(TransferTable):
         if kind == "hello":
             self.transport.send(peer, encode_control("hello_ok", layout=layout_to_wire(self.layout)))
             return
-        if not isinstance(tid, str) or kind not in ("begin", "fail"):
+        if not isinstance(tid, str) or kind not in ("begin", "fail", "renew"):
             self.bad_messages += 1
             return
         t = self._transfers.get(tid)
@@ -210,6 +213,10 @@ class KVReceiver(TransferTable):
             if t is not None and not t.state.is_final:
                 t.peers.discard(peer)  # it knows; tell the other senders (head shards), if any
                 self._fail(tid, t, f"sender aborted: {msg.get('reason')}")
+            return
+        if kind == "renew":  # the sender still has it queued: the lease starts over
+            if t is not None and not t.state.is_final:
+                t.deadline = max(t.deadline, self._clock() + self.lease_s)
             return
         # begin
         if state is None:
@@ -260,6 +267,7 @@ class KVReceiver(TransferTable):
             return
         t.add(header.layer, lo, hi, header.token_start, header.token_end)
         self._moved(tid, k.numel() * k.element_size() * 2)
+        t.deadline = max(t.deadline, self._clock() + self.lease_s)  # the lease bounds silence
         t.state = TransferState.TRANSFERRING
         if t.missing == 0:
             t.state = TransferState.DONE

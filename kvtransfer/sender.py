@@ -7,8 +7,10 @@ Lifecycle of one transfer here (``TransferState``)::
                   └── receiver's fail | abort() | no ack by lease_s + margin_s ──► FAILED
 
 Prefill frees its own blocks when ``pop_finished`` reports the transfer, DONE or FAILED: DONE
-means the receiver holds all KV; FAILED means it never will (the receiver's lease, started at
-its ``expect`` before our ``begin``, has surely passed by our deadline, so it writes no more).
+means the receiver holds all KV; FAILED means it never will (no ack within ``lease_s`` +
+``margin_s`` of our last frame: the receiver's lease, which our frames renew, has surely
+passed). While a transfer is WAITING (its prompt queued here) we renew the receiver's lease
+every ``lease_s / 3`` and never time it out ourselves.
 Frames are copied out of the cache by ``gather_layer`` before ``send_layer``, so freeing never
 races an in-flight send (on a GPU transport the gathered copy itself is sent, from the GPU).
 
@@ -45,6 +47,7 @@ class _Outgoing:
     num_tokens: int
     heads: tuple[int, int]  # model heads sent: ours that the receiver also holds
     deadline: float
+    renew_at: float = 0.0  # while WAITING: when to renew the receiver's lease next
     state: TransferState = TransferState.WAITING
     error: str | None = None
 
@@ -132,8 +135,9 @@ class KVSender(TransferTable):
             raise ValueError(f"bad token range: start {token_start}, {num_tokens} tokens")
         peer, remote = self._peers[address]
         self._ended.pop(transfer_id, None)
+        now = self._clock()
         self._transfers[transfer_id] = _Outgoing(peer, token_start, num_tokens, self._common_heads(remote),
-                                                 self._clock() + self.lease_s + self.margin_s)
+                                                 now + self.lease_s + self.margin_s, now + self.lease_s / 3)
         self.transport.send(peer, encode_control("begin", id=transfer_id, num_tokens=num_tokens,
                                                  token_start=token_start))
 
@@ -177,6 +181,7 @@ class KVSender(TransferTable):
                                keep_on_device=getattr(self.transport, "device_frames", False))
         self.transport.send(t.peer, frames)
         self._moved(transfer_id, k.numel() * k.element_size() * 2)
+        t.deadline = self._clock() + self.lease_s + self.margin_s  # the lease bounds silence, not length
         t.state = TransferState.TRANSFERRING
         return True
 
@@ -216,7 +221,14 @@ class KVSender(TransferTable):
                 self._end(tid, t, TransferState.FAILED, f"receiver: {ctl.get('reason')}", notify=False)
         now = self._clock()
         for tid, t in self._transfers.items():
-            if not t.state.is_final and now >= t.deadline:
+            if t.state == TransferState.WAITING:
+                # Queued behind other prompts here: keep the receiver's reservation alive. If we
+                # die, the renewals stop and its lease frees the blocks.
+                t.deadline = now + self.lease_s + self.margin_s
+                if now >= t.renew_at:
+                    t.renew_at = now + self.lease_s / 3
+                    self.transport.send(t.peer, encode_control("renew", id=tid))
+            elif not t.state.is_final and now >= t.deadline:
                 self._end(tid, t, TransferState.FAILED,
                           f"no ack within the lease ({self.lease_s:g}s + {self.margin_s:g}s margin)", notify=True)
 

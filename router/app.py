@@ -33,9 +33,12 @@ def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | Non
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: no ~/.ray/auth_token
     colocated = cfg.mode == "colocated"
-    threads = cfg.decode.replicas * cfg.decode.threads + (0 if colocated else cfg.prefill.replicas * cfg.prefill.threads)
+    auto = cfg.autoscale
+    n_prefill = 0 if colocated else max(cfg.prefill.replicas, auto.prefill.max_replicas if auto.enabled else 0)
+    n_decode = max(cfg.decode.replicas, auto.decode.max_replicas if auto.enabled else 0)
+    threads = n_decode * cfg.decode.threads + n_prefill * cfg.prefill.threads
     ray.init(num_cpus=max(os.cpu_count() or 1, threads), include_dashboard=False, log_to_driver=False,
-             resources={"prefill": 0 if colocated else cfg.prefill.replicas, "decode": cfg.decode.replicas},
+             resources={"prefill": n_prefill, "decode": n_decode},
              _temp_dir=temp_dir or tempfile.mkdtemp(prefix="pdserve-ray-"),
              _node_ip_address="127.0.0.1", runtime_env=env)
 
@@ -94,6 +97,7 @@ class BackgroundCluster:
     """
 
     def __init__(self, cfg: ClusterConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.stopped = False
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="router", daemon=True)
         self.thread.start()
@@ -103,6 +107,7 @@ class BackgroundCluster:
         return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout)
 
     def stop(self) -> None:
+        self.stopped = True
         self.call(lambda: stop_cluster(self.router, self.server))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)

@@ -125,6 +125,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         keys = ("worker_id", "role", "state", "running", "waiting", "kv_blocks", "tokens_per_s", "restarts",
                 "metrics_address")
         print(json.dumps({"mode": st.mode, "queued_requests": st.queued_requests,
+                          "autoscale_events": list(st.autoscale_events),
                           "active_requests": st.active_requests, "metrics_address": st.metrics_address,
                           "workers": [dict(zip(keys, r)) for r in rows]}))
         return 0
@@ -134,6 +135,10 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"metrics: {st.metrics_address or 'off'}")
     for r in (head, *rows):
         print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    if st.autoscale_events:
+        print("autoscaling (latest last):")
+        for e in st.autoscale_events[-10:]:
+            print(f"  {e}")
     return 0
 
 
@@ -285,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gguf", help="path of the .gguf file (default: the bundled one)")
     c.add_argument("--out", help="output folder")
     c.set_defaults(func=cmd_convert)
+    from router.cli_quant import add_commands
+    add_commands(sub)  # quantize, eval-ppl
     return p
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from router.autoscale import DecodeTargets, PrefillTargets
+
 
 class ConfigError(ValueError):
     """A config file the cluster cannot start with; the message names the key."""
@@ -59,6 +61,15 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class AutoscaleConfig:
+    enabled: bool = False
+    interval_s: float = 2.0  # how often the controller decides
+    window_s: float = 30.0  # TTFT/TPOT p90 over requests finished this recently
+    prefill: PrefillTargets = field(default_factory=PrefillTargets)
+    decode: DecodeTargets = field(default_factory=DecodeTargets)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     mode: str = "disaggregated"
     model: str | None = None
@@ -69,6 +80,7 @@ class ClusterConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
 
 # Per key: (check, what a valid value is). Keys are dotted paths.
@@ -83,6 +95,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
+    "autoscale.enabled": (lambda v: isinstance(v, bool), "true or false"),
+    "autoscale.decode.kv_high": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "autoscale.decode.kv_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }
 
 
@@ -153,6 +168,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             node = node[p]
         node[last] = value
     cfg = _build(ClusterConfig, data, "")
+    for name in ("prefill", "decode"):
+        t = getattr(cfg.autoscale, name)
+        if t.min_replicas > t.max_replicas:
+            raise ConfigError(f"autoscale.{name}: min_replicas {t.min_replicas} > max_replicas {t.max_replicas}")
+    if cfg.autoscale.decode.kv_low >= cfg.autoscale.decode.kv_high:
+        raise ConfigError("autoscale.decode: kv_low must be below kv_high (the band between them holds the size)")
     if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":
         raise ConfigError("kv_transfer.transport: inproc works only with mode: colocated")
     return cfg

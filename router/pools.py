@@ -50,6 +50,7 @@ class Worker:
     last_seen: float = field(default_factory=time.monotonic)
     reserved_blocks: int = 0  # reserved by the router since the last heartbeat
     restarts: int = 0
+    draining: bool = False  # retiring: no new requests, exits once it holds none
     info: dict = field(default_factory=dict)  # model_info() of its current incarnation
 
     def load(self) -> WorkerLoad:
@@ -94,6 +95,7 @@ class Pools:
         self._changed = asyncio.Event()  # replaced on every notify: waiters wake once each
         self._tasks: list[asyncio.Task] = []
         self._sock = None
+        self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
 
     # ---- start / stop ------------------------------------------------------------------------
     async def start(self, progress: Callable[[str], None] = lambda s: None) -> None:
@@ -101,35 +103,19 @@ class Pools:
         import ray
         import zmq
         import zmq.asyncio
-
-        from decode_worker.actor import DecodeActor
-        from prefill_worker.actor import PrefillActor
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         port = self._sock.bind_to_random_port(f"tcp://{ray.util.get_node_ip_address()}")
         address = f"tcp://{ray.util.get_node_ip_address()}:{port}"
         self._tasks.append(asyncio.create_task(self._receive(), name="pools-receive"))
-
-        cfg, kt = self.cfg, self.cfg.kv_transfer
-        prefill_cfg, decode_cfg = engine_configs(cfg, self.model_path)
+        self._address = address
+        cfg = self.cfg
         colocated = cfg.mode == "colocated"
-        gpus = {"num_gpus": 1} if cfg.device == "cuda" else {}
-        restart = {"max_restarts": -1, "max_task_retries": 0}
-        metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
-
-        def options(wid: str, threads: int) -> WorkerOptions:
-            return WorkerOptions(kt.transport, kt.lease_s, threads, (address, wid), metrics, colocated)
-        for i in range(0 if colocated else cfg.prefill.replicas):
-            wid = f"prefill-{i}"
-            actor = PrefillActor.options(resources={"prefill": 1}, num_cpus=cfg.prefill.threads, **gpus,
-                                         **restart).remote(prefill_cfg, options(wid, cfg.prefill.threads))
-            self.workers[wid] = Worker(wid, "prefill", actor)
-        for i in range(cfg.decode.replicas):
-            wid = f"decode-{i}"
-            actor = DecodeActor.options(resources={"decode": 1}, num_cpus=cfg.decode.threads, **gpus,
-                                        **restart).remote(decode_cfg, options(wid, cfg.decode.threads))
-            self.workers[wid] = Worker(wid, "colocated" if colocated else "decode", actor)
+        for _ in range(0 if colocated else cfg.prefill.replicas):
+            self._create("prefill")
+        for _ in range(cfg.decode.replicas):
+            self._create("colocated" if colocated else "decode")
         progress(f"starting {len(self.workers)} workers ({cfg.mode}) ...")
         # Decode workers first: a prefill worker coming up connects to every ready decode worker.
         decode = [w for w in self.workers.values() if w.role != "prefill"]
@@ -140,6 +126,63 @@ class Pools:
             raise RuntimeError(f"workers failed to start: {', '.join(bad)}")
         progress(f"{len(self.workers)} workers ready")
         self._tasks.append(asyncio.create_task(self._health(), name="pools-health"))
+
+    def _create(self, role: str) -> Worker:
+        """Create one worker actor (not yet up). Ray places it by its resources; on a cluster
+        with an autoscaler a pending actor makes it add a node of the right type."""
+        from decode_worker.actor import DecodeActor
+        from prefill_worker.actor import PrefillActor
+        cfg, kt = self.cfg, self.cfg.kv_transfer
+        prefill_cfg, decode_cfg = engine_configs(cfg, self.model_path)
+        pool = cfg.prefill if role == "prefill" else cfg.decode
+        wid = f"{'prefill' if role == 'prefill' else 'decode'}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
+        opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, (self._address, wid), metrics,
+                             role == "colocated")
+        cls, engine_cfg = (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
+        actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=pool.threads,
+                            max_restarts=-1, max_task_retries=0,
+                            **({"num_gpus": 1} if cfg.device == "cuda" else {})).remote(engine_cfg, opts)
+        w = self.workers[wid] = Worker(wid, role, actor)
+        return w
+
+    def grow(self, role: str) -> Worker:
+        """Add a worker to a pool; it takes requests once up (model loaded, connected)."""
+        w = self._create(role)
+        self._tasks.append(asyncio.create_task(self._bring_up(w), name=f"up-{w.worker_id}"))
+        return w
+
+    def drain(self, role: str, holds: Callable[[Worker], bool]) -> Worker | None:
+        """Stop placing on one worker of the pool (the least loaded) and retire it once it
+        holds nothing: no request of the router's (``holds``), nothing running or waiting, no
+        KV block (so its transfers ended). None if the pool has no ready worker."""
+        ready = [w for w in self.workers.values() if w.role == role and w.state == "ready"]
+        if not ready:
+            return None
+        w = min(ready, key=lambda w: (w.status.get("kv_blocks_used", 0), w.status.get("running", 0), w.worker_id))
+        w.state, w.draining = "draining", True
+        self._tasks.append(asyncio.create_task(self._retire(w, holds), name=f"retire-{w.worker_id}"))
+        return w
+
+    async def _retire(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
+        import ray
+        since = time.monotonic()
+        while True:
+            s = w.status
+            # A heartbeat after draining began shows what it still holds.
+            if (w.last_seen > since and not holds(w) and not s.get("running") and not s.get("waiting")
+                    and not s.get("kv_blocks_used")) or w.state == "gone":
+                break
+            await asyncio.sleep(HEALTH_PERIOD_S)
+        log.info("worker %s drained; retiring it", w.worker_id)
+        try:
+            await asyncio.wait_for(w.actor.shutdown.remote(), 10)
+        except Exception:  # already gone
+            pass
+        ray.kill(w.actor, no_restart=True)
+        self.workers.pop(w.worker_id, None)
+        self._notify()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -183,7 +226,7 @@ class Pools:
     # ---- liveness ----------------------------------------------------------------------------
     def lost(self, w: Worker, why: str) -> None:
         """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background."""
-        if w.state != "ready":
+        if w.state not in ("ready", "draining"):
             return
         log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
         w.state, w.status, w.reserved_blocks = "dead", {}, 0
@@ -206,7 +249,7 @@ class Pools:
                 self._notify()
                 return
         w.info, w.incarnation, w.last_seen = info, info["incarnation"], time.monotonic()
-        w.state = "ready"
+        w.state = "draining" if w.draining else "ready"
         self._notify()
 
     async def _connect(self, w: Worker) -> dict:
@@ -231,7 +274,7 @@ class Pools:
             await asyncio.sleep(HEALTH_PERIOD_S)
             now = time.monotonic()
             for w in list(self.workers.values()):
-                if w.state == "ready" and now - w.last_seen > QUIET_S:
+                if w.state in ("ready", "draining") and now - w.last_seen > QUIET_S:
                     state = await asyncio.to_thread(_actor_state, w.actor)
                     if state in ("RESTARTING", "DEAD"):
                         self.lost(w, f"Ray reports it {state}")
@@ -244,7 +287,7 @@ class Pools:
             w = self.workers.get(wid)
             if w is None:
                 continue
-            if w.state == "ready" and incarnation != w.incarnation:
+            if w.state in ("ready", "draining") and incarnation != w.incarnation:
                 self.lost(w, "it restarted")  # a new process: the old one's requests are gone
                 continue
             if incarnation != w.incarnation:

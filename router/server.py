@@ -17,6 +17,7 @@ sides (abort on each worker that holds it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.config import ClusterConfig
+from router.autoscale import PoolController
 from router.jobs import Job
 from router.placement import pick_decode, pick_prefill
 from router.pools import Pools, Worker
@@ -67,16 +69,22 @@ class Router(pb_grpc.GenerationServicer):
         self.colocated = cfg.mode == "colocated"
         from router.metrics import RouterMetrics
         self.metrics = RouterMetrics(self)
+        self.recent: collections.deque[tuple[float, float | None, float | None]] = collections.deque(maxlen=4096)
+        self.autoscaler = PoolController(self, cfg.autoscale) if cfg.autoscale.enabled else None
 
     async def start(self, progress=lambda s: None) -> None:
         if self.cfg.metrics.port is not None:
             progress(f"metrics on http://{self.metrics.serve(self.cfg.router.host, self.cfg.metrics.port)}/metrics")
         await self.pools.start(progress)
+        if self.autoscaler is not None:
+            self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name="autoscale")
         info = self.pools.model_info
         self.limits = Limits(context_length=min(w.info["context_length"] for w in self.pools.workers.values()),
                              vocab_size=info["vocab_size"], default_max_tokens=self.cfg.router.default_max_tokens)
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            self._autoscale_task.cancel()
         for job in list(self.jobs.values()):
             job.put(None, {"abort": True})
         await self.pools.stop()
@@ -123,7 +131,12 @@ class Router(pb_grpc.GenerationServicer):
                 self._release(job)
             self._observe(job, outcome)
 
+    def holds(self, worker: Worker) -> bool:
+        """Whether some request of ours runs on ``worker`` (it may not retire yet)."""
+        return any(worker is j.prefill or worker is j.decode for j in self.jobs.values())
+
     def _observe(self, job: Job, outcome: str) -> None:
+        self.recent.append((time.monotonic(), job.ttft, job.tpot))
         m = self.metrics
         m.requests.labels(outcome).inc()
         m.generation_tokens.inc(len(job.generated))
@@ -261,7 +274,8 @@ class Router(pb_grpc.GenerationServicer):
                 kv_blocks_total=s.get("kv_blocks_total", 0), tokens_per_s=s.get("tokens_per_s", 0.0),
                 metrics_address=s.get("metrics_address") or "", restarts=w.restarts))
         return pb.ClusterStatus(mode=self.cfg.mode, workers=workers, metrics_address=self.metrics.address or "",
-                                queued_requests=self.queued, active_requests=len(self.jobs))
+                                queued_requests=self.queued, active_requests=len(self.jobs),
+                                autoscale_events=list(self.autoscaler.events) if self.autoscaler else [])
 
 
 async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:

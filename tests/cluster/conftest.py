@@ -27,7 +27,8 @@ def make_cluster(ray_session):
 
     yield make
     for c in started:
-        c.stop()
+        if not c.stopped:
+            c.stop()
 
 
 @pytest.fixture(scope="session")

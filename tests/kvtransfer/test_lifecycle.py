@@ -279,6 +279,38 @@ def test_sender_lease_expiry_without_ack(net):
     assert pre.bm.num_used_blocks == 0
 
 
+def test_a_queued_transfer_renews_the_lease_and_a_dead_sender_lets_it_expire(net):
+    """A prompt may wait in the prefill queue longer than the lease: the sender renews the
+    receiver's lease meanwhile; once it stops (died), the lease frees the blocks."""
+    clock, pre, dec = FakeClock(), Side(layout(4)), Side(layout(8))
+    tx = net("sender", pre, lease_s=3.0, clock=clock, margin_s=0.5)
+    rx = net("receiver", dec, lease_s=3.0, clock=clock)
+    handshake(tx, rx)
+    rx.expect("q", dec.reserve(4), 4)
+    tx.begin("q", rx.address, 4)
+    def settle():  # let messages in flight arrive (ucx delivers asynchronously)
+        end = time.monotonic() + 0.02
+        pump(tx, rx, until=lambda: time.monotonic() > end)
+    for step in range(1, 31):  # 15 s of queueing: five leases
+        clock.now = step * 0.5
+        settle()
+        assert tx.poll("q") == W and rx.poll("q") == W, clock.now
+    pb = pre.reserve(4)
+    send_layers(tx, pre, pb, "q", 0, 4, list(range(layout(4).num_layers)))
+    pump(tx, rx, until=lambda: tx.poll("q") == D and rx.poll("q") == D)
+    rx.expect("r", dec.reserve(4), 4)
+    tx.begin("r", rx.address, 4)
+    settle()
+    tx.close()  # the sender dies while "r" is queued: no more renewals
+    t0 = clock.now
+    clock.now = t0 + 2.9
+    rx.progress()
+    assert rx.poll("r") == W
+    clock.now = t0 + 3.0 + 3.0 / 3  # the last renewal was at most lease/3 before t0
+    rx.progress()
+    assert rx.poll("r") == F and "lease" in rx.error("r")
+
+
 def test_begin_for_unexpected_transfer_fails_fast(net):
     tx, rx = net("sender", Side(layout(4))), net("receiver", Side(layout(8)))
     handshake(tx, rx)

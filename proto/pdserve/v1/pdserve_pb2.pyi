@@ -175,15 +175,17 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., metrics_address: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("mode", "workers", "metrics_address", "queued_requests", "active_requests")
+    __slots__ = ("mode", "workers", "metrics_address", "queued_requests", "active_requests", "autoscale_events")
     MODE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     metrics_address: str
     queued_requests: int
     active_requests: int
-    def __init__(self, mode: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., queued_requests: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    autoscale_events: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, mode: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., queued_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., autoscale_events: _Optional[_Iterable[str]] = ...) -> None: ...

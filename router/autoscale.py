@@ -1,0 +1,171 @@
+"""Pool autoscaling: each pool grows and shrinks by its own signals, without flapping.
+
+- prefill (compute): queued prompt tokens per worker against ``target_queued_tokens``, and
+  the recent TTFT p90 against ``target_ttft_ms``;
+- decode (memory): KV block utilization against ``kv_high``/``kv_low``, requests waiting for
+  admission, and the recent TPOT p90 against ``target_tpot_ms``.
+
+Hysteresis: "up" and "down" have separate thresholds with a dead band between them, a
+condition must hold for ``up_delay_s`` / ``down_delay_s`` without a break before it acts, one
+worker changes per decision, and after a change the pool waits its delay again. Sizes stay
+within ``[min_replicas, max_replicas]``. ``decide`` is pure over a ``Signals`` snapshot, so
+the policy is unit-tested on synthetic traces; the router's pools carry the decisions out
+(growing: a new actor, whose resources make Ray's autoscaler add a node of the right type;
+shrinking: drain a worker, which takes no new requests and exits when it holds none).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    up_delay_s: float = 5.0
+    down_delay_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class PrefillTargets(PoolLimits):
+    target_ttft_ms: float = 2000.0
+    target_queued_tokens: int = 4096  # per worker: more is a TTFT backlog
+
+
+@dataclass(frozen=True)
+class DecodeTargets(PoolLimits):
+    target_tpot_ms: float = 100.0
+    kv_high: float = 0.85
+    kv_low: float = 0.3
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One snapshot of a pool's load, taken by the router."""
+
+    workers: int  # ready workers in the pool (draining ones excluded)
+    queued_prompt_tokens: int = 0  # prefill
+    ttft_p90_s: float | None = None  # recent finished requests; None: no data
+    kv_utilization: float = 0.0  # decode: used / total blocks over the pool
+    waiting_admission: int = 0  # decode: requests in the router's admission queue
+    tpot_p90_s: float | None = None
+
+
+@dataclass
+class PoolState:
+    """What the controller remembers of one pool between decisions."""
+
+    up_since: float | None = None
+    down_since: float | None = None
+    last_change: float = -math.inf
+    history: list[str] = field(default_factory=list)
+
+
+def pressure(role: str, s: Signals, t: PrefillTargets | DecodeTargets) -> tuple[bool, bool, str]:
+    """(wants more, wants fewer, reason) from one snapshot; never both."""
+    if role == "prefill":
+        per = s.queued_prompt_tokens / max(1, s.workers)
+        slow = s.ttft_p90_s is not None and s.ttft_p90_s * 1e3 > t.target_ttft_ms
+        if per > t.target_queued_tokens or slow:
+            return True, False, (f"queued prompt tokens {per:.0f}/worker > {t.target_queued_tokens}" if not slow
+                                 else f"TTFT p90 {s.ttft_p90_s * 1e3:.0f} ms > {t.target_ttft_ms:.0f} ms")
+        idle = s.queued_prompt_tokens == 0 and (s.ttft_p90_s is None or s.ttft_p90_s * 1e3 < 0.5 * t.target_ttft_ms)
+        return False, idle, "no prompt backlog and TTFT well under target" if idle else ""
+    slow = s.tpot_p90_s is not None and s.tpot_p90_s * 1e3 > t.target_tpot_ms
+    if s.kv_utilization > t.kv_high or s.waiting_admission > 0 or slow:
+        why = (f"KV utilization {s.kv_utilization:.0%} > {t.kv_high:.0%}" if s.kv_utilization > t.kv_high
+               else f"{s.waiting_admission} requests waiting for admission" if s.waiting_admission
+               else f"TPOT p90 {s.tpot_p90_s * 1e3:.0f} ms > {t.target_tpot_ms:.0f} ms")
+        return True, False, why
+    idle = s.kv_utilization < t.kv_low and (s.tpot_p90_s is None or s.tpot_p90_s * 1e3 < 0.7 * t.target_tpot_ms)
+    return False, idle, f"KV utilization {s.kv_utilization:.0%} < {t.kv_low:.0%}" if idle else ""
+
+
+def decide(role: str, now: float, s: Signals, t: PrefillTargets | DecodeTargets, state: PoolState) -> tuple[int, str]:
+    """+1 (add a worker), -1 (drain one) or 0, with the reason; updates ``state``."""
+    up, down, why = pressure(role, s, t)
+    state.up_since = (state.up_since if state.up_since is not None else now) if up else None
+    state.down_since = (state.down_since if state.down_since is not None else now) if down else None
+    if s.workers < t.min_replicas:
+        return _change(state, now, +1, f"below min_replicas {t.min_replicas}")
+    if s.workers > t.max_replicas:
+        return _change(state, now, -1, f"above max_replicas {t.max_replicas}")
+    if up and s.workers < t.max_replicas and now - state.up_since >= t.up_delay_s \
+            and now - state.last_change >= t.up_delay_s:
+        return _change(state, now, +1, why)
+    if down and s.workers > t.min_replicas and now - state.down_since >= t.down_delay_s \
+            and now - state.last_change >= t.down_delay_s:
+        return _change(state, now, -1, why)
+    return 0, ""
+
+
+def _change(state: PoolState, now: float, delta: int, why: str) -> tuple[int, str]:
+    state.last_change, state.up_since, state.down_since = now, None, None
+    state.history = (state.history + [f"{'+1' if delta > 0 else '-1'}: {why}"])[-20:]
+    return delta, why
+
+
+class PoolController:
+    """Runs the policy every ``interval_s`` over the router's pools and carries it out.
+
+    Args:
+        router: the router (its ``pools``, ``queued``, ``jobs`` and recent latencies).
+        cfg: ``ClusterConfig.autoscale``.
+    """
+
+    def __init__(self, router, cfg) -> None:
+        import collections
+        self.router, self.cfg = router, cfg
+        self.states = {"prefill": PoolState(), "decode": PoolState()}
+        self.events: collections.deque[str] = collections.deque(maxlen=50)  # shown by `pdserve status`
+
+    def signals(self, pool: str, now: float) -> Signals:
+        r = self.router
+        roles = ("prefill",) if pool == "prefill" else ("decode", "colocated")
+        ws = [w for w in r.pools.workers.values() if w.role in roles and w.state == "ready"]
+        recent = [x for x in r.recent if x[0] >= now - self.cfg.window_s]
+        ttfts = sorted(x[1] for x in recent if x[1] is not None)
+        tpots = sorted(x[2] for x in recent if x[2] is not None)
+        used = sum(w.status.get("kv_blocks_used", 0) + w.reserved_blocks for w in ws)
+        total = sum(w.status.get("kv_blocks_total", 0) for w in ws)
+        return Signals(workers=len(ws), queued_prompt_tokens=sum(w.status.get("queued_prompt_tokens", 0) for w in ws),
+                       ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+                       kv_utilization=used / total if total else 0.0, waiting_admission=r.queued,
+                       tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None)
+
+    def step(self, now: float) -> list[str]:
+        """One round of decisions; returns what was done."""
+        import logging
+        log = logging.getLogger("pdserve.autoscale")
+        done = []
+        colocated = self.router.colocated
+        for pool in (("decode",) if colocated else ("prefill", "decode")):
+            pools = self.router.pools
+            role = "colocated" if colocated else pool
+            if any(w.state == "starting" for w in pools.workers.values() if w.role == role):
+                continue  # one change at a time: wait for the new worker to come up
+            s = self.signals(pool, now)
+            delta, why = decide(pool, now, s, getattr(self.cfg, pool), self.states[pool])
+            if delta > 0:
+                w = pools.grow(role)
+                msg = f"{pool} +1 ({w.worker_id}): {why}"
+            elif delta < 0:
+                w = pools.drain(role, self.router.holds)
+                if w is None:
+                    continue
+                msg = f"{pool} -1 (draining {w.worker_id}): {why}"
+            else:
+                continue
+            log.info("autoscale %s", msg)
+            self.events.append(f"{time.strftime('%H:%M:%S')} {msg}")
+            done.append(msg)
+        return done
+
+    async def run(self) -> None:
+        import asyncio
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            self.step(time.monotonic())

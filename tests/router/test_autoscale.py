@@ -1,0 +1,93 @@
+"""Autoscaling policy on synthetic signal traces: delays, hysteresis, limits, no flapping."""
+
+from __future__ import annotations
+
+from router.autoscale import DecodeTargets, PoolState, PrefillTargets, Signals, decide
+
+P = PrefillTargets(min_replicas=1, max_replicas=3, up_delay_s=5, down_delay_s=20, target_queued_tokens=1000,
+                   target_ttft_ms=2000)
+D = DecodeTargets(min_replicas=1, max_replicas=3, up_delay_s=5, down_delay_s=20, kv_high=0.8, kv_low=0.3,
+                  target_tpot_ms=100)
+
+
+def replay(role, trace, targets, workers=1, dt=1.0):
+    """Feed ``trace`` (a function of time -> Signals kwargs) once a second; returns the sizes."""
+    state, sizes = PoolState(), []
+    for i in range(len(trace)):
+        delta, _ = decide(role, i * dt, Signals(workers=workers, **trace[i]), targets, state)
+        workers += delta
+        sizes.append(workers)
+    return sizes
+
+
+def test_sustained_backlog_grows_after_the_delay_one_worker_at_a_time_up_to_max():
+    sizes = replay("prefill", [{"queued_prompt_tokens": 50_000}] * 30, P)
+    assert sizes[4] == 1 and sizes[5] == 2  # held 5 s before the first change
+    assert sizes[10] == 2 and sizes[11] == 3  # and 5 s again after it
+    assert max(sizes) == 3  # max_replicas
+
+
+def test_oscillating_load_does_not_flap():
+    trace = [{"queued_prompt_tokens": 50_000 if (i // 2) % 2 else 0} for i in range(120)]
+    assert set(replay("prefill", trace, P)) == {1}
+    trace = [{"kv_utilization": 0.9 if (i // 3) % 2 else 0.1} for i in range(120)]
+    assert set(replay("decode", trace, D, workers=2)) == {2}
+
+
+def test_idle_pool_shrinks_after_the_down_delay_to_min():
+    sizes = replay("decode", [{"kv_utilization": 0.05}] * 60, D, workers=3)
+    assert sizes[19] == 3 and sizes[20] == 2 and sizes[40] == 2 and sizes[41] == 1 and sizes[-1] == 1
+
+
+def test_dead_band_holds_the_size():
+    assert set(replay("decode", [{"kv_utilization": 0.5}] * 60, D, workers=2)) == {2}
+    assert set(replay("prefill", [{"queued_prompt_tokens": 500, "ttft_p90_s": 1.5}] * 60, P, workers=2)) == {2}
+
+
+def test_each_pool_follows_its_own_signals():
+    # Long prompts, short answers: prefill backlog grows prefill; decode memory is idle.
+    assert replay("prefill", [{"queued_prompt_tokens": 9000}] * 8, P)[-1] == 2
+    assert replay("decode", [{"kv_utilization": 0.1}] * 8, D)[-1] == 1
+    # Waiting admissions or slow TPOT grow decode.
+    assert replay("decode", [{"waiting_admission": 3}] * 8, D)[-1] == 2
+    assert replay("decode", [{"kv_utilization": 0.5, "tpot_p90_s": 0.3}] * 8, D)[-1] == 2
+
+
+def test_limits_apply_at_once():
+    assert replay("prefill", [{}], P, workers=0) == [1]
+    assert replay("decode", [{"kv_utilization": 0.5}], D, workers=5) == [4]
+
+
+def test_controller_grows_and_drains_through_the_pools():
+    from types import SimpleNamespace
+
+    from router.autoscale import PoolController
+    from router.config import load_config
+    cfg = load_config(None, {"autoscale.enabled": True, "autoscale.prefill.up_delay_s": 1.0,
+                             "autoscale.prefill.down_delay_s": 1.0, "autoscale.decode.down_delay_s": 100.0,
+                             "autoscale.prefill.target_queued_tokens": 100}).autoscale
+
+    class Pools:
+        def __init__(self):
+            self.workers = {}
+            for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+                self.workers[wid] = SimpleNamespace(worker_id=wid, role=role, state="ready", reserved_blocks=0,
+                                                    status={"queued_prompt_tokens": 0, "kv_blocks_used": 50,
+                                                            "kv_blocks_total": 100})
+
+        def grow(self, role):
+            w = SimpleNamespace(worker_id=f"{role}-new", role=role, state="ready", reserved_blocks=0, status={})
+            self.workers[w.worker_id] = w
+            return w
+
+        def drain(self, role, holds):
+            w = self.workers.pop(f"{role}-new")
+            return w
+    router = SimpleNamespace(pools=Pools(), recent=[], queued=0, colocated=False, holds=lambda w: False)
+    ctl = PoolController(router, cfg)
+    router.pools.workers["prefill-0"].status["queued_prompt_tokens"] = 5000
+    assert ctl.step(0.0) == [] and ctl.step(0.5) == []
+    assert ctl.step(1.0) == ["prefill +1 (prefill-new): queued prompt tokens 5000/worker > 100"]
+    router.pools.workers["prefill-0"].status["queued_prompt_tokens"] = 0
+    assert ctl.step(2.0) == [] and ctl.step(3.1)[0].startswith("prefill -1 (draining prefill-new)")
+    assert len(ctl.events) == 2 and "prefill-new" not in router.pools.workers
