@@ -43,13 +43,24 @@ def qparams(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, 
     qmin, qmax = qrange(bits, symmetric)
     if symmetric:
         half = 127 if bits == 8 else 7
-        scale = (w.abs().amax(-1) / half).clamp_min(_EPS)
+        scale = _kernel_round((w.abs().amax(-1) / half).clamp_min(_EPS), bits)
         zero = torch.full_like(scale, 0.0 if bits == 8 else 8.0)
         return scale, zero
     lo, hi = w.amin(-1).clamp_max(0), w.amax(-1).clamp_min(0)
-    scale = ((hi - lo) / (qmax - qmin)).clamp_min(_EPS)
+    scale = _kernel_round(((hi - lo) / (qmax - qmin)).clamp_min(_EPS), bits)
     zero = (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
     return scale, zero
+
+
+def _kernel_round(scale: torch.Tensor, bits: int) -> torch.Tensor:
+    # The CPU INT4 kernel keeps group scales in bf16 even with fp32 activations (measured):
+    # choose bf16-representable scales (rounded up, so the range still covers max|r|) so that
+    # the integers are rounded against the scale the kernel really applies.
+    if bits != 4:
+        return scale
+    b = scale.to(torch.bfloat16)
+    up = b.view(torch.int16) + (b.float() < scale).to(torch.int16)  # next bf16 up (positive)
+    return up.view(torch.bfloat16).float()
 
 
 def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,

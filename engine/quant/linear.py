@@ -163,6 +163,14 @@ class Int4Linear(QuantLinear):
         return QuantizedWeight(unpack_int4(self.qweight), self.scale, self.zero, 4, self.group_size,
                                self.symmetric)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the kernel applies: scales and offsets rounded to bf16 as it stores them."""
+        n, k = self.out_features, self.in_features
+        q = unpack_int4(self.qweight).float().view(n, k // self.group_size, self.group_size)
+        s = self.scale.to(torch.bfloat16).float()
+        z = ((8.0 - self.zero) * self.scale).to(torch.bfloat16).float()
+        return ((q - 8) * s[..., None] + z[..., None]).view(n, k)
+
     def weight_bytes(self) -> int:
         return (self._packed.numel() * self._packed.element_size()
                 + self._scales_zeros.numel() * self._scales_zeros.element_size())
@@ -301,7 +309,8 @@ def fp_linear_bytes(linear: nn.Module) -> int:
 
 
 def reference_forward(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """The dequantized reference: ``F.linear(x, dequantize(W), bias)`` in fp32 (for tests)."""
-    w = mod.quantized_weight().dequantize()
+    """The dequantized reference: ``F.linear(x, dequantize(W), bias)`` in fp32 (for tests); for
+    INT4 with the scales/offsets at the precision the kernel stores them (bf16)."""
+    w = mod.kernel_weight() if isinstance(mod, Int4Linear) else mod.quantized_weight().dequantize()
     y = F.linear(x.float(), w, mod.bias)
     return y

@@ -1,0 +1,100 @@
+"""Offline conversion: full-precision folder -> calibrated, quality-checked quantized folder.
+
+``convert`` is what ``pdserve quantize`` runs: load the model (plain linears), read the
+calibration text, measure quality before, compute the integer weights by the chosen method,
+optionally scan sensitivity and protect the fewest layers that keep the calibration perplexity
+within budget, measure quality after, save the checkpoint with a report beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.quant.calib import calib_sequences, load_calib_texts, mean_nll
+from engine.quant.config import QuantConfig
+from engine.quant.eval import HELDOUT, perplexity
+from engine.quant.quantize import compute_weights, plan_targets, swap_in
+
+Log = Callable[[str], None]
+
+
+def load_plain(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Our model with plain ``nn.Linear`` layers (what quantization and saving need)."""
+    from engine.layers.attention import get_attention_backend
+    from engine.models.loader import load_model
+    return load_model(Path(path), get_attention_backend("sdpa"), dtype, prepack=False)
+
+
+def quality(model: nn.Module, tokenizer, seqs: list[list[int]], heldout_tokens: int = 1024) -> dict[str, float]:
+    """Calibration perplexity and held-out prose/code perplexity (first ``heldout_tokens``)."""
+    out = {"calib_ppl": math.exp(mean_nll(model, seqs))}
+    for kind, f in HELDOUT.items():
+        ids = tokenizer(f.read_text())["input_ids"]
+        out[f"{kind}_ppl"] = perplexity(model, ids, max_tokens=heldout_tokens)
+    return out
+
+
+def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None = None,
+            calib: str | Path | None = None, auto_protect: float | None = None, scan_unit: str = "linear",
+            calib_tokens: int = 2048, seq_len: int = 512, log: Log = print,
+            progress: Callable[[str], None] | None = None) -> tuple[nn.Module, QuantConfig, dict[str, Any]]:
+    """Quantize the model at ``model_path``; save to ``out_dir`` when given.
+
+    Args:
+        cfg: the format and method (its ``protect`` patterns are kept in full precision).
+        calib: calibration .txt/.jsonl (None = the bundled sample).
+        auto_protect: a ppl-increase budget (fraction): scan and protect the fewest units.
+        scan_unit: "linear" or "layer" granularity for the scan.
+    Returns:
+        (the quantized model, the final config with every protected name, the report).
+    Raises:
+        ValueError: bad config or calibration file (before any heavy work).
+    """
+    from transformers import AutoTokenizer
+
+    from engine.quant.sensitivity import choose_protection, format_table, scan
+
+    t0 = time.monotonic()
+    model = load_plain(model_path)
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    seqs = calib_sequences(tok, load_calib_texts(calib), seq_len, calib_tokens)
+    targets, protected = plan_targets(model, cfg)  # validates patterns and group sizes first
+    log(f"{len(targets)} linear layers to quantize ({cfg.name}, {cfg.method}), {len(protected)} protected; "
+        f"calibration: {sum(map(len, seqs))} tokens in {len(seqs)} sequences")
+    before = quality(model, tok, seqs)
+    log("before: " + _fmt(before))
+    report: dict[str, Any] = {"before": before, "method": cfg.method}
+    weights, in_scales = compute_weights(model, cfg, targets, seqs, progress, swap=False)
+    if auto_protect is not None:
+        base, rows = scan(model, cfg, weights, seqs, scan_unit, progress)
+        log("sensitivity (one unit quantized at a time, calibration loss):\n" + format_table(rows))
+        chosen, inc = choose_protection(model, cfg, weights, seqs, rows, base, auto_protect, progress)
+        log(f"auto-protect: {len(chosen)} module(s) kept in full precision for ppl +{100 * inc:.2f}% "
+            f"<= {100 * auto_protect:.2f}% on the calibration set: {', '.join(chosen) or '(none)'}")
+        cfg = dataclasses.replace(cfg, protect=tuple(cfg.protect) + tuple(chosen))
+        weights = {n: w for n, w in weights.items() if n not in chosen}
+        report.update(scan=[dataclasses.asdict(r) for r in rows], auto_protect_budget=auto_protect,
+                      auto_protected=chosen, auto_protect_calib_increase=inc)
+    swap_in(model, weights, cfg, in_scales)
+    after = quality(model, tok, seqs)
+    report["after"] = after
+    log("after:  " + _fmt(after))
+    log("change: " + ", ".join(f"{k} {100 * (after[k] / before[k] - 1):+.2f}%" for k in before))
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    if out_dir is not None:
+        from engine.quant.checkpoint import save_quantized
+        save_quantized(model, cfg, out_dir, model_path, report)
+        log(f"saved {cfg.name} checkpoint to {out_dir} ({report['seconds']} s)")
+    return model, cfg, report
+
+
+def _fmt(q: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in q.items())
