@@ -185,6 +185,8 @@ class StepLoop:
             "generated_tokens": self._generated,
             "prefix_query_tokens": bm.prefix_queries, "prefix_hit_tokens": bm.prefix_hits,
             "kv_transfer": self._transfer_stats(),
+            # alpha, mean accepted tokens per verify, draft vs verify seconds (engine/spec/decoder.py)
+            "speculative": eng.spec.stats() if getattr(eng, "spec", None) is not None else {},
         }
 
     def _transfer_stats(self) -> dict:
@@ -197,7 +199,8 @@ class StepLoop:
         return {"model": str(eng.model_path), "fingerprint": eng.model_config.fingerprint(),
                 "incarnation": self.incarnation, "context_length": eng.max_model_len,
                 "vocab_size": eng.model_config.vocab_size, "dtype": eng.config.dtype,
-                "block_size": eng.block_manager.block_size}
+                "block_size": eng.block_manager.block_size,
+                "speculative": eng.spec.label if getattr(eng, "spec", None) is not None else "none"}
 
     def shutdown(self) -> None:
         self.running = False
