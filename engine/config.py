@@ -144,7 +144,8 @@ class SpeculativeConfig:
     ``method``: ``draft`` (a separate Llama-family checkpoint at ``draft_model`` with the
     target's tokenizer), ``ngram`` (prompt lookup: what followed the last n tokens earlier in
     the sequence), ``layer_skip`` (the target's first ``draft_layers`` layers + its LM head) or
-    ``quant_self`` (an INT4 copy of the target). ``num_speculative_tokens`` is K, the most draft
+    ``quant_self`` (a copy of the target quantized as ``draft_quantization``, INT4 by default;
+    ``engine.quant`` short names). ``num_speculative_tokens`` is K, the most draft
     tokens verified per step; with ``adaptive`` each request's K moves in 1..K with its recent
     acceptance, and speculation is switched off for it while the measured gain is below 1.
     """
@@ -153,6 +154,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     draft_layers: int | None = None  # layer_skip; None = half the target's layers
+    draft_quantization: str = "int4"  # quant_self
     ngram_max: int = 4
     ngram_min: int = 2
     adaptive: bool = True
@@ -172,6 +174,10 @@ class SpeculativeConfig:
             raise ValueError(f"draft_layers must be an integer >= 1, got {self.draft_layers!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "quant_self":
+            from engine.quant.config import QuantConfig  # lazy: only this method needs it
+            if QuantConfig.parse(self.draft_quantization) is None:
+                raise ValueError("quant_self needs a draft_quantization other than 'none' (e.g. int4, int8)")
 
     @property
     def label(self) -> str:

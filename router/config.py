@@ -29,6 +29,27 @@ class PrefillPool:
 
 
 @dataclass(frozen=True)
+class DecodeSpeculative:
+    """``decode.speculative``: speculative decoding on the decode workers (engine/spec)."""
+
+    method: str = "none"  # none | ngram | draft | layer_skip | quant_self
+    num_speculative_tokens: int = 4
+    draft_model: str = ""  # method draft: an HF-format folder with the target's tokenizer
+    draft_layers: int = 0  # method layer_skip: 0 = half the target's layers
+    draft_quantization: str = "int4"  # method quant_self
+    adaptive: bool = True
+
+    def to_engine(self):
+        """The engine's SpeculativeConfig, or None when off. Raises ValueError on bad values."""
+        if self.method == "none":
+            return None
+        from engine.config import SpeculativeConfig
+        return SpeculativeConfig(method=self.method, num_speculative_tokens=self.num_speculative_tokens,
+                                 draft_model=self.draft_model or None, draft_layers=self.draft_layers or None,
+                                 draft_quantization=self.draft_quantization, adaptive=self.adaptive)
+
+
+@dataclass(frozen=True)
 class DecodePool:
     replicas: int = 1
     threads: int = 1
@@ -38,6 +59,7 @@ class DecodePool:
     max_batched_tokens: int = 2048
     chunked_prefill: bool = True
     reserve_fraction: float = 1.0
+    speculative: DecodeSpeculative = field(default_factory=DecodeSpeculative)
 
 
 @dataclass(frozen=True)
@@ -95,6 +117,11 @@ _RULES: dict[str, tuple[Any, str]] = {
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
+    "decode.speculative.method": (lambda v: v in ("none", "ngram", "draft", "layer_skip", "quant_self"),
+                                  "none, ngram, draft, layer_skip or quant_self"),
+    "decode.speculative.num_speculative_tokens": (lambda v: 1 <= v <= 8, "an integer in 1..8"),
+    "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
+    "decode.speculative.adaptive": (lambda v: isinstance(v, bool), "true or false"),
     "autoscale.enabled": (lambda v: isinstance(v, bool), "true or false"),
     "autoscale.decode.kv_high": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "autoscale.decode.kv_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -174,6 +201,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"autoscale.{name}: min_replicas {t.min_replicas} > max_replicas {t.max_replicas}")
     if cfg.autoscale.decode.kv_low >= cfg.autoscale.decode.kv_high:
         raise ConfigError("autoscale.decode: kv_low must be below kv_high (the band between them holds the size)")
+    try:
+        cfg.decode.speculative.to_engine()
+    except ValueError as e:
+        raise ConfigError(f"decode.speculative: {e}") from e
     if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":
         raise ConfigError("kv_transfer.transport: inproc works only with mode: colocated")
     return cfg

@@ -71,7 +71,8 @@ def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, E
     decode = EngineConfig(**common, cache=CacheConfig(block_size=d.block_size, memory_gb=d.kv_cache_gb),
                           scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
                                                     max_num_seqs=d.max_num_seqs,
-                                                    enable_chunked_prefill=d.chunked_prefill))
+                                                    enable_chunked_prefill=d.chunked_prefill),
+                          speculative=d.speculative.to_engine())
     return prefill, decode
 
 

@@ -25,7 +25,7 @@ def build_proposer(config: SpeculativeConfig, engine) -> Proposer:
                                 engine.config.attention_backend)
     if m == "quant_self":
         from engine.spec.quant_self import quant_self_draft
-        return quant_self_draft(engine)
+        return quant_self_draft(engine, config.draft_quantization)
     raise ValueError(f"unknown speculative method {m!r}; valid: {', '.join(SPECULATIVE_METHODS)}")
 
 
