@@ -39,19 +39,17 @@ class DecodeActor(StepLoop):
         return self.worker.address
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
-        with self.lock:
-            return self.worker.reserve(request_id, prompt_ids, params)
+        return self._call(lambda: self.worker.reserve(request_id, prompt_ids, params))
 
     def first_token(self, request_id: str, token: int) -> None:
-        with self.lock:
+        def relay() -> None:
             if request_id in self.worker.engine.scheduler.receiving:  # else aborted meanwhile
                 self.outbox.extend(output_record(o) for o in self.worker.first_token(request_id, token))
+        self._post(relay, request_id)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Colocated mode: prefill and decode here."""
-        with self.lock:
-            self.worker.engine.add_request(prompt_ids, params, request_id=request_id)
+        self._post(lambda: self.worker.engine.add_request(prompt_ids, params, request_id=request_id), request_id)
 
     def abort(self, request_id: str) -> None:
-        with self.lock:
-            self.worker.abort(request_id)
+        self._post(lambda: self.worker.abort(request_id), request_id)

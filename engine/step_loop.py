@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +42,11 @@ def output_record(o: RequestOutput) -> dict:
             "prompt_tokens": o.num_prompt_tokens, "cached_tokens": o.num_cached_tokens}
 
 
-def error_record(request_id: str, message: str) -> dict:
-    """A request this worker dropped for a reason other than its own finish (e.g. its KV
-    transfer failed); its blocks are already freed here."""
+def error_record(request_id: str, message: str, invalid: bool = False) -> dict:
+    """A request this worker dropped for a reason other than its own finish (its KV transfer
+    failed; or, ``invalid``, the request is bad input for this worker); its blocks are freed."""
     return {"id": request_id, "tokens": [], "text": "", "finish": "error", "error": message,
-            "prompt_tokens": 0, "cached_tokens": 0}
+            "invalid": invalid, "prompt_tokens": 0, "cached_tokens": 0}
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class StepLoop:
     """Drives ``worker.step()`` in a thread. ``worker`` needs ``engine``, ``step``, ``close``.
 
     Subclasses turn ``step()``'s result into a list of records (``_records``) and may say when
-    there is work beyond the engine's own (``_busy``).
+    there is work beyond the engine's own (``_busy``). Actor methods that touch the worker go
+    through :meth:`_call`: the loop runs them between two steps, in arrival order, so a busy
+    loop never starves them (a plain lock would let the loop take it back step after step).
     """
 
     role = "worker"
@@ -80,8 +83,10 @@ class StepLoop:
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
             root.addHandler(handler)
             root.setLevel(logging.INFO)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by the loop for a whole step
+        self.inbox: collections.deque[tuple[Any, Future | str]] = collections.deque()  # (fn, waiter or id)
         self.outbox: list[dict] = []
+        self._snapshot: dict = {}  # the status of the last heartbeat (metrics read it lock-free)
         self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
         self.router = options.router
         self._token_times: collections.deque[tuple[float, int]] = collections.deque()
@@ -92,7 +97,7 @@ class StepLoop:
             from engine.metrics import WorkerCollector, serve_metrics
             host, port = options.metrics
             labels = {"worker": options.router[1] if options.router else self.incarnation, "role": self.role}
-            self._metrics_server, port = serve_metrics(WorkerCollector(labels, self.status), host, port)
+            self._metrics_server, port = serve_metrics(WorkerCollector(labels, self._metrics_status), host, port)
             self.metrics_address = f"{host}:{port}"
         self.running = True
         self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
@@ -104,28 +109,74 @@ class StepLoop:
     def _busy(self) -> bool:
         return self.worker.engine.scheduler.has_work()
 
+    def _call(self, fn: Any) -> Any:
+        """Run ``fn()`` on the loop thread between two steps; returns its result or raises."""
+        fut: Future = Future()
+        self.inbox.append((fn, fut))
+        return fut.result()
+
+    def _post(self, fn: Any, request_id: str) -> None:
+        """Queue ``fn()`` for the loop and return at once (so a burst of calls is taken in one
+        step, not one per step); if it raises, the router gets an ``error`` record for
+        ``request_id``."""
+        self.inbox.append((fn, request_id))
+
+    def _run_inbox(self) -> None:
+        from engine.errors import InvalidRequestError
+        while self.inbox:
+            fn, waiter = self.inbox.popleft()
+            try:
+                result = fn()
+            except Exception as e:  # bad input for the caller (e.g. InvalidRequestError)
+                if isinstance(waiter, Future):
+                    waiter.set_exception(e)
+                else:
+                    self.outbox.append(error_record(waiter, str(e), invalid=isinstance(e, InvalidRequestError)))
+                continue
+            if isinstance(waiter, Future):
+                waiter.set_result(result)
+
+    def _metrics_status(self) -> dict:
+        return self._snapshot if self.router is not None else self.status()
+
     def _run(self) -> None:
         sink = self._connect() if self.router is not None else None
-        last_beat = 0.0
         try:
-            while self.running:
-                with self.lock:
-                    busy = self._busy()
-                    self.outbox.extend(self._records(self.worker.step()))
-                    now = time.monotonic()
-                    # Outputs go at once; an idle worker still reports its load (a heartbeat).
-                    if sink is not None and (self.outbox or now - last_beat >= HEARTBEAT_S):
-                        import msgpack
-                        batch, self.outbox = self.outbox, []
-                        self._count_tokens(batch, now)
-                        self._log(batch)
-                        sink.send(msgpack.packb([self.router[1], self.incarnation, batch, self._status()]))
-                        last_beat = now
-                if not busy:
-                    time.sleep(0.0005)  # idle: keep polling the network, give the core back
+            self._loop(sink)
+        except BaseException:  # a bug: die loudly so Ray restarts the actor and the router re-runs
+            log.exception("step loop failed; exiting the worker process")
+            os._exit(1)
         finally:
             if sink is not None:
                 sink.close(linger=1000)
+
+    def _loop(self, sink: Any) -> None:
+        last_beat = 0.0
+        while self.running:
+            with self.lock:
+                if self.inbox:
+                    self._run_inbox()
+                    if sink is not None:  # new work: show it before a step that may take seconds
+                        self._send(sink, time.monotonic())
+                        last_beat = time.monotonic()
+                busy = self._busy()
+                self.outbox.extend(self._records(self.worker.step()))
+                now = time.monotonic()
+                # Outputs go at once; an idle worker still reports its load (a heartbeat).
+                if sink is not None and (self.outbox or now - last_beat >= HEARTBEAT_S):
+                    self._send(sink, now)
+                    last_beat = now
+            if not busy and not self.inbox:
+                time.sleep(0.0005)  # idle: keep polling the network, give the core back
+
+    def _send(self, sink: Any, now: float) -> None:
+        """Push the outbox and the current status (with the lock held)."""
+        import msgpack
+        batch, self.outbox = self.outbox, []
+        self._count_tokens(batch, now)
+        self._log(batch)
+        self._snapshot = self._status()
+        sink.send(msgpack.packb([self.router[1], self.incarnation, batch, self._snapshot]))
 
     def _connect(self) -> Any:
         import zmq
@@ -152,9 +203,10 @@ class StepLoop:
 
     def poll(self) -> list[dict]:
         """Records since the last call (only while no router is attached)."""
-        with self.lock:
+        def take() -> list[dict]:
             out, self.outbox = self.outbox, []
-        return out
+            return out
+        return self._call(take)
 
     def status(self) -> dict:
         """Load and identity, for placement and ``GetClusterStatus``.
@@ -162,8 +214,7 @@ class StepLoop:
         ``queued_prompt_tokens``: prompt tokens not yet computed (its TTFT backlog);
         ``remaining_decode_tokens``: tokens its requests may still generate.
         """
-        with self.lock:
-            return self._status()
+        return self._call(self._status)
 
     def _status(self) -> dict:
         eng = self.worker.engine
@@ -205,6 +256,7 @@ class StepLoop:
     def shutdown(self) -> None:
         self.running = False
         self.loop.join(timeout=5)
+        self._run_inbox()  # nothing waits forever on a stopped loop
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.worker.close()

@@ -44,14 +44,11 @@ class PrefillActor(StepLoop):
         return self.worker.engine.scheduler.has_work() or bool(self.worker.transfers)
 
     def connect(self, decode_address: str) -> None:
-        with self.lock:
-            self.worker.connect(decode_address)
+        self._call(lambda: self.worker.connect(decode_address))
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                decode_address: str) -> None:
-        with self.lock:
-            self.worker.submit(request_id, prompt_ids, params, decode_address)
+        self._post(lambda: self.worker.submit(request_id, prompt_ids, params, decode_address), request_id)
 
     def abort(self, request_id: str) -> None:
-        with self.lock:
-            self.worker.abort(request_id)
+        self._post(lambda: self.worker.abort(request_id), request_id)

@@ -163,6 +163,9 @@ class Router(pb_grpc.GenerationServicer):
                     self._release(job)
                     yield job.final("abort")
                     return
+                if r.get("invalid"):  # the worker refused it as bad input: retrying cannot help
+                    self._release(job)
+                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, r.get("error", "invalid request"))
                 if r.get("lost") or r["finish"] == "error":
                     why = "a worker was lost" if r.get("lost") else r.get("error", "error")
                     self._release(job)
