@@ -1,0 +1,61 @@
+"""Every `ray up` file in deploy/ passes Ray's cluster-config validation and pdserve's checks;
+broken copies fail them; the pdserve configs in deploy/ load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from router.config import load_config
+from router.deploy import check_cluster_file
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+CLUSTER_FILES = sorted(DEPLOY.glob("cluster-*.yaml"))
+
+
+def test_there_is_a_cloud_cluster_file():
+    assert [p.name for p in CLUSTER_FILES] == ["cluster-aws.yaml"]
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
+def test_cluster_files_validate(path):
+    cfg = check_cluster_file(path)
+    types = cfg["available_node_types"]
+    assert types["prefill_gpu"]["resources"]["prefill"] >= 1 and types["decode_gpu"]["resources"]["decode"] >= 1
+
+
+def _broken(tmp_path, path, edit):
+    cfg = yaml.safe_load(path.read_text())
+    edit(cfg)
+    out = tmp_path / "broken.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.update(max_worker=3), "max_worker"),
+    (lambda c: c["available_node_types"]["decode_gpu"].update(min_worker=1), "min_worker"),
+    (lambda c: c["available_node_types"]["decode_gpu"].update(min_workers=9, max_workers=8), "min_workers 9 > max_workers 8"),
+    (lambda c: c.update(max_workers=1), "max_workers"),
+    (lambda c: c["available_node_types"]["prefill_gpu"].update(resources={}), "'prefill' resource"),
+    (lambda c: c.update(head_start_ray_commands=["ray start --head"]), "pdserve serve --address auto"),
+], ids=["typo-top", "typo-node", "min-over-max", "sum-min-over-global-max", "no-prefill", "no-serve"])
+def test_broken_copies_fail(tmp_path, edit, needle):
+    for path in CLUSTER_FILES:
+        with pytest.raises(Exception, match=needle.replace("(", r"\(")):
+            check_cluster_file(_broken(tmp_path, path, edit))
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "cluster.yaml"])
+def test_pdserve_configs_load(name):
+    cfg = load_config(DEPLOY / name)
+    if name == "cluster.yaml":
+        aws = yaml.safe_load((DEPLOY / "cluster-aws.yaml").read_text())["available_node_types"]
+        # The pool controller never asks for more workers than the node types can host.
+        assert cfg.autoscale.prefill.max_replicas <= aws["prefill_gpu"]["max_workers"] * aws["prefill_gpu"]["resources"]["prefill"]
+        assert cfg.autoscale.decode.max_replicas <= aws["decode_gpu"]["max_workers"] * aws["decode_gpu"]["resources"]["decode"]
+        assert cfg.device == "cuda" and cfg.autoscale.enabled
+
+
