@@ -10,9 +10,12 @@ forward, the gain of speculating with K over plain decoding is
 
 (B: the requests decoding in the batch, all assumed to speculate: pessimistic for a mixed
 batch). Each request takes the K in 1..K_max with the best gain, or K = 0 (off) when no K
-gains more than ``MIN_GAIN``; an off request probes again with a short draft every
-``PROBE_EVERY`` steps, so a text that turns repetitive gets speculation back. a is a decayed
-estimate: accepted drafts / (accepted drafts + rejections), with a prior worth two drafts.
+gains more than ``MIN_GAIN``; an off request probes again with a short draft after
+``PROBE_EVERY`` steps (the wait doubling after each probe that does not turn it back on, up to
+``PROBE_MAX``), so a text that turns repetitive gets speculation back at little cost. a is a
+decayed estimate: accepted drafts / (accepted drafts + rejections), starting from the worker's
+recent acceptance (a prior worth two drafts), so once a draft has proved useless here new
+requests do not pay to find that out again.
 T(n) is a decayed least-squares line fitted to decode-only steps; until the steps seen differ
 in size, its slope comes from a deliberately pessimistic prior.
 """
@@ -27,7 +30,9 @@ PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0
 PRIOR_SLOPE = 0.3  # marginal cost of one more token, as a share of the mean per-token cost
 MIN_GAIN = 1.02
 PROBE_EVERY = 16
-PROBE_K = 2
+PROBE_MAX = 256
+PROBE_K = 1
+WORKER_DECAY = 0.95  # per verify, for the worker's acceptance (the prior of new requests)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -42,6 +47,7 @@ class _Acceptance:
     accepted: float = PRIOR_ALPHA * PRIOR_WEIGHT
     rejected: float = (1 - PRIOR_ALPHA) * PRIOR_WEIGHT
     off_steps: int = 0
+    probe_wait: int = PROBE_EVERY
 
     @property
     def alpha(self) -> float:
@@ -83,20 +89,31 @@ class AdaptiveK:
         self.draft_step_s = 0.0  # decayed mean time of one draft forward
         self._draft_w = 0.0
         self._req: dict[str, _Acceptance] = {}
+        self._worker = _Acceptance()  # every request's verifies, decayed: the prior of new ones
 
     def forget(self, request_id: str) -> None:
         self._req.pop(request_id, None)
 
     def alpha(self, request_id: str) -> float:
-        return self._req.get(request_id, _Acceptance()).alpha
+        return self._state(request_id).alpha
+
+    def _state(self, request_id: str) -> _Acceptance:
+        st = self._req.get(request_id)
+        if st is None:
+            a = self._worker.alpha
+            st = self._req[request_id] = _Acceptance(a * PRIOR_WEIGHT, (1 - a) * PRIOR_WEIGHT)
+        return st
 
     def observe_verify(self, request_id: str, proposed: int, accepted: int) -> None:
         """A verify of ``proposed`` drafts kept ``accepted`` of them."""
         if proposed <= 0:
             return
-        st = self._req.setdefault(request_id, _Acceptance())
+        st = self._state(request_id)
         st.accepted = st.accepted * DECAY + accepted
         st.rejected = st.rejected * DECAY + (1 if accepted < proposed else 0)
+        w = self._worker
+        w.accepted = w.accepted * WORKER_DECAY + accepted
+        w.rejected = w.rejected * WORKER_DECAY + (1 if accepted < proposed else 0)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.times.observe(num_tokens, seconds)
@@ -119,7 +136,7 @@ class AdaptiveK:
         """K for this request's next step (0: plain decode)."""
         if not self.adaptive:
             return self.k_max
-        st = self._req.setdefault(request_id, _Acceptance())
+        st = self._state(request_id)
         a = st.alpha
         best_k, best = 0, MIN_GAIN
         for k in range(1, self.k_max + 1):
@@ -128,8 +145,10 @@ class AdaptiveK:
                 best_k, best = k, g
         if best_k == 0:
             st.off_steps += 1
-            if st.off_steps % PROBE_EVERY == 0:
+            if st.off_steps >= st.probe_wait:  # probe: one short draft refreshes a
+                st.off_steps = 0
+                st.probe_wait = min(st.probe_wait * 2, PROBE_MAX)
                 return min(PROBE_K, self.k_max)
         else:
-            st.off_steps = 0
+            st.off_steps, st.probe_wait = 0, PROBE_EVERY
         return best_k
