@@ -25,15 +25,20 @@ GRID = 20
 
 
 def search_scale(ws: list[torch.Tensor], x: torch.Tensor, bits: int, groups: list[int | None],
-                 symmetric: bool, grid: int = GRID) -> tuple[torch.Tensor, float]:
+                 symmetric: bool, grid: int = GRID, max_rows: int = 512) -> tuple[torch.Tensor, float]:
     """Best per-input-channel scale for weights ``ws`` (each [N_i, K]) sharing inputs x [n, K].
 
+    The statistic mean|x| uses every row; the error search a random subset of ``max_rows``
+    (the LM head's outputs are large).
+
     Returns:
-        (s [K], relative output error at s); alpha = 0 (s = 1) is in the grid, so the result
-        is never worse than RTN on these inputs.
+        (s [K], relative output error at s on that subset); alpha = 0 (s = 1) is in the grid,
+        so the result is never worse than RTN on these inputs.
     """
     x = x.float()
     x_mean = x.abs().mean(0).clamp_min(1e-8)
+    if x.shape[0] > max_rows:
+        x = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:max_rows]]
     refs = [x @ w.float().T for w in ws]
     norm = sum(float((r ** 2).sum()) for r in refs) or 1.0
     best, best_s = float("inf"), torch.ones_like(x_mean)

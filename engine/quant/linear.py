@@ -20,6 +20,7 @@ per layer shape and keeps the faster.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +78,11 @@ class Int8Linear(QuantLinear):
             raise ValueError(f"unknown int8 kernel {kernel!r}; valid: int8pack, fused")
         self.kernel = kernel
         self.symmetric = qw.symmetric
-        self.register_buffer("qweight", qw.q.to(torch.int8).contiguous())
-        self.register_buffer("scale", qw.scale.float().contiguous())
-        self.register_buffer("zero", qw.zero.float().contiguous())
+        # fresh, aligned copies: tensors straight from a safetensors file may sit at any byte
+        # offset, and the int8 kernel crashes on a misaligned weight (seen on this machine)
+        self.register_buffer("qweight", qw.q.to(torch.int8).clone())
+        self.register_buffer("scale", qw.scale.float().clone())
+        self.register_buffer("zero", qw.zero.float().clone())
         self._prepare()
 
     def _prepare(self) -> None:
@@ -223,8 +226,10 @@ class W8A8Linear(QuantLinear):
 
     def _prepare(self) -> None:
         n = self.out_features
-        qt = torch._make_per_channel_quantized_tensor(self.qweight.cpu(), self.scale.double().cpu(),
-                                                      torch.zeros(n, dtype=torch.long), 0)
+        with warnings.catch_warnings():  # quantized-tensor creation is deprecated, the kernel is not
+            warnings.simplefilter("ignore", UserWarning)
+            qt = torch._make_per_channel_quantized_tensor(self.qweight.cpu(), self.scale.double().cpu(),
+                                                          torch.zeros(n, dtype=torch.long), 0)
         self._packed = torch.ops.quantized.linear_prepack(qt, self.bias)
 
     def set_act_dtype(self, dtype: torch.dtype) -> None:  # fbgemm takes fp32 only

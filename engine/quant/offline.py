@@ -44,7 +44,7 @@ def quality(model: nn.Module, tokenizer, seqs: list[list[int]], heldout_tokens: 
 
 def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None = None,
             calib: str | Path | None = None, auto_protect: float | None = None, scan_unit: str = "linear",
-            calib_tokens: int = 2048, seq_len: int = 512, log: Log = print,
+            calib_tokens: int = 2048, seq_len: int = 512, heldout_tokens: int = 1024, log: Log = print,
             progress: Callable[[str], None] | None = None) -> tuple[nn.Module, QuantConfig, dict[str, Any]]:
     """Quantize the model at ``model_path``; save to ``out_dir`` when given.
 
@@ -53,6 +53,7 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
         calib: calibration .txt/.jsonl (None = the bundled sample).
         auto_protect: a ppl-increase budget (fraction): scan and protect the fewest units.
         scan_unit: "linear" or "layer" granularity for the scan.
+        heldout_tokens: tokens of each held-out text scored before and after.
     Returns:
         (the quantized model, the final config with every protected name, the report).
     Raises:
@@ -69,7 +70,7 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
     targets, protected = plan_targets(model, cfg)  # validates patterns and group sizes first
     log(f"{len(targets)} linear layers to quantize ({cfg.name}, {cfg.method}), {len(protected)} protected; "
         f"calibration: {sum(map(len, seqs))} tokens in {len(seqs)} sequences")
-    before = quality(model, tok, seqs)
+    before = quality(model, tok, seqs, heldout_tokens)
     log("before: " + _fmt(before))
     report: dict[str, Any] = {"before": before, "method": cfg.method}
     weights, in_scales = compute_weights(model, cfg, targets, seqs, progress, swap=False)
@@ -84,7 +85,7 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
         report.update(scan=[dataclasses.asdict(r) for r in rows], auto_protect_budget=auto_protect,
                       auto_protected=chosen, auto_protect_calib_increase=inc)
     swap_in(model, weights, cfg, in_scales)
-    after = quality(model, tok, seqs)
+    after = quality(model, tok, seqs, heldout_tokens)
     report["after"] = after
     log("after:  " + _fmt(after))
     log("change: " + ", ".join(f"{k} {100 * (after[k] / before[k] - 1):+.2f}%" for k in before))
