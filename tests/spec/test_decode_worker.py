@@ -1,0 +1,78 @@
+"""Speculation inside the decode worker: prompt KV from a prefill worker, drafts verified on the
+decode side (its draft catches up on the prompt itself), greedy output unchanged; with the
+decode engine quantized too, speculation still changes nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from decode_worker.worker import DecodeWorker
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from kvtransfer.base import get_transport
+from prefill_worker.worker import PrefillWorker
+
+PROMPTS = ["Repeat exactly: red, green, blue, red, green, blue, red, green,",
+           "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"]
+SP = SamplingParams(max_tokens=16, temperature=0)
+
+
+def _engine(model_path, spec=None, quantization=None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_path), num_threads=1, quantization=quantization,
+                                  cache=CacheConfig(memory_gb=0.05), speculative=spec), progress=False)
+
+
+def _run_pair(model_path, tokenizer, decode: LLMEngine) -> tuple[list[list[int]], DecodeWorker]:
+    pw = PrefillWorker(_engine(model_path), get_transport("zmq"))
+    dw = DecodeWorker(decode, get_transport("zmq"))
+    try:
+        stop = threading.Event()
+
+        def pump() -> None:
+            while not stop.is_set():
+                dw.receiver.progress()
+                time.sleep(0.0005)
+        th = threading.Thread(target=pump, daemon=True)
+        th.start()
+        try:
+            pw.connect(dw.address)
+        finally:
+            stop.set()
+            th.join()
+        tokens: dict[str, list[int]] = {}
+        finished: set[str] = set()
+        for i, p in enumerate(PROMPTS):
+            rid, ids = f"r{i}", tokenizer(p)["input_ids"]
+            assert dw.reserve(rid, ids, SP)
+            pw.submit(rid, ids, SP, dw.address)
+        deadline = time.monotonic() + 120
+        while len(finished) < len(PROMPTS) or pw.transfers:
+            assert time.monotonic() < deadline, "workers did not finish"
+            for o in pw.step()[0]:
+                tokens[o.request_id] = list(o.token_ids)
+                dw.first_token(o.request_id, o.token_ids[0])
+            for o in dw.step():
+                tokens[o.request_id] = list(o.token_ids)
+                if o.finished:
+                    finished.add(o.request_id)
+        assert pw.engine.block_manager.num_used_blocks == 0
+        assert dw.engine.block_manager.num_used_blocks == 0 and not dw.failed
+        return [tokens[f"r{i}"] for i in range(len(PROMPTS))], dw
+    finally:
+        pw.close()
+        dw.close()
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_decode_worker_speculates_without_changing_output(model_path, tokenizer, quantization):
+    plain, _ = _run_pair(model_path, tokenizer, _engine(model_path, quantization=quantization))
+    spec = SpeculativeConfig(method="ngram" if quantization else "draft", num_speculative_tokens=4,
+                             adaptive=False, draft_model=None if quantization else str(model_path))
+    got, dw = _run_pair(model_path, tokenizer, _engine(model_path, spec, quantization))
+    assert got == plain
+    st = dw.engine.spec.stats()
+    assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0
