@@ -90,7 +90,8 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """Runner -> scheduler: tokens sampled per request id (only for requests that sample)."""
+    """Runner -> scheduler: tokens sampled per request id (only for requests that sample); for a
+    speculative verify, the accepted drafts followed by the target's own token."""
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
 
