@@ -68,3 +68,22 @@ def test_aborts_and_sampling_leak_nothing(make_spec_engine, tiny_llama):
     assert eng.spec.stats()["verify_steps"] > 0
     assert eng.block_manager.num_used_blocks == 0
     assert not eng.spec.proposer._computed  # per-request draft state forgotten
+
+
+def test_stop_string_inside_accepted_drafts(make_spec_engine, tiny_llama, model_path):
+    """A verify that accepts several tokens may run past a stop string: the output stops exactly
+    where one-token steps would (same tokens, same text, same finish reason)."""
+    target = tiny_llama("tiny-target", 0)
+    prompt = list(range(300, 340))
+    plain = make_spec_engine(None, model=target, num_blocks=100, block_size=4)
+    free = plain.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    assert stop.strip()
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    want = plain.generate([prompt], sp)[0]
+    assert want.finish_reason == "stop"
+    eng = make_spec_engine(dict(method="draft", draft_model=str(target), num_speculative_tokens=8, adaptive=False),
+                           model=target, num_blocks=100, block_size=4)  # itself as draft: all accepted
+    got = eng.generate([prompt], sp)[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert eng.spec.stats()["mean_tokens_per_verify"] > 2
