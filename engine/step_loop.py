@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.llm_engine import RequestOutput
+from engine.quant import quantization_name
 from engine.request import RequestStatus
 
 log = logging.getLogger("pdserve.worker")
@@ -251,7 +252,8 @@ class StepLoop:
                 "incarnation": self.incarnation, "context_length": eng.max_model_len,
                 "vocab_size": eng.model_config.vocab_size, "dtype": eng.config.dtype,
                 "block_size": eng.block_manager.block_size,
-                "speculative": eng.spec.label if getattr(eng, "spec", None) is not None else "none"}
+                "speculative": eng.spec.label if getattr(eng, "spec", None) is not None else "none",
+                "quantization": quantization_name(eng.config.quantization, eng.model_path)}
 
     def shutdown(self) -> None:
         self.running = False

@@ -60,6 +60,8 @@ class DecodePool:
     chunked_prefill: bool = True
     reserve_fraction: float = 1.0
     speculative: DecodeSpeculative = field(default_factory=DecodeSpeculative)
+    # decode weights: none | int8 | int4 | int4-g64 | w8a8 (RTN at load) or a quantized checkpoint folder
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.speculative.num_speculative_tokens": (lambda v: 1 <= v <= 8, "an integer in 1..8"),
     "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
     "decode.speculative.adaptive": (lambda v: isinstance(v, bool), "true or false"),
+    "decode.quantization": (lambda v: _quantization_ok(v), "none, int8, int8-asym, int4, int4-g32|g64|g128[-asym], "
+                            "w8a8, or a quantized checkpoint folder (pdserve quantize --out)"),
     "autoscale.enabled": (lambda v: isinstance(v, bool), "true or false"),
     "autoscale.decode.kv_high": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "autoscale.decode.kv_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -129,6 +133,15 @@ _RULES: dict[str, tuple[Any, str]] = {
 
 
 _NULLABLE = {"metrics.port", "metrics.worker_port"}
+
+
+def _quantization_ok(v: Any) -> bool:
+    from engine.quant import split_quantization
+    try:
+        split_quantization(v, "")
+    except ValueError:
+        return False
+    return True
 
 
 def _check_number(path: str, value: Any, kind: type) -> None:

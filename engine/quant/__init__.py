@@ -7,4 +7,30 @@
 from engine.quant.config import QuantConfig
 from engine.quant.quantize import quantize
 
-__all__ = ["QuantConfig", "quantize"]
+__all__ = ["QuantConfig", "quantize", "quantization_name", "split_quantization"]
+
+
+def split_quantization(spec: str | None, model_path: str) -> tuple[str, str | None]:
+    """A decode pool's ``quantization`` setting -> (model folder to load, quantization at load).
+
+    ``spec`` is "none", a short name ("int8", "int4-g64", "w8a8": applied with RTN at load) or
+    a quantized checkpoint folder (``pdserve quantize --out``), which is loaded instead.
+    """
+    from pathlib import Path
+
+    from engine.quant.checkpoint import is_quantized_checkpoint
+    if spec and Path(spec).expanduser().is_dir():
+        if not is_quantized_checkpoint(Path(spec).expanduser()):
+            raise ValueError(f"{spec!r} is a folder but not a quantized checkpoint (no pdserve_quant.json)")
+        return str(Path(spec).expanduser()), None
+    cfg = QuantConfig.parse(spec)
+    return model_path, None if cfg is None else spec
+
+
+def quantization_name(quantization: str | None, model_path) -> str:
+    """What model_info reports: "none", "int8", "int4-g128", ... (a checkpoint's saved name)."""
+    from engine.quant.checkpoint import is_quantized_checkpoint, read_meta
+    if is_quantized_checkpoint(model_path):
+        return read_meta(model_path)["name"]
+    cfg = QuantConfig.parse(quantization)
+    return "none" if cfg is None else cfg.name
