@@ -31,7 +31,7 @@ SOURCES = {
     "ngram": dict(method="ngram"),
     "draft-self": dict(method="draft"),  # the target as its own draft: everything accepted
     "draft-random": dict(method="draft"),  # random weights, same tokenizer: nearly nothing accepted
-    "layer-skip": dict(method="layer_skip", draft_layers=6),
+    "layer-skip": dict(method="layer_skip", draft_layers=3),
     "quant-self": dict(method="quant_self"),  # INT4 copy of the target (engine.quant)
 }
 
