@@ -55,49 +55,38 @@ def wait_for_min(stub, cluster, timeout=60):
         time.sleep(0.2)
 
 
-def run_load(stub, prompts, max_tokens):
+def scale_and_check(cluster, prompts, params: SamplingParams, want, grows: str, stays: str) -> None:
+    """Run ``prompts`` at once; outputs must equal ``want``; pool ``grows`` reaches 2 workers
+    while ``stays`` keeps 1; afterwards both drain back to 1, with no leaked block."""
+    stub = connect(f"127.0.0.1:{cluster.port}")
+    watch = PoolWatch(stub)
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda ids: collect(stub.Generate(make_request(token_ids=ids, max_tokens=max_tokens,
-                                                                            temperature=0))), prompts))
+        outs = list(pool.map(lambda ids: collect(stub.Generate(make_request(
+            token_ids=ids, max_tokens=params.max_tokens, temperature=0, ignore_eos=params.ignore_eos))), prompts))
+    watch.stop()
+    assert [o["token_ids"] for o in outs] == want
+    assert watch.max == {grows: 2, stays: 1}, cluster.router.autoscaler.events
+    wait_for_min(stub, cluster)
+    events = list(stub.GetClusterStatus(pb.GetClusterStatusRequest()).autoscale_events)
+    assert any(f"{grows} +1" in e for e in events) and any(f"{grows} -1" in e for e in events)
+    assert not any(e.split()[1] == stays for e in events), events
+    cluster.stop()
 
 
 def test_long_prompts_grow_prefill_not_decode_then_both_shrink(make_cluster, make_engine):
     rng = random.Random(7)
     prompts = [[rng.randrange(100, 49000) for _ in range(400)] for _ in range(6)]
-    want = [o.token_ids for o in make_engine().generate(prompts, SamplingParams(max_tokens=4, temperature=0))]
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    want = [o.token_ids for o in make_engine().generate(prompts, sp)]
     cluster = make_cluster(**FAST, decode__kv_cache_gb=0.2, autoscale__prefill__target_queued_tokens=500)
-    stub = connect(f"127.0.0.1:{cluster.port}")
-    watch = PoolWatch(stub)
-    outs = run_load(stub, prompts, 4)
-    watch.stop()
-    assert [o["token_ids"] for o in outs] == want
-    assert watch.max == {"prefill": 2, "decode": 1}, cluster.router.autoscaler.events
-    wait_for_min(stub, cluster)
-    events = list(stub.GetClusterStatus(pb.GetClusterStatusRequest()).autoscale_events)
-    assert any("prefill +1" in e for e in events) and any("prefill -1" in e for e in events)
-    assert not any(e.split()[1] == "decode" for e in events), events
-    cluster.stop()
+    scale_and_check(cluster, prompts, sp, want, grows="prefill", stays="decode")
 
 
 def test_long_answers_grow_decode_not_prefill_then_both_shrink(make_cluster, make_engine):
     rng = random.Random(8)
     prompts = [[rng.randrange(100, 49000) for _ in range(12)] for _ in range(4)]
-    want = [o.token_ids for o in make_engine().generate(prompts, SamplingParams(max_tokens=120, temperature=0,
-                                                                                ignore_eos=True))]
+    sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in make_engine().generate(prompts, sp)]
     # A tiny decode KV cache (about 224 tokens): one such request fills a decode worker.
     cluster = make_cluster(**FAST, decode__kv_cache_gb=0.01)
-    stub = connect(f"127.0.0.1:{cluster.port}")
-    watch = PoolWatch(stub)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda ids: collect(stub.Generate(make_request(
-            token_ids=ids, max_tokens=120, temperature=0, ignore_eos=True))), prompts))
-    watch.stop()
-    assert [o["token_ids"] for o in outs] == want
-    assert watch.max == {"prefill": 1, "decode": 2}, cluster.router.autoscaler.events
-    wait_for_min(stub, cluster)
-    events = list(stub.GetClusterStatus(pb.GetClusterStatusRequest()).autoscale_events)
-    assert any("decode +1" in e for e in events) and any("decode -1" in e for e in events)
-    assert not any(e.split()[1] == "prefill" for e in events), events
-    cluster.stop()
-
-
+    scale_and_check(cluster, prompts, sp, want, grows="decode", stays="prefill")
