@@ -18,6 +18,11 @@ recent acceptance (a prior worth two drafts), so once a draft has proved useless
 requests do not pay to find that out again.
 T(n) is a decayed least-squares line fitted to decode-only steps; until the steps seen differ
 in size, its slope comes from a deliberately pessimistic prior.
+
+A draft with a cache of its own must first catch up on the tokens it has not seen (a new
+request's whole prompt, or what passed while the request was off): c per token, measured.
+Starting (or probing) is worth it only when the time the request may still save, about
+remaining_tokens * T(B)/B * (1 - 1/gain), exceeds that one-time stale_tokens * c.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ class AdaptiveK:
         self.times = StepTimeModel()
         self.draft_step_s = 0.0  # decayed mean time of one draft forward
         self._draft_w = 0.0
+        self.catchup_token_s = 0.0  # decayed mean time per catch-up token
+        self._catchup_w = 0.0
         self._req: dict[str, _Acceptance] = {}
         self._worker = _Acceptance()  # every request's verifies, decayed: the prior of new ones
 
@@ -124,6 +131,22 @@ class AdaptiveK:
         self._draft_w = self._draft_w * TIME_DECAY + forwards
         self.draft_step_s += (seconds - forwards * self.draft_step_s) / self._draft_w
 
+    def observe_catchup(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        self._catchup_w = self._catchup_w * TIME_DECAY + tokens
+        self.catchup_token_s += (seconds - tokens * self.catchup_token_s) / self._catchup_w
+
+    def worth_catching_up(self, stale: int, remaining: int, gain: float, batch: int) -> bool:
+        """Is the one-time catch-up of ``stale`` tokens paid back over ``remaining`` tokens?"""
+        if stale <= 0 or self.catchup_token_s <= 0.0:
+            return True
+        step = self.times.predict(batch)
+        if step is None:
+            return True
+        saved = remaining * step / batch * (1.0 - 1.0 / gain)
+        return saved > stale * self.catchup_token_s
+
     def gain(self, alpha: float, k: int, batch: int) -> float:
         """Modelled speedup of verifying k drafts per request over plain decoding."""
         base = self.times.predict(batch)
@@ -132,8 +155,15 @@ class AdaptiveK:
             return expected_tokens(alpha, k) / (1 + 0.1 * k)  # no timings yet: assume a cheap verify
         return expected_tokens(alpha, k) * base / (spec + k * self.draft_step_s)
 
-    def choose(self, request_id: str, batch: int) -> int:
-        """K for this request's next step (0: plain decode)."""
+    def choose(self, request_id: str, batch: int, stale: int = 0, remaining: int = 1 << 30) -> int:
+        """K for this request's next step (0: plain decode).
+
+        Args:
+            request_id: the request.
+            batch: requests decoding in the batch.
+            stale: tokens the draft must catch up on first (0 for drafts without a cache).
+            remaining: tokens the request may still generate.
+        """
         if not self.adaptive:
             return self.k_max
         st = self._state(request_id)
@@ -143,9 +173,13 @@ class AdaptiveK:
             g = self.gain(a, k, batch)
             if g > best:
                 best_k, best = k, g
+        if best_k and not self.worth_catching_up(stale, remaining, best, batch):
+            return 0  # not now: the catch-up would cost more than it can save (no probe either)
         if best_k == 0:
             st.off_steps += 1
-            if st.off_steps >= st.probe_wait:  # probe: one short draft refreshes a
+            step = self.times.predict(batch) or 0.0
+            if st.off_steps >= st.probe_wait and stale * self.catchup_token_s <= step:
+                # probe: one short draft refreshes a (unless catching up costs more than a step)
                 st.off_steps = 0
                 st.probe_wait = min(st.probe_wait * 2, PROBE_MAX)
                 return min(PROBE_K, self.k_max)

@@ -49,7 +49,9 @@ class SpecDecoder:
     def before_schedule(self, running: Sequence[Request]) -> None:
         batch = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         for r in running:
-            r.spec_k = 0 if r.prefill_only else self.policy.choose(r.request_id, max(batch, 1))
+            r.spec_k = 0 if r.prefill_only else self.policy.choose(
+                r.request_id, max(batch, 1), self.proposer.stale_tokens(r),
+                r.sampling_params.max_tokens - r.num_output_tokens)
 
     def propose(self, plan: StepPlan, generator: GeneratorFn) -> None:
         items = plan.speculative
@@ -59,9 +61,14 @@ class SpecDecoder:
         self.proposer.propose(items, generator)
         dt = time.perf_counter() - t0
         self.draft_seconds += dt
-        if any(s.spec_token_ids for s in items):
-            forwards = max(len(s.spec_token_ids) for s in items) if getattr(self.proposer, "model", None) else 0
-            self.policy.observe_draft(forwards, dt)
+        p = self.proposer
+        if any(s.spec_token_ids for s in items) and getattr(p, "model", None) is not None:
+            forwards = max(len(s.spec_token_ids) for s in items)
+            # Split the first forward into catch-up and one draft step, by token counts.
+            live = len(items)
+            share = p.catchup_tokens / (p.catchup_tokens + live)
+            self.policy.observe_catchup(p.catchup_tokens, p.first_seconds * share)
+            self.policy.observe_draft(forwards, p.rest_seconds + p.first_seconds * (1 - share))
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         """Record a finished forward: per request acceptance; step time when it was decode-only."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import time
+
 import torch
 from torch import Tensor
 
@@ -56,6 +58,9 @@ class ModelDraft(Proposer):
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
+    def stale_tokens(self, request: Request) -> int:
+        return request.num_tokens - 1 - self._valid(request)
+
     def _valid(self, r: Request) -> int:
         """Leading positions whose draft KV matches the request's tokens now."""
         if self.shares_target_kv:
@@ -72,12 +77,16 @@ class ModelDraft(Proposer):
         probs: list[list[Tensor]] = [[] for _ in items]
         bs = self.block_size
         # Step 0 feeds what the draft has not seen, up to the last token; then one draft each.
+        # Timing for the adaptive policy: the first forward carries the catch-up tokens.
+        self.catchup_tokens, self.first_seconds, self.rest_seconds = 0, 0.0, 0.0
         feeds = []
         for s in items:
             r = s.request
             start = self._valid(r)
             feeds.append((start, r.all_token_ids[start:]))
+            self.catchup_tokens += len(feeds[-1][1]) - 1
         for step in range(max(s.max_spec_tokens for s in items)):
+            t0 = time.perf_counter()
             live = [i for i, s in enumerate(items) if s.max_spec_tokens > step]
             ids, pos, slots, qlens, ctxs, tables, rows = [], [], [], [], [], [], []
             for i in live:
@@ -114,6 +123,11 @@ class ModelDraft(Proposer):
                 drafts[i].append(best[j])
                 start, toks = feeds[i]
                 feeds[i] = (start + len(toks), [best[j]])
+            dt = time.perf_counter() - t0
+            if step == 0:
+                self.first_seconds = dt
+            else:
+                self.rest_seconds += dt
         for i, s in enumerate(items):
             r = s.request
             # Fed positions: up to the last token, then all drafts but the newest.

@@ -25,3 +25,8 @@ class Proposer:
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state once the request is finished."""
+
+    def stale_tokens(self, request) -> int:
+        """Tokens the draft must catch up on before it can propose for ``request`` (a draft
+        with a cache of its own that has not seen them: a new request, or one that was off)."""
+        return 0

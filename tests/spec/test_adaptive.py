@@ -63,3 +63,14 @@ def test_fixed_k_when_not_adaptive():
     p = AdaptiveK(3, adaptive=False)
     p.observe_verify("r", 3, 0)
     assert p.choose("r", 1) == 3
+
+
+def test_costly_catch_up_keeps_a_request_off():
+    p = AdaptiveK(8)
+    _cheap_verify(p)
+    for _ in range(10):
+        p.observe_verify("r", 4, 3)
+    assert p.choose("r", 1, stale=0, remaining=50) > 0
+    p.observe_catchup(100, 2.0)  # 20 ms per token: a 500-token catch-up costs 10 s
+    assert p.choose("r", 1, stale=500, remaining=50) == 0  # 50 tokens cannot pay that back
+    assert p.choose("r", 1, stale=500, remaining=100_000) > 0
