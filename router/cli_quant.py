@@ -59,7 +59,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--w8a8", action="store_true",
                    help="SmoothQuant W8A8: INT8 weights and INT8 activations (x86 CPU int8 GEMM only)")
     q.add_argument("--smooth-alpha", type=float, default=0.5, help="SmoothQuant migration strength (0..1)")
-    q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
+    q.add_argument("--no-act-order", action="store_true",
+                   help="GPTQ: quantize columns left to right instead of by decreasing Hessian diagonal")
     q.add_argument("--damp", type=float, default=0.01, help="GPTQ damping (fraction of mean Hessian diagonal)")
     q.add_argument("--no-lm-head", action="store_true", help="keep the LM head in full precision")
     q.add_argument("--calib", default=None, help="calibration text: .txt, or .jsonl with a \"text\" field per line")
@@ -105,7 +106,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     cfg = QuantConfig(bits=args.bits, group_size=args.group_size, symmetric=not args.asym,
                       method=args.method, lm_head=not args.no_lm_head, protect=tuple(protect),
                       activations="int8" if args.w8a8 else "none", smooth_alpha=args.smooth_alpha,
-                      act_order=args.act_order, damp=args.damp)
+                      act_order=not args.no_act_order, damp=args.damp)
     path = resolve_model_path(args.model, progress=True)
     bar = ProgressBar()
     convert(path, cfg, args.out, calib=args.calib, auto_protect=args.max_ppl_increase if auto else None,

@@ -41,7 +41,9 @@ class QuantConfig:
         protect: module-name patterns kept in full precision (see :func:`match_protect`).
         activations: "none" (weight-only) or "int8" (W8A8, SmoothQuant; needs bits=8).
         smooth_alpha: SmoothQuant migration strength α in [0, 1].
-        act_order: GPTQ: quantize columns in order of decreasing Hessian diagonal.
+        act_order: GPTQ: quantize columns in order of decreasing Hessian diagonal (default: on;
+            with static groups it keeps the kernel layout, and on SmolLM2 it is what makes GPTQ
+            beat RTN on held-out text rather than only on the calibration set).
         damp: GPTQ: fraction of the mean Hessian diagonal added to it (numerical damping).
     """
 
@@ -53,7 +55,7 @@ class QuantConfig:
     protect: tuple[str, ...] = ()
     activations: str = "none"
     smooth_alpha: float = 0.5
-    act_order: bool = False
+    act_order: bool = True
     damp: float = 0.01
 
     def __post_init__(self) -> None:
