@@ -3,7 +3,8 @@
 Each module keeps the canonical integer weight (what a checkpoint stores, see formats.py) as
 its state and builds the kernel's own layout from it once, at construction. Kernels, by name:
 
-    int8  "int8pack"  torch ``aten._weight_int8pack_mm`` (CPU; CUDA/MPS where torch has it)
+    int8  "int8pack"  torch ``aten._weight_int8pack_mm`` (CPU); on CUDA, untested here (no GPU
+                      lent): the int8 weight is cast to the activation dtype inside one GEMM
           "fused"     a compiled dequantize-matvec (torch.compile / Inductor C++): reads the
                       int8 weight once, converts in registers; fp32 activations
     int4  "int4pack"  ``aten._weight_int4pack_mm_for_cpu`` (CPU) or ``aten._weight_int4pack_mm``
@@ -111,6 +112,8 @@ class Int8Linear(QuantLinear):
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
         if self.kernel == "fused":
             y = fused_int8_matmul(x2, self.qweight, self._scale_act)
+        elif x2.is_cuda:  # no int8 weight-only GEMM in torch for CUDA: int8 -> act dtype, one GEMM
+            y = (x2 @ self.qweight.to(x2.dtype).T) * self._scale_act
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self._scale_act)
         if self._zs is not None:
