@@ -16,7 +16,8 @@ For each: linear weight bytes read per decode step, decode tokens/s at batch 1 a
 sliding-window perplexity on the bundled held-out prose and code, and greedy agreement with
 fp32 (teacher-forced argmax match on fp32's greedy continuations of a prompt set). Then a
 kernel table: one matmul per distinct linear shape at 1 row, fp32 (oneDNN) vs the packed INT8 /
-INT4 kernels with bf16 and fp32 activations (and fbgemm W8A8); in a micro-benchmark the small
+INT4 kernels with bf16 and fp32 activations, a compiled fused INT8 dequantize-matvec (Inductor)
+and fbgemm W8A8; in a micro-benchmark the small
 layers stay in the 32 MiB L3, so those times flatter every kernel against end-to-end decode.
 
 Prints progress on stderr, a table on stdout and, as the last line, one flat JSON object
@@ -132,6 +133,9 @@ def kernel_table(reps: int = 30) -> dict[str, float]:
                     q.set_act_dtype(dt)
                     out[f"kernel_us_{name}_{qname}_{tag}"] = best_us(lambda q=q: q(x))
             out[f"kernel_us_{name}_fp32"] = best_us(lambda: mods["fp32"](x))
+            fused = Int8Linear(quantize_weight(w, 8, None, True), kernel="fused")  # compiled dequant-matvec
+            fused.set_act_dtype(torch.float32)
+            out[f"kernel_us_{name}_int8_fused_fp32act"] = best_us(lambda: fused(x))
             if w8a8_available():
                 w8 = W8A8Linear(quantize_weight(w, 8, None, True))
                 out[f"kernel_us_{name}_w8a8"] = best_us(lambda: w8(x))
