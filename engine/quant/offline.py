@@ -78,7 +78,7 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
         base, rows = scan(model, cfg, weights, seqs, scan_unit, progress)
         log("sensitivity (one unit quantized at a time, calibration loss):\n" + format_table(rows))
         chosen, inc = choose_protection(model, cfg, weights, seqs, rows, base, auto_protect, progress)
-        log(f"auto-protect: {len(chosen)} module(s) kept in full precision for ppl +{100 * inc:.2f}% "
+        log(f"auto-protect: {len(chosen)} module(s) kept in full precision for ppl {100 * inc:+.2f}% "
             f"<= {100 * auto_protect:.2f}% on the calibration set: {', '.join(chosen) or '(none)'}")
         cfg = dataclasses.replace(cfg, protect=tuple(cfg.protect) + tuple(chosen))
         weights = {n: w for n, w in weights.items() if n not in chosen}

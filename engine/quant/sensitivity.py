@@ -97,7 +97,7 @@ def choose_protection(model: nn.Module, cfg: QuantConfig, weights: dict[str, Qua
             sw.quantized(set(weights) - protected)
             cache[k] = math.exp(mean_nll(model, seqs) - base_nll) - 1
             if progress:
-                progress(f"protect {k} most sensitive: ppl +{100 * cache[k]:.2f}%")
+                progress(f"protect {k} most sensitive: ppl {100 * cache[k]:+.2f}%")
         return cache[k]
 
     try:
