@@ -76,55 +76,72 @@ def node_counts(ray) -> dict[str, int]:
     return {r: sum(1 for n in alive if n["Resources"].get(r)) for r in ("prefill", "decode")}
 
 
-def test_pools_grow_new_nodes_of_their_type_and_give_them_back(fake_cluster, make_engine):
+SCENARIOS = {
+    # Long prompts, short answers: prefill pressure (queued prompt tokens).
+    "prompt-burst": dict(grows="prefill", prompt_tokens=400, n=6, max_tokens=4,
+                         config={"decode.kv_cache_gb": 0.2, "autoscale.prefill.target_queued_tokens": 500}),
+    # Short prompts, long answers on a small decode KV cache: decode pressure (admission waits).
+    "long-answers": dict(grows="decode", prompt_tokens=12, n=4, max_tokens=120, config={"decode.kv_cache_gb": 0.01}),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_pools_grow_new_nodes_of_their_type_and_give_them_back(fake_cluster, make_engine, scenario):
     ray = fake_cluster
     from pathlib import Path
 
     from router.app import BackgroundCluster
     from router.client import collect, connect, make_request
     from router.config import load_config
+    sc = SCENARIOS[scenario]
+    grows, stays = sc["grows"], "decode" if sc["grows"] == "prefill" else "prefill"
     cfg = load_config(Path(__file__).resolve().parents[2] / "deploy" / "local.yaml", {
-        "metrics.port": 0, "prefill.kv_cache_gb": 0.1, "decode.kv_cache_gb": 0.2,
+        "metrics.port": 0, "prefill.kv_cache_gb": 0.1,
         "autoscale.enabled": True, "autoscale.interval_s": 0.3, "autoscale.window_s": 5.0,
         "autoscale.prefill.max_replicas": 2, "autoscale.prefill.up_delay_s": 1.0,
         "autoscale.prefill.down_delay_s": 3.0, "autoscale.prefill.target_ttft_ms": 1e7,
-        "autoscale.prefill.target_queued_tokens": 500, "autoscale.decode.max_replicas": 2,
-        "autoscale.decode.down_delay_s": 3.0, "autoscale.decode.target_tpot_ms": 1e7})
-    assert node_counts(ray) == {"prefill": 0, "decode": 0}  # only the head: no pool can live there
+        "autoscale.decode.max_replicas": 2, "autoscale.decode.up_delay_s": 1.0,
+        "autoscale.decode.down_delay_s": 3.0, "autoscale.decode.target_tpot_ms": 1e7, **sc["config"]})
     cluster = BackgroundCluster(cfg)  # its first actors make Ray add one node of each type
     try:
+        # Only the head has no prefill/decode resource: each pool runs on a node of its type.
         assert node_counts(ray) == {"prefill": 1, "decode": 1}
         rng = random.Random(11)
-        prompts = [[rng.randrange(100, 49000) for _ in range(400)] for _ in range(6)]
-        want = [o.token_ids for o in make_engine().generate(prompts, SamplingParams(max_tokens=4, temperature=0))]
+        prompts = [[rng.randrange(100, 49000) for _ in range(sc["prompt_tokens"])] for _ in range(sc["n"])]
+        sp = SamplingParams(max_tokens=sc["max_tokens"], temperature=0, ignore_eos=True)
+        want = [o.token_ids for o in make_engine().generate(prompts, sp)]
         stub = connect(f"127.0.0.1:{cluster.port}")
         seen = {"prefill": 1, "decode": 1}
-
-        def watch_nodes(stop):
-            while not stop():
-                for r, n in node_counts(ray).items():
-                    seen[r] = max(seen[r], n)
-                time.sleep(0.5)
         done = []
+
+        def watch_nodes():
+            while not done:
+                for r, k in node_counts(ray).items():
+                    seen[r] = max(seen[r], k)
+                time.sleep(0.5)
         with ThreadPoolExecutor(len(prompts) + 1) as pool:
-            watcher = pool.submit(watch_nodes, lambda: bool(done))
-            outs = list(pool.map(lambda ids: collect(stub.Generate(make_request(token_ids=ids, max_tokens=4,
-                                                                                temperature=0))), prompts))
-            # The prefill pool grew: wait until its second worker is up on a new node.
-            deadline = time.monotonic() + 120
-            while seen["prefill"] < 2:
+            watcher = pool.submit(watch_nodes)
+            outs = list(pool.map(lambda ids: collect(stub.Generate(make_request(
+                token_ids=ids, max_tokens=sp.max_tokens, temperature=0, ignore_eos=True))), prompts))
+            deadline = time.monotonic() + 120  # the new worker's node may still be coming up
+            while seen[grows] < 2:
                 assert time.monotonic() < deadline, list(cluster.router.autoscaler.events)
                 time.sleep(0.5)
             done.append(True)
             watcher.result()
         assert [o["token_ids"] for o in outs] == want
-        assert seen["decode"] == 1, list(cluster.router.autoscaler.events)
+        assert seen[stays] == 1, list(cluster.router.autoscaler.events)
         # Load gone: the pool drains to its minimum and Ray removes the idle node.
         deadline = time.monotonic() + 180
         while node_counts(ray) != {"prefill": 1, "decode": 1} or len(cluster.router.pools.workers) != 2:
             assert time.monotonic() < deadline, (node_counts(ray), list(cluster.router.autoscaler.events))
             time.sleep(1)
-        out = collect(stub.Generate(make_request(token_ids=prompts[0], max_tokens=4, temperature=0)))
+        out = collect(stub.Generate(make_request(token_ids=prompts[0], max_tokens=sp.max_tokens, temperature=0,
+                                                 ignore_eos=True)))
         assert out["token_ids"] == want[0]
     finally:
         cluster.stop()
+    deadline = time.monotonic() + 120  # the next scenario starts from the head alone
+    while node_counts(ray) != {"prefill": 0, "decode": 0}:
+        assert time.monotonic() < deadline, node_counts(ray)
+        time.sleep(1)
