@@ -67,8 +67,9 @@ def worker_families(workers: Iterable[tuple[dict[str, str], dict]]) -> list:
     info = GaugeMetricFamily("pdserve_worker_info", "Worker identity: role, model, quantization, "
                              "speculative method (value 1)", labels=names + ["quantization", "speculative"])
     for labels, status in workers:
+        spec = status.get("speculative") if isinstance(status.get("speculative"), dict) else {}
         info.add_metric([labels[n] for n in names] + [str(status.get("quantization", "none")),
-                                                      str(status.get("speculative_method", "none"))], 1.0)
+                                                      str(spec.get("method", "none"))], 1.0)
     out.append(info)
     return out
 

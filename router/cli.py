@@ -135,6 +135,10 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"metrics: {st.metrics_address or 'off'}")
     for r in (head, *rows):
         print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    for w in st.workers:
+        if w.speculative_acceptance:
+            print(f"{w.worker_id}: speculative acceptance {w.speculative_acceptance:.2f}, "
+                  f"{w.speculative_tokens_per_verify:.2f} tokens per verify")
     if st.autoscale_events:
         print("autoscaling (latest last):")
         for e in st.autoscale_events[-10:]:

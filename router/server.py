@@ -263,9 +263,12 @@ class Router(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         info = self.pools.model_info
+        # Quantization and speculation are decode-side: a decode (or colocated) worker's say.
+        dec = next((w.info for w in self.pools.workers.values() if w.role != "prefill" and w.info), info)
         return pb.ModelInfo(model=Path(info["model"]).name, context_length=self.limits.context_length,
-                            vocab_size=info["vocab_size"], dtype=info["dtype"], quantization="none",
-                            speculative="none", block_size=info["block_size"])
+                            vocab_size=info["vocab_size"], dtype=info["dtype"],
+                            quantization=str(dec.get("quantization", "none")),
+                            speculative=str(dec.get("speculative", "none")), block_size=info["block_size"])
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
         workers = []
@@ -275,7 +278,9 @@ class Router(pb_grpc.GenerationServicer):
                 worker_id=w.worker_id, role=w.role, state=w.state, running=s.get("running", 0),
                 waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
                 kv_blocks_total=s.get("kv_blocks_total", 0), tokens_per_s=s.get("tokens_per_s", 0.0),
-                metrics_address=s.get("metrics_address") or "", restarts=w.restarts))
+                metrics_address=s.get("metrics_address") or "", restarts=w.restarts,
+                speculative_acceptance=(s.get("speculative") or {}).get("acceptance_rate") or 0.0,
+                speculative_tokens_per_verify=(s.get("speculative") or {}).get("mean_tokens_per_verify") or 0.0))
         return pb.ClusterStatus(mode=self.cfg.mode, workers=workers, metrics_address=self.metrics.address or "",
                                 queued_requests=self.queued, active_requests=len(self.jobs),
                                 autoscale_events=list(self.autoscaler.events) if self.autoscaler else [])

@@ -151,7 +151,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "metrics_address", "restarts")
+    __slots__ = ("worker_id", "role", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "metrics_address", "restarts", "speculative_acceptance", "speculative_tokens_per_verify")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,8 @@ class WorkerStatus(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_TOKENS_PER_VERIFY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     state: str
@@ -172,7 +174,9 @@ class WorkerStatus(_message.Message):
     tokens_per_s: float
     metrics_address: str
     restarts: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., metrics_address: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
+    speculative_acceptance: float
+    speculative_tokens_per_verify: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., metrics_address: _Optional[str] = ..., restarts: _Optional[int] = ..., speculative_acceptance: _Optional[float] = ..., speculative_tokens_per_verify: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("mode", "workers", "metrics_address", "queued_requests", "active_requests", "autoscale_events")
