@@ -57,7 +57,10 @@ def fake_cluster():
     bindir = os.path.dirname(sys.executable)  # the `ray` CLI of this venv
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     assert shutil.which("ray"), "the ray CLI is not installed next to this Python"
-    others = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.split()
+    deadline = time.monotonic() + 60  # Ray clusters of earlier test runs may still be exiting
+    while (others := subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.split()) \
+            and time.monotonic() < deadline:
+        time.sleep(1)
     if others:
         pytest.fail(f"other Ray processes are running ({len(others)}): this test would stop them "
                     "(`ray stop --force`); run it alone, as `make test` does")
