@@ -154,6 +154,9 @@ class Router(pb_grpc.GenerationServicer):
 
     async def _run(self, job: Job):
         while True:
+            if len(job.generated) >= job.params.max_tokens:  # lost right after its last token
+                yield job.final("length")
+                return
             await self._place(job)
             while True:
                 attempt, worker, r = await job.events.get()
@@ -189,7 +192,7 @@ class Router(pb_grpc.GenerationServicer):
     def _release(self, job: Job) -> None:
         """Abort the job's current attempt wherever it may hold blocks (idempotent there)."""
         for w in {id(w): w for w in (job.prefill, job.decode) if w is not None}.values():
-            if w.state == "ready":
+            if w.state in ("ready", "draining"):
                 w.actor.abort.remote(job.key)
         job.prefill = job.decode = None
 
