@@ -67,7 +67,7 @@ class DecodePool:
 @dataclass(frozen=True)
 class KVTransferConfig:
     transport: str = "ucx"
-    lease_s: float = 30.0
+    lease_s: float = 120.0
 
 
 @dataclass(frozen=True)
