@@ -94,3 +94,27 @@ def ray_session(tmp_path_factory):
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def connect_workers():
+    """``connect(pw, dw)``: a PrefillWorker's handshake with a DecodeWorker in this process
+    (the decode side's receiver is pumped meanwhile, as its actor's step loop would)."""
+    import threading
+    import time
+
+    def connect(pw, dw) -> None:
+        stop = threading.Event()
+
+        def pump() -> None:
+            while not stop.is_set():
+                dw.receiver.progress()
+                time.sleep(0.0005)
+        th = threading.Thread(target=pump, daemon=True)
+        th.start()
+        try:
+            pw.connect(dw.address)
+        finally:
+            stop.set()
+            th.join()
+    return connect

@@ -4,7 +4,6 @@ decode engine quantized too, speculation still changes nothing."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -26,23 +25,11 @@ def _engine(model_path, spec=None, quantization=None) -> LLMEngine:
                                   cache=CacheConfig(memory_gb=0.05), speculative=spec), progress=False)
 
 
-def _run_pair(model_path, tokenizer, decode: LLMEngine) -> tuple[list[list[int]], DecodeWorker]:
+def _run_pair(model_path, tokenizer, decode: LLMEngine, connect) -> tuple[list[list[int]], DecodeWorker]:
     pw = PrefillWorker(_engine(model_path), get_transport("zmq"))
     dw = DecodeWorker(decode, get_transport("zmq"))
     try:
-        stop = threading.Event()
-
-        def pump() -> None:
-            while not stop.is_set():
-                dw.receiver.progress()
-                time.sleep(0.0005)
-        th = threading.Thread(target=pump, daemon=True)
-        th.start()
-        try:
-            pw.connect(dw.address)
-        finally:
-            stop.set()
-            th.join()
+        connect(pw, dw)
         tokens: dict[str, list[int]] = {}
         finished: set[str] = set()
         for i, p in enumerate(PROMPTS):
@@ -68,11 +55,11 @@ def _run_pair(model_path, tokenizer, decode: LLMEngine) -> tuple[list[list[int]]
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_decode_worker_speculates_without_changing_output(model_path, tokenizer, quantization):
-    plain, _ = _run_pair(model_path, tokenizer, _engine(model_path, quantization=quantization))
+def test_decode_worker_speculates_without_changing_output(model_path, tokenizer, quantization, connect_workers):
+    plain, _ = _run_pair(model_path, tokenizer, _engine(model_path, quantization=quantization), connect_workers)
     spec = SpeculativeConfig(method="ngram" if quantization else "draft", num_speculative_tokens=4,
                              adaptive=False, draft_model=None if quantization else str(model_path))
-    got, dw = _run_pair(model_path, tokenizer, _engine(model_path, spec, quantization))
+    got, dw = _run_pair(model_path, tokenizer, _engine(model_path, spec, quantization), connect_workers)
     assert got == plain
     st = dw.engine.spec.stats()
     assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0

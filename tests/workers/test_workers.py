@@ -5,7 +5,6 @@ nothing leaked. Driven in one thread the way the Ray actors' loops will drive th
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
@@ -27,25 +26,8 @@ def _engine(model_path, block_size: int, budget: int) -> LLMEngine:
                                   scheduler=SchedulerConfig(max_num_batched_tokens=budget)), progress=False)
 
 
-def _handshake(pw: PrefillWorker, dw: DecodeWorker) -> None:
-    stop = threading.Event()
-
-    def pump() -> None:
-        while not stop.is_set():
-            dw.receiver.progress()
-            time.sleep(0.0005)
-
-    th = threading.Thread(target=pump, daemon=True)
-    th.start()
-    try:
-        pw.connect(dw.address)
-    finally:
-        stop.set()
-        th.join()
-
-
 @pytest.mark.parametrize("transport", ["zmq", "ucx"])
-def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport):
+def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport, connect_workers):
     sp = SamplingParams(max_tokens=20, temperature=0)
     ref_engine = _engine(model_path, 16, 2048)
     want = [o.token_ids for o in ref_engine.generate(PROMPTS, sp)]
@@ -53,7 +35,7 @@ def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport
     pw = PrefillWorker(_engine(model_path, 4, 6), get_transport(transport))
     dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport(transport))
     try:
-        _handshake(pw, dw)
+        connect_workers(pw, dw)
         ids = {f"r{i}": tokenizer(p)["input_ids"] for i, p in enumerate(PROMPTS)}
         tokens: dict[str, list[int]] = {}
         finished: set[str] = set()
