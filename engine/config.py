@@ -198,6 +198,10 @@ class EngineConfig:
     # weight quantization applied at load: "none", "int8", "int4", "int4-g64", "w8a8" (see
     # engine/quant/config.py); a quantized checkpoint folder as `model` needs none here
     quantization: str | None = None
+    # one-token steps (a single request decoding) through torch.compile'd kernels over plain
+    # weights in huge pages (engine/models/single_token.py): fp32 CPU only; costs a second copy
+    # of the decoder weights and a few seconds of compiling at load
+    compile_decode: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -72,15 +72,21 @@ class SdpaBackend(AttentionBackend):
         starts = [0]
         for q in meta.query_lens:
             starts.append(starts[-1] + q)
-        p: dict = {"num_tokens": starts[-1], "all_decode": len(decode_rows) == len(meta.query_lens)}
+        p: dict = {"num_tokens": starts[-1], "all_decode": len(decode_rows) == len(meta.query_lens),
+                   "block_size": bs}
         if decode_rows:
+            # Decode reads whole blocks (one contiguous row of block_size * heads * dim each), not
+            # single slots: 16x fewer, larger copies.
             ctx = [meta.context_lens[i] for i in decode_rows]
             lmax = max(ctx)
-            gather = torch.zeros(len(decode_rows), lmax, dtype=torch.long)
+            nblk = -(-lmax // bs)
+            gather = torch.zeros(len(decode_rows), nblk, dtype=torch.long)
             for j, i in enumerate(decode_rows):
-                gather[j, :ctx[j]] = _slots(meta.block_tables[i], ctx[j], bs)
+                n = -(-ctx[j] // bs)
+                gather[j, :n] = torch.tensor(meta.block_tables[i][:n], dtype=torch.long)
             p["dec_tok"] = torch.tensor([starts[i] for i in decode_rows], device=device)
             p["dec_gather"] = gather.to(device)
+            p["dec_len"] = lmax
             # Padding keys are masked out; no mask at all when every context has the same length.
             p["dec_mask"] = None if min(ctx) == lmax else (
                 torch.arange(lmax)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :].to(device)
@@ -126,13 +132,14 @@ class SdpaBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, p, scale, gqa):
-        g = p["dec_gather"]
-        shape = (*g.shape, *k_cache.shape[1:])
-        # index_select on the flat slot list is ~3x cheaper than advanced indexing with a 2-D index.
-        ks = k_cache.index_select(0, g.view(-1)).view(shape).transpose(1, 2)  # [B, Hk, L, D]
-        vs = v_cache.index_select(0, g.view(-1)).view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=p["dec_mask"],
-                                           scale=scale, enable_gqa=gqa)  # [B, Hq, 1, D]
+        g, lmax, bs = p["dec_gather"], p["dec_len"], p["block_size"]
+        b, nblk = g.shape
+        shape = (b, nblk * bs, *k_cache.shape[1:])
+        ks = k_cache.view(-1, bs, *k_cache.shape[1:]).index_select(0, g.view(-1)).view(shape)[:, :lmax]
+        vs = v_cache.view(-1, bs, *v_cache.shape[1:]).index_select(0, g.view(-1)).view(shape)[:, :lmax]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                           attn_mask=p["dec_mask"], scale=scale,
+                                           enable_gqa=gqa)  # [B, Hq, 1, D]
         return o.squeeze(2)
 
 

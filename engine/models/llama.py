@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.linear import PackedGateUp, PackedLinear
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -43,13 +44,17 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.hd ** -0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``residual + attention(x)``."""
         t, nq, nqk = x.shape[0], self.nq, self.nq + self.nkv
         qkv = self.qkv_proj(x).view(t, nqk + self.nkv, self.hd)
         qk = apply_rotary(qkv[:, :nqk], *rope)
         o = self.backend.forward(qk[:, :nq], qk[:, nq:], qkv[:, nqk:], kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, nq * self.hd))
+        o = o.reshape(t, nq * self.hd)
+        if isinstance(self.o_proj, PackedLinear):
+            return self.o_proj.forward_add(o, residual)
+        return residual + self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -59,9 +64,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(x)``; prepacked linears do the activation and the add as post-ops."""
+        if isinstance(self.gate_up_proj, PackedGateUp) and isinstance(self.down_proj, PackedLinear):
+            return self.down_proj.forward_add(self.gate_up_proj.silu_mul(x), residual)
         gate, up = self.gate_up_proj(x).split(self.inter, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return residual + self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -73,8 +81,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), x, rope, meta, kv_cache)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -91,6 +99,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # the compiled one-token path (engine/models/single_token.py), attached by the loader
+        self.single_token = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -100,6 +110,8 @@ class LlamaForCausalLM(nn.Module):
         ``layer_done(i)`` is called once layer i's K/V are in the cache, so a KV sender can
         stream layer i while layers i+1.. compute.
         """
+        if self.single_token is not None and input_ids.shape[0] == 1:
+            return self.single_token.forward(input_ids, positions, meta, kv_caches, layer_done)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
@@ -110,4 +122,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in fp32."""
+        if self.single_token is not None and hidden.shape[0] == 1:
+            return self.single_token.logits(hidden)
         return self.lm_head(self.norm(hidden)).float()

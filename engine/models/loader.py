@@ -12,6 +12,7 @@ from engine.errors import ModelLoadError
 from engine.layers.attention import AttentionBackend
 from engine.layers.linear import can_prepack, prepack_linears
 from engine.models.llama import LlamaForCausalLM
+from engine.models.single_token import SingleTokenDecoder
 
 _FUSED = {  # HF name suffix -> (our fused name, part index)
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -53,13 +54,15 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
-               device: str = "cpu", quantization=None, prepack: bool = True) -> LlamaForCausalLM:
+               device: str = "cpu", quantization=None, prepack: bool = True,
+               single_token: bool = False) -> LlamaForCausalLM:
     """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
 
     A quantized checkpoint folder (engine/quant/checkpoint.py) loads as saved; otherwise
     ``quantization`` (an ``engine.quant.QuantConfig`` or short name like "int8") is applied
     with round-to-nearest before the remaining fp32 linears are prepacked (``prepack=False``
-    keeps plain ``nn.Linear``, e.g. for offline quantization).
+    keeps plain ``nn.Linear``, e.g. for offline quantization). ``single_token`` adds the compiled
+    batch-1 decode path (engine/models/single_token.py) where the model supports it, compiled here.
 
     Raises:
         ModelLoadError: unsupported config, or weights that do not match it.
@@ -116,9 +119,13 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     if quantization is not None:
         from engine.quant import quantize
         quantize(model, quantization)
+    if single_token and SingleTokenDecoder.supports(model):
+        model.single_token = SingleTokenDecoder(model)  # copies the plain weights: before prepacking
     if prepack and can_prepack(dtype, device):
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)
+    if model.single_token is not None:
+        model.single_token.warm_up()
     return model
 
 

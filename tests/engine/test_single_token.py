@@ -1,0 +1,109 @@
+"""The compiled one-token decode path (engine/models/single_token.py) against the eager path
+and HF: same logits, same greedy tokens, KV streaming hooks per layer, and refusals."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from engine.models.single_token import SingleTokenDecoder, hugepage_empty
+from engine.request import SamplingParams
+
+from tests.engine.test_architectures import CASES, _save_tiny
+
+
+def _count_calls(eng) -> list[int]:
+    """Wrap the engine's one-token path; the list holds the number of calls made."""
+    calls = [0]
+    st = eng.model.single_token
+    inner = st.forward
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return inner(*a, **k)
+    st.forward = counted
+    return calls
+
+
+def _record_logits(eng) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    inner = eng.model.compute_logits
+
+    def record(hidden):
+        out = inner(hidden)
+        seen.append(out.clone())
+        return out
+    eng.model.compute_logits = record
+    return seen
+
+
+def test_single_request_greedy_matches_hf_through_the_compiled_path(make_engine, greedy_reference):
+    prompt, ref = greedy_reference[0]
+    eng = make_engine()
+    assert eng.model.single_token is not None
+    calls = _count_calls(eng)
+    out = eng.generate([prompt], SamplingParams(max_tokens=64, temperature=0))[0]
+    assert out.token_ids == ref
+    assert calls[0] == len(ref) - 1  # every decode step after the prefill went through it
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "llama-tied", "qwen2-bias", "llama3-rope-scaling"])
+def test_logits_equal_the_eager_path(case, tmp_path, model_path, make_engine):
+    kind, extra = CASES[case]
+    _save_tiny(kind, tmp_path, model_path, **extra)
+    fast = make_engine(model=tmp_path, memory_gb=0.02)
+    eager = make_engine(model=tmp_path, memory_gb=0.02, compile_decode=False)
+    assert fast.model.single_token is not None and eager.model.single_token is None
+    ids = list(range(400, 437))  # 37 tokens: the decode context crosses block boundaries
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got, want = _record_logits(fast), _record_logits(eager)
+    a = fast.generate([ids], sp)[0]
+    b = eager.generate([ids], sp)[0]
+    assert a.token_ids == b.token_ids
+    assert len(got) == len(want) == 24
+    for x, y in zip(got, want):
+        assert (x - y).abs().max().item() < 1e-4
+
+
+def test_batched_steps_keep_the_eager_path(make_engine):
+    eng = make_engine()
+    calls = _count_calls(eng)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = [eng.generate([p], sp)[0].token_ids for p in ([5, 6, 7, 8], [9, 10, 11])]
+    n_alone = calls[0]
+    together = [o.token_ids for o in eng.generate([[5, 6, 7, 8], [9, 10, 11]], sp)]
+    assert calls[0] == n_alone  # two requests decoding: one batched forward, not the fast path
+    assert together == alone
+
+
+def test_layer_done_is_called_for_every_layer(make_engine):
+    eng = make_engine()
+    calls = _count_calls(eng)
+    seen: list[int] = []
+    eng.add_request([42], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        seen.clear()
+        eng.step(layer_done=lambda i, plan: seen.append(i))
+        assert seen == list(range(eng.model_config.num_layers))
+    assert calls[0] == 2  # the 1-token prompt and the one decode step
+
+
+@pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"quantization": "int8"}, {"compile_decode": False}],
+                         ids=["bf16", "int8", "off"])
+def test_not_used_where_unsupported_or_off(make_engine, kw):
+    eng = make_engine(**kw)
+    assert eng.model.single_token is None
+    assert not SingleTokenDecoder.supports(eng.model) or kw.get("compile_decode") is False
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
+
+
+def test_hugepage_buffer():
+    t = hugepage_empty(3 << 20, torch.float32)
+    assert t.numel() == 3 << 20 and t.dtype == torch.float32 and t.is_contiguous()
+    if sys.platform.startswith("linux"):
+        assert t.data_ptr() % (2 << 20) == 0
+    t.fill_(1.5)
+    assert t.sum().item() == 1.5 * (3 << 20)
