@@ -62,6 +62,9 @@ class DecodePool:
     speculative: DecodeSpeculative = field(default_factory=DecodeSpeculative)
     # decode weights: none | int8 | int4 | int4-g64 | w8a8 (RTN at load) or a quantized checkpoint folder
     quantization: str = "none"
+    # one-token steps through compiled kernels (fp32 CPU): faster batch-1 decode for a second
+    # copy of the decoder weights in memory and a few seconds of compiling at worker start
+    compile_decode: bool = True
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if value is None and path in _NULLABLE:
             kwargs[name] = None
             continue
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {value!r}")
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             _check_number(path, value, type(default))
             value = float(value) if isinstance(default, float) else value

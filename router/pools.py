@@ -66,11 +66,14 @@ def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, E
     """(prefill, decode) engine configs from the cluster config."""
     p, d = cfg.prefill, cfg.decode
     common = dict(model=model_path, dtype=cfg.dtype, device=cfg.device)
-    prefill = EngineConfig(**common, cache=CacheConfig(block_size=p.block_size, memory_gb=p.kv_cache_gb),
+    # A prefill worker never decodes: no compiled one-token path (its memory and compile time).
+    prefill = EngineConfig(**common, compile_decode=False,
+                           cache=CacheConfig(block_size=p.block_size, memory_gb=p.kv_cache_gb),
                            scheduler=SchedulerConfig(max_num_batched_tokens=p.max_batched_tokens))
     from engine.quant import split_quantization
     decode_model, quantization = split_quantization(d.quantization, model_path)  # a checkpoint replaces the model
     decode = EngineConfig(**{**common, "model": decode_model}, quantization=quantization,
+                          compile_decode=d.compile_decode,
                           cache=CacheConfig(block_size=d.block_size, memory_gb=d.kv_cache_gb),
                           scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
                                                     max_num_seqs=d.max_num_seqs,

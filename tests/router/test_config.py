@@ -69,3 +69,13 @@ def test_metrics_ports_may_be_null_but_not_out_of_range():
         load_config(None, {"metrics.port": 70000})
     with pytest.raises(ConfigError, match="metrics.worker_port"):
         load_config(None, {"metrics.worker_port": "x"})
+
+
+def test_engine_configs_compile_decode_only_where_it_decodes():
+    from router.pools import engine_configs
+    prefill, decode = engine_configs(load_config(LOCAL), "/some/model")
+    assert prefill.compile_decode is False and decode.compile_decode is True
+    _, decode = engine_configs(load_config(LOCAL, {"decode.compile_decode": False}), "/some/model")
+    assert decode.compile_decode is False
+    with pytest.raises(ConfigError, match="decode.compile_decode"):
+        load_config(LOCAL, {"decode.compile_decode": "sometimes"})
