@@ -124,8 +124,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     if prepack and can_prepack(dtype, device):
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)
-    if model.single_token is not None:
-        model.single_token.warm_up()
+    if model.single_token is not None and not model.single_token.warm_up():
+        model.single_token = None
     return model
 
 

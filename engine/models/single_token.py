@@ -103,6 +103,9 @@ def _compiled(name: str) -> Callable:
         # Compile in this process: a pool of compile workers would compete with the serving
         # threads (and with Ray) for the few cores a CPU worker has.
         inductor_config.compile_threads = 1
+        # One graph per model shape: a process holding several models (tests, draft + target)
+        # needs more than dynamo's default of 8 before it gives up.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         fn = _COMPILED[name] = torch.compile(globals()[name], dynamic=False, fullgraph=True)
     return fn
 
@@ -136,9 +139,7 @@ class SingleTokenDecoder:
                 view.copy_(w)
                 self.w[name] = view
                 pos += w.numel()
-        if tied:  # the embedding lookup reads the huge-page copy too: no second plain copy
-            model.embed_tokens.weight = nn.Parameter(self.w["embed"], requires_grad=False)
-            model.lm_head.weight = model.embed_tokens.weight
+        self.tied = tied
         self.lm_head = self.w["embed" if tied else "lm_head"]
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         self.zero_h, self.zero_gu = torch.zeros(hidden), torch.zeros(2 * inter)
@@ -163,8 +164,25 @@ class SingleTokenDecoder:
                 return False
         return type(model.lm_head) is nn.Linear and model.lm_head.bias is None
 
-    def warm_up(self) -> None:
-        """Compile every graph now (with dummy inputs), so no request waits for it."""
+    def warm_up(self) -> bool:
+        """Compile every graph now (with dummy inputs), so no request waits for it.
+
+        Returns False (and logs why) when compiling fails, e.g. no C++ compiler on the machine:
+        the caller then keeps the eager path.
+        """
+        try:
+            self._run_once()
+        except Exception as e:  # noqa: BLE001 - any compiler failure means "use the eager path"
+            log.warning("compiled one-token decode path unavailable, using eager: %s", str(e).splitlines()[0])
+            return False
+        m = self.model
+        if self.tied:  # the embedding lookup reads the huge-page copy too: no second plain copy
+            m.embed_tokens.weight = nn.Parameter(self.w["embed"], requires_grad=False)
+            if isinstance(m.lm_head, nn.Linear):
+                m.lm_head.weight = m.embed_tokens.weight
+        return True
+
+    def _run_once(self) -> None:
         m = self.model
         cos, sin = m.rotary.cos[:1], m.rotary.sin[:1]
         h = torch.zeros(m.config.hidden_size)

@@ -60,13 +60,25 @@ class _Acceptance:
 
 
 class StepTimeModel:
-    """T(n) = a + b n, decayed least squares over (tokens, seconds) of decode-only steps."""
+    """Step time T(n) for n tokens, from decode-only steps.
+
+    Steps of 2+ tokens fit a decayed least-squares line a + b n; one-token steps keep a decayed
+    mean of their own, because a lone token may take a faster path than the batched forward
+    (engine/models/single_token.py) and would bend the line. The line's slope is shrunk towards
+    a prior: the slope from T(1) to the line's mean when T(1) is known (two sizes seen), else a
+    pessimistic share of the mean per-token cost. A step never costs less than T(1).
+    """
 
     def __init__(self) -> None:
         self.w = self.sn = self.st = self.snn = self.snt = 0.0
+        self.one_w = self.one_t = 0.0
 
     def observe(self, n: int, seconds: float) -> None:
         d = TIME_DECAY
+        if n <= 1:
+            self.one_w = self.one_w * d + 1
+            self.one_t = self.one_t * d + seconds
+            return
         self.w = self.w * d + 1
         self.sn = self.sn * d + n
         self.st = self.st * d + seconds
@@ -74,14 +86,17 @@ class StepTimeModel:
         self.snt = self.snt * d + n * seconds
 
     def predict(self, n: float) -> float | None:
-        if self.w < 1e-9:
-            return None
+        one = self.one_t / self.one_w if self.one_w > 1e-9 else None
+        if n <= 1 and one is not None:
+            return one
+        if self.w < 1e-9:  # only one-token steps seen so far
+            return None if one is None else one * (1 + PRIOR_SLOPE * (n - 1))
         mn, mt = self.sn / self.w, self.st / self.w
         var = self.snn / self.w - mn * mn
         cov = self.snt / self.w - mn * mt
-        prior = PRIOR_SLOPE * mt / max(mn, 1.0)
-        slope = max(0.0, (cov + prior) / (var + 1.0))  # shrunk towards the prior by one token^2
-        return max(1e-6, mt + slope * (n - mn))
+        prior = (mt - one) / (mn - 1) if one is not None and mn > 1 else PRIOR_SLOPE * mt / mn
+        slope = max(0.0, (cov + max(prior, 0.0)) / (var + 1.0))  # shrunk towards the prior by one token^2
+        return max(1e-6, mt + slope * (n - mn), one or 0.0)
 
 
 class AdaptiveK:

@@ -36,7 +36,8 @@ def test_speculative_decode_keeps_hf_greedy_output_then_with_int8(make_cluster, 
     assert [o["token_ids"] for o in outs[:len(greedy_reference)]] == [ids for _, ids in greedy_reference]
     counting = outs[len(greedy_reference)]["token_ids"][:40]
     assert "ngram" in stub.GetModelInfo(pb.GetModelInfoRequest()).speculative
-    assert decode_status(stub).speculative_acceptance > 0.3  # repetitive prompts: n-gram drafts land
+    st = decode_status(stub)  # repetitive prompts: n-gram drafts land
+    assert st.speculative_acceptance > 0 and st.speculative_tokens_per_verify > 1.5
     wait_idle(stub, spec)
     spec.stop()
 

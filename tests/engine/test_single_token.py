@@ -107,3 +107,16 @@ def test_hugepage_buffer():
         assert t.data_ptr() % (2 << 20) == 0
     t.fill_(1.5)
     assert t.sum().item() == 1.5 * (3 << 20)
+
+
+def test_compile_failure_falls_back_to_eager(make_engine, monkeypatch):
+    import engine.models.single_token as st
+
+    def broken(name):
+        raise RuntimeError("no C++ compiler here")
+    monkeypatch.setattr(st, "_compiled", broken)
+    eng = make_engine()
+    assert eng.model.single_token is None
+    ref = make_engine(compile_decode=False)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids

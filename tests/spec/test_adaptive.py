@@ -74,3 +74,19 @@ def test_costly_catch_up_keeps_a_request_off():
     p.observe_catchup(100, 2.0)  # 20 ms per token: a 500-token catch-up costs 10 s
     assert p.choose("r", 1, stale=500, remaining=50) == 0  # 50 tokens cannot pay that back
     assert p.choose("r", 1, stale=500, remaining=100_000) > 0
+
+
+def test_a_fast_one_token_step_is_measured_apart_from_the_line():
+    p = AdaptiveK(8)
+    for _ in range(20):  # one-token steps on a fast path; batched steps on the eager line
+        p.observe_step(1, 0.020)
+        p.observe_step(5, 0.040)
+        p.observe_step(9, 0.048)
+    assert abs(p.times.predict(1) - 0.020) < 1e-9  # measured, not the line's
+    assert 0.038 < p.times.predict(5) < 0.042 and 0.046 < p.times.predict(9) < 0.050
+    assert p.times.predict(2) > 0.028  # the batched line, not a blend with the fast path
+    for _ in range(10):
+        p.observe_verify("weak", 4, 0)
+        p.observe_verify("good", 4, 4)
+    # against the fast one-token step (not the line's ~0.03 s) weak drafts do not pay
+    assert p.choose("weak", 1) == 0 and p.choose("good", 1) >= 4
