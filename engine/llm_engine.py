@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import TextStream, tokens_through_stop
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockManager, allocate_kv_tensors, kv_bytes_per_block
 from engine.layers.attention import get_attention_backend
@@ -89,8 +89,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self._ids = itertools.count()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, int] = {}  # chars of output text already returned as deltas
+        self._text: dict[str, TextStream] = {}
         self.load_seconds = time.monotonic() - t0
 
     # ---- requests ----------------------------------------------------------------------------
@@ -152,8 +151,7 @@ class LLMEngine:
         return Request(rid, ids, params, eos_token_ids=self.eos_token_ids)
 
     def _track(self, req: Request) -> None:
-        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
-        self._emitted[req.request_id] = 0
+        self._text[req.request_id] = TextStream(self.tokenizer, req.sampling_params.stop)
 
     # ---- disaggregation ---------------------------------------------------------------------
     def add_remote(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
@@ -201,12 +199,13 @@ class LLMEngine:
             req.append_output_token(first_token)
         if not req.output_token_ids:
             raise InvalidRequestError(f"request {request_id!r} needs the prefill's first token")
-        # The first token's text was streamed by whoever sampled it: start the deltas after it.
-        detok = self._detok[request_id]
-        detok.step(req.output_token_ids)
-        self._emitted[request_id] = len(detok.text)
+        # The first token's text was streamed by whoever sampled it (less a tail that could
+        # still become a stop string): start the deltas after what it sent.
+        text = self._text[request_id]
+        stopped = text.step(req.output_token_ids, search_from=0)
+        text.mark_sent()
         status = self.scheduler.check_stop(req, req.output_token_ids[-1])
-        if status is None and any(s in detok.text for s in req.sampling_params.stop):
+        if status is None and stopped:
             status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(req, status)
@@ -276,28 +275,15 @@ class LLMEngine:
     def _output(self, req: Request, num_new: int, search_from: int | None = None) -> RequestOutput:
         """Build the step's output: text delta, stop strings, finish. ``search_from``: where a
         stop string may start (default: just before the text added by this step)."""
-        detok = self._detok[req.request_id]
-        start = len(detok.text)
+        stream = self._text[req.request_id]
         done = req.is_finished and req.status != RequestStatus.PREFILLED  # decode goes on elsewhere
-        detok.step(req.output_token_ids, final=done)
-        text = detok.text
-        sp = req.sampling_params
-        if sp.stop:
-            # Only the tail can hold a new match: look back the longest stop string.
-            look = max(0, start - max(map(len, sp.stop)) + 1) if search_from is None else search_from
-            hits = [i for i in (text.find(s, look) for s in sp.stop) if i >= 0]
-            if hits:
-                text = text[:min(hits)]  # the stop string itself is not returned
-                num_new = self._drop_after_stop(req, num_new)
-                if not req.is_finished:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        # A stop string may straddle the previous delta's end: never return text we must take back.
+        if stream.step(req.output_token_ids, final=done, search_from=search_from):
+            num_new = self._drop_after_stop(req, num_new)
+            if not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         done = req.is_finished and req.status != RequestStatus.PREFILLED
-        hold = max(map(len, sp.stop)) - 1 if sp.stop and not done else 0
-        emit_to = len(text) - hold
-        emitted = self._emitted[req.request_id]
-        delta = text[emitted:emit_to] if emit_to > emitted else ""
-        self._emitted[req.request_id] = max(emitted, emit_to)
+        delta = stream.delta(done)
+        text = stream.text
         req.output_text = text
         if req.is_finished:
             req.finish_time = time.monotonic()
@@ -309,18 +295,13 @@ class LLMEngine:
     def _drop_after_stop(self, req: Request, num_new: int) -> int:
         """A step that added several tokens (speculative verify) may run past a stop string:
         keep only the tokens up to the one that completed it, as one-token steps would."""
-        stops = req.sampling_params.stop
-        while num_new > 1:
-            text = self.tokenizer.decode(req.output_token_ids[:-1], skip_special_tokens=True)
-            if not any(s in text for s in stops):
-                break
+        keep = tokens_through_stop(self.tokenizer, req.output_token_ids, num_new, req.sampling_params.stop)
+        for _ in range(num_new - keep):
             req.output_token_ids.pop()
-            num_new -= 1
-        return num_new
+        return keep
 
     def _forget(self, request_id: str) -> None:
-        self._detok.pop(request_id, None)
-        self._emitted.pop(request_id, None)
+        self._text.pop(request_id, None)
         self.runner.forget(request_id)
         if self.spec is not None:
             self.spec.forget(request_id)

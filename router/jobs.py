@@ -41,6 +41,12 @@ class Job:
     last_token_time: float | None = None
     finished: bool = False
     gaps: list[float] = field(default_factory=list)  # seconds between streamed token batches
+    text: str = ""  # text streamed so far
+    # After a re-run the new worker sees the streamed tokens as prompt: the router then makes
+    # the text itself (an engine.detokenizer.TextStream over every output token), so characters
+    # and stop strings straddling the boundary come out right.
+    stream: Any = None
+    stopped: bool = False  # the router's stream found a stop string: finish with "stop"
 
     @property
     def key(self) -> str:
@@ -55,6 +61,16 @@ class Job:
         left = self.params.max_tokens - len(self.generated)
         return self.prompt_ids + self.generated, dataclasses.replace(self.params, max_tokens=left)
 
+    def rerun(self, tokenizer: Any) -> None:
+        """A new attempt follows: from now on the text is made here, continuing from the
+        tokens and text already streamed (a held-back character or stop-string tail included)."""
+        self.attempt += 1
+        if self.stream is None and self.generated:
+            from engine.detokenizer import TextStream
+            self.stream = TextStream(tokenizer, self.params.stop)
+            self.stream.step(self.generated)
+            self.stream.mark_sent(len(self.text))
+
     def placed(self, prefill: Any, decode: Any) -> None:
         self.prefill, self.decode = prefill, decode
         self.prefill_id, self.decode_id = prefill.worker_id, decode.worker_id
@@ -63,9 +79,19 @@ class Job:
         self.events.put_nowait((self.attempt, worker, record))
 
     def tokens(self, record: dict) -> pb.GenerateResponse | None:
-        """The response for a record's new tokens (None when it has none)."""
+        """The response for a record's new tokens and text (None when it has neither)."""
         ids = record["tokens"]
-        if not ids and not record["text"]:
+        text = record["text"]
+        if self.stream is not None:  # after a re-run: the router's own text (see ``stream``)
+            from engine.detokenizer import tokens_through_stop
+            done = bool(record.get("finish"))
+            if self.stream.step(self.generated + ids, final=done):
+                if ids:
+                    ids = ids[:tokens_through_stop(self.stream.tokenizer, self.generated + ids, len(ids),
+                                                   self.stream.stop)]
+                self.stopped = True
+            text = self.stream.delta(done or self.stopped)
+        if not ids and not text:
             return None
         now = time.monotonic()
         if ids and self.first_token_time is None:
@@ -76,7 +102,8 @@ class Job:
                 self.gaps.append(now - self.last_token_time)
             self.last_token_time = now
         self.generated += ids
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=record["text"])
+        self.text += text
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text)
 
     @property
     def ttft(self) -> float | None:

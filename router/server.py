@@ -172,7 +172,7 @@ class Router(pb_grpc.GenerationServicer):
                 if r.get("lost") or r["finish"] == "error":
                     why = "a worker was lost" if r.get("lost") else r.get("error", "error")
                     self._release(job)
-                    job.attempt += 1
+                    job.rerun(self.tokenizer)
                     if job.attempt >= MAX_ATTEMPTS:
                         raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
                     log.warning("rid=%s event=rerun attempt=%d reason=%r", job.request_id, job.attempt, why)
@@ -181,6 +181,10 @@ class Router(pb_grpc.GenerationServicer):
                 response = job.tokens(r)
                 if response is not None:
                     yield response
+                if job.stopped:  # a stop string across a re-run's boundary: the worker can't see it
+                    self._release(job)
+                    yield job.final("stop")
+                    return
                 if worker is job.prefill and worker is not job.decode:
                     if r["tokens"]:  # the first token: decode goes on from it
                         job.decode.actor.first_token.remote(job.key, r["tokens"][0])

@@ -120,3 +120,25 @@ def test_seeded_sampling_is_the_same_disaggregated(make_engine):
     got = [o for o in decode.stream() if o.finished][0].token_ids
     assert got == want
 
+
+
+@pytest.mark.parametrize("stop", [[], ["@@@@"]], ids=["no-stop", "stop-never-hit"])
+def test_streamed_text_across_the_handoff_equals_a_single_engine(make_engine, stop):
+    """The prefill streams the first token's text (holding back a tail that could still begin
+    a stop string); the decode side must continue exactly after what was sent."""
+    sp = SamplingParams(max_tokens=12, temperature=0, stop=stop)
+    want = make_engine().generate(PROMPTS[:3], sp)
+    prefill, decode = make_engine(), make_engine()
+    ids = [prefill.add_request(p, sp, request_id=f"r{i}", prefill_only=True) for i, p in enumerate(PROMPTS[:3])]
+    firsts = {o.request_id: o for o in prefill.stream() if o.finished}
+    streamed = {rid: firsts[rid].new_text for rid in ids}
+    for rid in ids:
+        req = prefill.scheduler.requests[rid]
+        blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid)
+        _copy_kv(prefill, req.block_ids, decode, blocks, req.num_prompt_tokens)
+        prefill.release(rid)
+        decode.kv_arrived(rid, first_token=firsts[rid].token_ids[0])
+    for o in decode.stream():
+        streamed[o.request_id] += o.new_text
+    for i, rid in enumerate(ids):
+        assert streamed[rid] == want[i].text and want[i].text
