@@ -21,18 +21,7 @@ rendezvous raises no wake-up event), yielding the GIL each round; when idle, or 
 without any completion (a dead peer), it sleeps on the worker's epoll fd and a wake pipe with
 a 2 ms timeout, so an idle transport costs almost nothing.
 
-Wire protocol. Every worker picks a random 32-bit ``uid``. A 64-bit UCX tag is
-``kind (2 bits) | sender uid (32) | seq (30)``; a message to one peer is a header
-(kind 1) and then each non-empty frame (kind 2, same seq), in order. The header is msgpack
-``[1, seq, [frame lengths], sender address bytes | None]``, plus a fifth element, a str of
-one ``"h"`` (host) or ``"d"`` (device) per frame, only when some frame is in GPU memory: four
-elements (an older peer's header, or any host-only message) mean all host, so host traffic
-is unchanged on the wire. The sender's address is in the first message to each peer, so the
-receiver can make the endpoint its replies use. The receiver probes for kind-1 tags from any
-sender, so the peer id it reports is the sender's uid -- the same id the sender got from
-``connect``. Lengths are checked against
-``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
-peer that announces more is logged and ignored from then on.
+Wire protocol (tags, header, address format): ``ucx_wire.py``.
 
 Buffers. Sends are zero-copy from the caller's buffers: keep them unchanged until delivered.
 Received host frames are writable memoryviews (format "B") owned by the caller; their memory
@@ -61,7 +50,6 @@ Environment. ``UCX_TLS`` and other ``UCX_*`` variables pass through unchanged un
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import secrets
@@ -75,63 +63,18 @@ from dataclasses import dataclass, field
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before ucxx loads UCX
 
-import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import ucxx._lib.libucxx as ucx_api  # noqa: E402  (ImportError here: "ucx" stays unregistered)
 from ucxx._lib.arr import Array  # noqa: E402
 
-from kvtransfer import ucx_device  # noqa: E402
+from kvtransfer import ucx_device, ucx_wire as wire  # noqa: E402
 from kvtransfer.base import Buffer, FrameTransport, register_transport  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 4 << 30  # announced frame lengths above this are refused
-MAX_FRAMES = 1 << 16
-MAX_HEADER_BYTES = 1 << 20
-_WIRE_VERSION = 1
-_HEADER, _DATA = 1, 2  # tag kinds
-_KIND_SHIFT, _UID_SHIFT, _SEQ_MASK = 62, 30, (1 << 30) - 1
 _IDLE_WAIT_S = 0.002  # sleep bound when idle: shared-memory traffic may raise no event
 _SPIN_S = 1.0  # stop spinning after this long without any completion (e.g. a dead peer)
 _GRACE_S = 0.002  # keep spinning this long after the last completion: the next message is near
-_POOL_MIN_BYTES = 64 << 10  # smaller frames get a plain fresh buffer
-_SCHEME = "ucx://"
-
-
-def _tag(kind: int, uid: int, seq: int) -> int:
-    return (kind << _KIND_SHIFT) | (uid << _UID_SHIFT) | (seq & _SEQ_MASK)
-
-
-def _peer_id(uid: int) -> str:
-    return f"{uid:08x}"
-
-
-class _BufferPool:
-    """Receive buffers that are handed out again once the caller has dropped every view.
-
-    A fresh buffer page-faults on its first write, which costs about half the receive
-    bandwidth; pooled numpy buffers (by power-of-two capacity, up to ``max_bytes`` in all) are
-    reused when their refcount is back to the pool's own references: any view the caller still
-    holds (memoryview, ``np.frombuffer``, ``torch.frombuffer``) keeps a reference.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes, self.bytes = max_bytes, 0
-        self._buckets: dict[int, list[np.ndarray]] = {}
-
-    def take(self, n: int) -> memoryview:
-        if n < _POOL_MIN_BYTES:
-            return memoryview(np.empty(n, np.uint8))
-        cap = 1 << (n - 1).bit_length()
-        bucket = self._buckets.setdefault(cap, [])
-        for arr in bucket:
-            if sys.getrefcount(arr) == 3:  # the bucket, `arr`, getrefcount's argument: unused
-                return memoryview(arr)[:n]
-        arr = np.empty(cap, np.uint8)
-        if self.bytes + cap <= self.max_bytes:
-            bucket.append(arr)
-            self.bytes += cap
-        return memoryview(arr)[:n]
 
 
 @dataclass
@@ -182,7 +125,7 @@ class UcxTransport(FrameTransport):
         self._worker.init_blocking_progress_mode()  # creates the epoll fd the idle wait uses
         self.uid = secrets.randbits(32)
         self._addr_bytes = self._worker.address.tobytes()
-        self.address = f"{_SCHEME}{_peer_id(self.uid)}/{base64.urlsafe_b64encode(self._addr_bytes).decode()}"
+        self.address = wire.format_address(self.uid, self._addr_bytes)
         self.linger_s = linger_s
         self._addrs: dict[int, bytes] = {}  # uid -> worker address (connect or hello)
         self._seq: dict[int, int] = {}  # uid -> next seq to it; absent: send our address
@@ -197,7 +140,7 @@ class UcxTransport(FrameTransport):
         self.unroutable = 0  # messages dropped because their peer was unreachable
         self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
         self._refused_from: set[int] = set()  # peers already logged for that
-        self._pool = _BufferPool(pool_bytes)
+        self._pool = wire.BufferPool(pool_bytes)
         self._error: BaseException | None = None
         self._closed = False
         self._stop = threading.Event()
@@ -224,9 +167,9 @@ class UcxTransport(FrameTransport):
             ValueError: ``address`` is not a ucx address.
         """
         self._check_open()
-        uid, addr = _parse_address(address)
+        uid, addr = wire.parse_address(address)
         self._addrs[uid] = addr
-        return _peer_id(uid)
+        return wire.peer_id(uid)
 
     def send(self, peer: str, frames: Sequence[Buffer]) -> None:
         """Queue one message for ``peer``; the progress thread posts it. Zero-copy: keep
@@ -239,7 +182,7 @@ class UcxTransport(FrameTransport):
                 stream has produced them.
         Raises:
             ValueError: unknown peer, or a frame that is not contiguous, not a buffer this
-                side can send, or larger than ``MAX_FRAME_BYTES``.
+                side can send, or larger than ``wire.MAX_FRAME_BYTES``.
         """
         self._check_open()
         try:
@@ -249,19 +192,19 @@ class UcxTransport(FrameTransport):
         if uid not in self._addrs:
             raise ValueError(f"unknown ucx peer {peer!r}: connect() to it first, "
                              "or reply to an id from recv()")
-        if len(frames) > MAX_FRAMES:
-            raise ValueError(f"{len(frames)} frames in one message; at most {MAX_FRAMES}")
+        if len(frames) > wire.MAX_FRAMES:
+            raise ValueError(f"{len(frames)} frames in one message; at most {wire.MAX_FRAMES}")
         views, lengths, kinds, events = [], [], "", []
         for f in frames:
             if ucx_device.is_device(f):
                 if not self.device_frames:
                     raise ValueError("ucx device frame given but this transport has no CUDA "
                                      "(or its UCX transports exclude cuda)")
-                view, n, event = ucx_device.device_frame(f, MAX_FRAME_BYTES)
+                view, n, event = ucx_device.device_frame(f, wire.MAX_FRAME_BYTES)
                 events.append(event)
                 kinds += "d"
             else:
-                view = _byte_view(f)
+                view = wire.byte_view(f)
                 n = view.nbytes
                 kinds += "h"
             views.append(view)
@@ -300,7 +243,7 @@ class UcxTransport(FrameTransport):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"ucx transport {_peer_id(self.uid)} is closed")
+            raise RuntimeError(f"ucx transport {wire.peer_id(self.uid)} is closed")
         if self._error is not None:
             raise RuntimeError("ucx progress thread failed") from self._error
 
@@ -350,18 +293,18 @@ class UcxTransport(FrameTransport):
             self._post_send(uid, views, lengths, kinds)
             completed = True
         while True:
-            probe = w.tag_probe(ucx_api.UCXXTag(_HEADER << _KIND_SHIFT),
-                                ucx_api.UCXXTagMask(3 << _KIND_SHIFT), remove=True)
+            probe = w.tag_probe(ucx_api.UCXXTag(wire.HEADER << wire.KIND_SHIFT),
+                                ucx_api.UCXXTagMask(3 << wire.KIND_SHIFT), remove=True)
             if not probe.matched:
                 break
-            uid = (probe.sender_tag.value >> _UID_SHIFT) & 0xFFFFFFFF
-            too_long = probe.length > MAX_HEADER_BYTES
+            uid = (probe.sender_tag.value >> wire.UID_SHIFT) & 0xFFFFFFFF
+            too_long = probe.length > wire.MAX_HEADER_BYTES
             if too_long:
                 logger.error("ucx peer %s sent a %d-byte header; ignoring it from now on",
-                             _peer_id(uid), probe.length)
+                             wire.peer_id(uid), probe.length)
                 self._banned.add(uid)
             # A removed probe must still be received: a too long one is cut (and dropped).
-            buf = np.empty(min(probe.length, MAX_HEADER_BYTES), np.uint8)
+            buf = np.empty(min(probe.length, wire.MAX_HEADER_BYTES), np.uint8)
             req = w.tag_recv_with_handle(Array(buf), probe)
             self._receiving.setdefault(uid, deque()).append(_Incoming(req, buf, dropped=too_long))
             completed = True
@@ -385,7 +328,7 @@ class UcxTransport(FrameTransport):
                 completed = True
                 ok = all([_check(r, "recv") for r in msg.frame_reqs])
                 if ok and not msg.dropped and uid not in self._banned:
-                    self._inbox.append((_peer_id(uid), msg.frames))
+                    self._inbox.append((wire.peer_id(uid), msg.frames))
             in_flight = in_flight or bool(queue)
         return completed, in_flight
 
@@ -399,7 +342,7 @@ class UcxTransport(FrameTransport):
                 address = ucx_api.UCXAddress.create_from_buffer(self._addrs[uid])
                 ep = self._worker.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
             except ucx_api.UCXError as e:  # e.g. the peer's process is gone (its shm with it)
-                logger.warning("ucx peer %s unreachable (%s); dropping messages to it", _peer_id(uid), e)
+                logger.warning("ucx peer %s unreachable (%s); dropping messages to it", wire.peer_id(uid), e)
                 self._unreachable.add(uid)
                 self.unroutable += 1
                 return
@@ -408,10 +351,10 @@ class UcxTransport(FrameTransport):
         hello = self._addr_bytes if seq is None else None
         seq = seq or 0
         self._seq[uid] = seq + 1
-        header = _pack_header(seq, lengths, kinds, hello)
-        head_tag = ucx_api.UCXXTag(_tag(_HEADER, self.uid, seq))
+        header = wire.pack_header(seq, lengths, kinds, hello)
+        head_tag = ucx_api.UCXXTag(wire.tag(wire.HEADER, self.uid, seq))
         self._sending.append((ep.tag_send(Array(header), head_tag), header))
-        data_tag = ucx_api.UCXXTag(_tag(_DATA, self.uid, seq))
+        data_tag = ucx_api.UCXXTag(wire.tag(wire.DATA, self.uid, seq))
         for v, n in zip(views, lengths):
             if n:
                 self._sending.append((ep.tag_send(Array(v), data_tag), v))
@@ -423,17 +366,9 @@ class UcxTransport(FrameTransport):
             msg.dropped = True
             return
         try:
-            version, seq, lengths, hello, *rest = msgpack.unpackb(msg.header_buf, use_list=True)
-            kinds = rest[0] if len(rest) == 1 else "h" * len(lengths) if not rest else None
-            if (version != _WIRE_VERSION or not isinstance(seq, int) or not isinstance(lengths, list)
-                    or len(lengths) > MAX_FRAMES
-                    or not all(isinstance(n, int) and 0 <= n <= MAX_FRAME_BYTES for n in lengths)
-                    or not (hello is None or isinstance(hello, bytes))
-                    or not isinstance(kinds, str) or len(kinds) != len(lengths) or kinds.strip("hd")):
-                raise ValueError(f"bad header fields {version!r}, {seq!r}, {str(lengths)[:80]}, "
-                                 f"{str(rest)[:40]}")
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
-            logger.error("ucx peer %s sent a bad header (%s); ignoring it from now on", _peer_id(uid), e)
+            seq, lengths, hello, kinds = wire.parse_header(msg.header_buf)
+        except ValueError as e:
+            logger.error("ucx peer %s sent a bad header (%s); ignoring it from now on", wire.peer_id(uid), e)
             self._banned.add(uid)
             msg.dropped = True
             return
@@ -445,7 +380,7 @@ class UcxTransport(FrameTransport):
             if bufs is None:
                 self._refuse_device(uid, msg)
                 return
-        tag = ucx_api.UCXXTag(_tag(_DATA, uid, seq))
+        tag = ucx_api.UCXXTag(wire.tag(wire.DATA, uid, seq))
         for n, buf in zip(lengths, bufs):
             view = self._pool.take(n) if buf is None else buf
             if n:
@@ -460,7 +395,7 @@ class UcxTransport(FrameTransport):
         if uid not in self._refused_from and self.device is None:
             self._refused_from.add(uid)
             logger.error("ucx peer %s sends GPU frames but this side has no CUDA (or its UCX "
-                         "transports exclude cuda); dropping them (counted in refused_device)", _peer_id(uid))
+                         "transports exclude cuda); dropping them (counted in refused_device)", wire.peer_id(uid))
 
     def _idle_wait(self) -> None:
         if self._worker.arm():  # False: events are pending, progress again at once
@@ -487,7 +422,7 @@ class UcxTransport(FrameTransport):
         self._sending.clear()
         w = self._worker = self._ctx = None
         self._outbox.clear()
-        self._pool = _BufferPool(0)
+        self._pool = wire.BufferPool(0)
 
 
 def _check(req, what: str) -> bool:
@@ -497,41 +432,6 @@ def _check(req, what: str) -> bool:
     except Exception as e:  # the lifecycle's lease fails the transfer; just report here
         logger.warning("ucx %s failed: %s", what, e)
         return False
-
-
-def _pack_header(seq: int, lengths: list[int], kinds: str, hello: bytes | None) -> bytes:
-    """The wire header; the memory-type string only when some frame is on a device."""
-    fields = [_WIRE_VERSION, seq, lengths, hello]
-    return msgpack.packb(fields + [kinds] if "d" in kinds else fields)
-
-
-def _byte_view(buf: object) -> memoryview:
-    """A flat unsigned-byte view of a contiguous host buffer (no copy)."""
-    try:
-        mv = memoryview(buf)
-    except TypeError as e:
-        raise ValueError(f"ucx frames must be host buffers (bytes, bytearray, memoryview), "
-                         f"got {type(buf).__name__}") from e
-    if not mv.c_contiguous:
-        raise ValueError("ucx frame buffer is not C-contiguous")
-    if mv.nbytes > MAX_FRAME_BYTES:
-        raise ValueError(f"ucx frame of {mv.nbytes} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
-    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
-
-
-def _parse_address(address: str) -> tuple[int, bytes]:
-    bad = ValueError(f"not a ucx address (want {_SCHEME}<uid hex>/<base64 worker address>): "
-                     f"{str(address)[:80]!r}")
-    if not isinstance(address, str) or not address.startswith(_SCHEME) or "/" not in address[len(_SCHEME):]:
-        raise bad
-    uid_hex, b64 = address[len(_SCHEME):].split("/", 1)
-    try:
-        uid, addr = int(uid_hex, 16), base64.urlsafe_b64decode(b64.encode())
-    except ValueError as e:
-        raise bad from e
-    if not 0 <= uid < (1 << 32) or not addr:
-        raise bad
-    return uid, addr
 
 
 register_transport("ucx", UcxTransport)

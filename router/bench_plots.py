@@ -32,10 +32,7 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
             ax.grid(True, alpha=0.3)
     axes[0].legend()
     fig.suptitle("latency CDFs")
-    fig.tight_layout()
-    paths.append(out / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(12, 4))
     for label, res in results.items():
@@ -49,12 +46,7 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
     ax.set_ylabel("gap between tokens (ms)")
     ax.set_yscale("log")
     ax.set_title("per-token latency of streaming requests over time (prefill stalls show as spikes)")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / "tpot_over_time.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "tpot_over_time.png", ax))
 
     sweeps = {k: v for k, v in results.items() if len(v["runs"]) > 1}
     if sweeps:
@@ -64,10 +56,16 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
                     "o-", label=label)
         ax.set_xlabel("offered rate (requests/s)")
         ax.set_ylabel("goodput (requests/s meeting both SLOs)")
+        paths.append(_save(plt, fig, out / "goodput_vs_rate.png", ax))
+    return paths
+
+
+def _save(plt, fig, path: Path, ax=None) -> Path:
+    """Legend and grid on ``ax`` (if given), then write ``fig`` to ``path`` and close it."""
+    if ax is not None:
         ax.legend()
         ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        paths.append(out / "goodput_vs_rate.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.quant.config import QuantConfig
 from engine.quant.formats import QuantizedWeight, quantize_weight
-from engine.quant.layerwise import run_layerwise
+from engine.quant.layerwise import QuantizedSwap, run_layerwise
 
 GRID = 20
 
@@ -90,10 +90,9 @@ def _untie(lin: nn.Linear) -> nn.Linear:
 def awq_model(model: nn.Module, cfg: QuantConfig, targets: dict[str, nn.Linear], seqs: list[list[int]],
               progress: Callable[[str], None] | None = None, swap: bool = True) -> dict[str, QuantizedWeight]:
     """Sequential AWQ over the model; rescales norms/weights in place (exact in fp)."""
-    from engine.quant.quantize import make_module, set_module
+    from engine.quant.quantize import set_module
 
-    out: dict[str, QuantizedWeight] = {}
-    originals: dict[str, nn.Linear] = {}
+    sw = QuantizedSwap(model, cfg)
 
     def handle(prefix: str, inputs: dict[str, torch.Tensor]) -> None:
         fold = _producers(model, prefix)
@@ -109,13 +108,7 @@ def awq_model(model: nn.Module, cfg: QuantConfig, targets: dict[str, nn.Linear],
                 s, _ = search_scale([lin.weight], inputs[name], cfg.bits, [g], cfg.symmetric)
                 fold[name](s)
                 lin.weight.mul_(s)
-            qw = quantize_weight(lin.weight, cfg.bits, g, cfg.symmetric)
-            out[name] = qw
-            originals[name] = lin
-            set_module(model, name, make_module(qw, lin.bias, cfg))
+            sw.put(name, lin, quantize_weight(lin.weight, cfg.bits, g, cfg.symmetric))
 
     run_layerwise(model, seqs, targets, handle, progress)
-    if not swap:
-        for name, lin in originals.items():
-            set_module(model, name, lin)
-    return out
+    return sw.finish(swap)

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.quant.config import QuantConfig
 from engine.quant.formats import QuantizedWeight, group_view, qparams, qrange
-from engine.quant.layerwise import run_layerwise
+from engine.quant.layerwise import QuantizedSwap, run_layerwise
 
 BLOCK = 128  # a multiple of every group size, so each group starts inside one block
 
@@ -105,22 +105,13 @@ def gptq_model(model: nn.Module, cfg: QuantConfig, targets: dict[str, nn.Linear]
     Args:
         swap: leave the quantized modules in the model; False restores the fp linears after.
     """
-    from engine.quant.quantize import make_module, set_module
-
-    out: dict[str, QuantizedWeight] = {}
-    originals: dict[str, nn.Linear] = {}
+    sw = QuantizedSwap(model, cfg)
 
     def handle(prefix: str, inputs: dict[str, torch.Tensor]) -> None:
         for name, x in inputs.items():
             lin = model.get_submodule(name)
-            qw = gptq_quantize(lin.weight, hessian(x), cfg.bits, cfg.group_for(lin.in_features, name),
-                               cfg.symmetric, cfg.damp, cfg.act_order)
-            out[name] = qw
-            originals[name] = lin
-            set_module(model, name, make_module(qw, lin.bias, cfg))
+            sw.put(name, lin, gptq_quantize(lin.weight, hessian(x), cfg.bits, cfg.group_for(lin.in_features, name),
+                                            cfg.symmetric, cfg.damp, cfg.act_order))
 
     run_layerwise(model, seqs, targets, handle, progress)
-    if not swap:
-        for name, lin in originals.items():
-            set_module(model, name, lin)
-    return out
+    return sw.finish(swap)

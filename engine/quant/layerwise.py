@@ -19,6 +19,31 @@ from engine.quant.calib import SequenceForward
 Handler = Callable[[str, dict[str, torch.Tensor]], None]
 
 
+class QuantizedSwap:
+    """Puts each quantized module in place of its linear as soon as it exists (so later layers
+    calibrate on what the quantized ones produce) and, for ``swap=False``, puts the originals
+    back at the end. Shared by GPTQ and AWQ."""
+
+    def __init__(self, model: nn.Module, cfg) -> None:
+        self.model, self.cfg = model, cfg
+        self.weights: dict = {}  # name -> QuantizedWeight
+        self._originals: dict[str, nn.Module] = {}
+
+    def put(self, name: str, lin: nn.Linear, qw) -> None:
+        from engine.quant.quantize import make_module, set_module
+        self.weights[name] = qw
+        self._originals[name] = lin
+        set_module(self.model, name, make_module(qw, lin.bias, self.cfg))
+
+    def finish(self, swap: bool) -> dict:
+        """The quantized weights by name; with ``swap=False`` the model gets its linears back."""
+        if not swap:
+            from engine.quant.quantize import set_module
+            for name, lin in self._originals.items():
+                set_module(self.model, name, lin)
+        return self.weights
+
+
 @torch.no_grad()
 def run_layerwise(model: nn.Module, seqs: list[list[int]], targets: dict[str, nn.Linear],
                   handle: Handler, progress: Callable[[str], None] | None = None,

@@ -28,7 +28,7 @@ else:
 
 import xxhash  # noqa: E402
 
-from kvtransfer import ucx  # noqa: E402
+from kvtransfer import ucx, ucx_wire  # noqa: E402
 from kvtransfer.base import TRANSPORTS, _load_builtin  # noqa: E402
 from kvtransfer.ucx import UcxTransport  # noqa: E402
 
@@ -190,12 +190,12 @@ def test_oversized_announcement_is_refused(make):
     address = server.bind()
     ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
     worker = ucx_api.UCXWorker(ctx)
-    uid, addr = ucx._parse_address(address)
+    uid, addr = ucx_wire.parse_address(address)
     ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr),
                                                     endpoint_error_handling=False)
     bogus_uid = 0x0BAD0BAD
-    header = np.frombuffer(msgpack.packb([1, 0, [ucx.MAX_FRAME_BYTES + 1], worker.address.tobytes()]), np.uint8)
-    req = ep.tag_send(Array(header), ucx_api.UCXXTag(ucx._tag(ucx._HEADER, bogus_uid, 0)))
+    header = np.frombuffer(msgpack.packb([1, 0, [ucx_wire.MAX_FRAME_BYTES + 1], worker.address.tobytes()]), np.uint8)
+    req = ep.tag_send(Array(header), ucx_api.UCXXTag(ucx_wire.tag(ucx_wire.HEADER, bogus_uid, 0)))
     while not req.completed:
         worker.progress()
     req.check_error()

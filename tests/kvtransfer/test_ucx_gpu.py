@@ -32,7 +32,7 @@ else:
 
 import xxhash  # noqa: E402
 
-from kvtransfer import ucx, ucx_device  # noqa: E402
+from kvtransfer import ucx, ucx_device, ucx_wire  # noqa: E402
 from kvtransfer.base import KVLayout, TransferState  # noqa: E402
 from kvtransfer.format import FrameError, decode_frames, encode_frames, gather_layer  # noqa: E402
 from kvtransfer.receiver import KVReceiver  # noqa: E402
@@ -76,7 +76,7 @@ class _RawPeer:
         self.api, self.uid = ucx_api, uid
         self.ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
         self.worker = ucx_api.UCXWorker(self.ctx)
-        _, addr = ucx._parse_address(address)
+        _, addr = ucx_wire.parse_address(address)
         self.ep = self.worker.create_endpoint_from_worker_address(
             ucx_api.UCXAddress.create_from_buffer(addr), endpoint_error_handling=False)
 
@@ -85,8 +85,8 @@ class _RawPeer:
 
         seq = header[1]
         bufs = [np.frombuffer(msgpack.packb(header), np.uint8)] + [np.frombuffer(f, np.uint8) for f in frames]
-        kinds = [ucx._HEADER] + [ucx._DATA] * len(frames)
-        reqs = [self.ep.tag_send(Array(b), self.api.UCXXTag(ucx._tag(k, self.uid, seq)))
+        kinds = [ucx_wire.HEADER] + [ucx_wire.DATA] * len(frames)
+        reqs = [self.ep.tag_send(Array(b), self.api.UCXXTag(ucx_wire.tag(k, self.uid, seq)))
                 for b, k in zip(bufs, kinds)]
         while not all(r.completed for r in reqs):
             self.worker.progress()
@@ -117,8 +117,8 @@ def test_header_from_an_old_peer_is_read_as_all_host(make):
 
 
 def test_host_only_messages_keep_the_old_four_field_header():
-    assert msgpack.unpackb(ucx._pack_header(3, [4, 0], "hh", None)) == [1, 3, [4, 0], None]
-    assert msgpack.unpackb(ucx._pack_header(3, [4, 8], "hd", None)) == [1, 3, [4, 8], None, "hd"]
+    assert msgpack.unpackb(ucx_wire.pack_header(3, [4, 0], "hh", None)) == [1, 3, [4, 0], None]
+    assert msgpack.unpackb(ucx_wire.pack_header(3, [4, 8], "hd", None)) == [1, 3, [4, 8], None, "hd"]
 
 
 def test_device_frames_at_a_side_without_cuda_are_dropped_and_counted(make, monkeypatch):

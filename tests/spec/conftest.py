@@ -100,28 +100,17 @@ def broken_rule() -> Callable:
 
 
 @pytest.fixture
-def make_spec_engine(model_path):
-    """Engines with speculative decoding; after the test each must hold no blocks or requests."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-    from engine.llm_engine import LLMEngine
-    built = []
+def make_spec_engine(make_engine):
+    """Engines with speculative decoding (tests/conftest.py's make_engine: each must end with no
+    blocks or requests held)."""
+    from engine.config import SpeculativeConfig
 
     def make(spec: SpeculativeConfig | dict | None = None, model: str | Path | None = None,
              memory_gb: float = 0.1, num_blocks: int | None = None, block_size: int = 16,
-             budget: int = 2048, max_num_seqs: int = 64, prefix: bool = True) -> LLMEngine:
+             budget: int = 2048, max_num_seqs: int = 64, prefix: bool = True):
         if isinstance(spec, dict):
             spec = SpeculativeConfig(**spec)
-        cfg = EngineConfig(model=str(model or model_path), num_threads=1,  # 1 thread: robust on a busy box
-                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_gb=memory_gb,
-                                             enable_prefix_caching=prefix),
-                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
-                           speculative=spec)
-        eng = LLMEngine(cfg, progress=False)
-        built.append(eng)
-        return eng
-
-    yield make
-    for eng in built:
-        assert not eng.has_unfinished(), "a test left requests in the engine"
-        assert eng.block_manager.num_used_blocks == 0, "a test leaked KV blocks"
-        eng.block_manager.check_invariants()
+        return make_engine(model=model, memory_gb=memory_gb, num_blocks=num_blocks, block_size=block_size,
+                           budget=budget, max_num_seqs=max_num_seqs, prefix=prefix, speculative=spec,
+                           num_threads=1)  # 1 thread: robust on a busy box
+    return make

@@ -1,0 +1,46 @@
+"""The UCX transport's header and address formats on their own (no UCX needed)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvtransfer import ucx_wire as wire
+
+
+def test_header_round_trip_host_and_device():
+    assert wire.parse_header(wire.pack_header(7, [4, 0, 9], "hhh", b"addr")) == (7, [4, 0, 9], b"addr", "hhh")
+    assert wire.parse_header(wire.pack_header(8, [4, 8], "hd", None)) == (8, [4, 8], None, "hd")
+    assert len(msgpack.unpackb(wire.pack_header(8, [4], "h", None))) == 4  # host-only: the old 4 fields
+
+
+@pytest.mark.parametrize("fields", [
+    [2, 0, [1], None],  # unknown version
+    [1, "0", [1], None],  # seq not an int
+    [1, 0, 5, None],  # lengths not a list
+    [1, 0, [wire.MAX_FRAME_BYTES + 1], None],
+    [1, 0, [1] * (wire.MAX_FRAMES + 1), None],
+    [1, 0, [-1], None],
+    [1, 0, [1], "not bytes"],
+    [1, 0, [1, 2], None, "h"],  # kinds of the wrong length
+    [1, 0, [1], None, "x"],  # unknown memory kind
+    [1, 0, [1], None, "h", "extra"],
+], ids=lambda f: str(f)[:30])
+def test_bad_headers_are_refused(fields):
+    with pytest.raises(ValueError):
+        wire.parse_header(msgpack.packb(fields))
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", msgpack.packb(12), msgpack.packb("abcd")])
+def test_garbage_is_refused(raw):
+    with pytest.raises(ValueError):
+        wire.parse_header(raw)
+
+
+def test_address_round_trip_and_refusals():
+    addr = wire.format_address(0xDEADBEEF, b"\x00worker\xff")
+    assert addr.startswith("ucx://deadbeef/")
+    assert wire.parse_address(addr) == (0xDEADBEEF, b"\x00worker\xff")
+    for bad in ("tcp://x/y", "ucx://nothex/AAAA", "ucx://deadbeef", "ucx://deadbeef/", 42):
+        with pytest.raises(ValueError):
+            wire.parse_address(bad)

@@ -1,0 +1,37 @@
+"""`pdserve bench --plot-dir` writes its three PNGs (latency CDFs, per-token latency over time,
+goodput vs rate for a sweep)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from router.bench_plots import plot_all
+
+pytest.importorskip("matplotlib")
+
+
+def _result(i: int, kind: str = "chat", error: str | None = None):
+    t0 = 100.0 + i
+    return SimpleNamespace(error=error, ttft=0.05 + 0.01 * i, tpot=0.02, itls=[0.02, 0.021, 0.03],
+                           sent=t0, batch_times=[t0 + 0.05, t0 + 0.07, t0 + 0.09], spec=SimpleNamespace(kind=kind))
+
+
+def _run(rate: float, goodput: float):
+    return {"rate": rate, "results": [_result(i) for i in range(5)] + [_result(9, "long"), _result(7, error="x")],
+            "summary": {"all": {"goodput_rps": goodput}}}
+
+
+def test_plots_are_written(tmp_path):
+    results = {"disaggregated": {"runs": [_run(0.5, 0.4), _run(1.0, 0.7)]},
+               "colocated": {"runs": [_run(0.5, 0.3)]}}
+    paths = plot_all(results, str(tmp_path / "plots"))
+    assert [p.name for p in paths] == ["latency_cdf.png", "tpot_over_time.png", "goodput_vs_rate.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_no_sweep_no_goodput_plot(tmp_path):
+    paths = plot_all({"colocated": {"runs": [_run(0.5, 0.3)]}}, str(tmp_path))
+    assert [p.name for p in paths] == ["latency_cdf.png", "tpot_over_time.png"]
