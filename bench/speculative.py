@@ -136,10 +136,11 @@ def share_weights() -> None:
     cache: dict = {}
     real = loader.load_model
 
-    def cached(path, backend, dtype, device="cpu", quantization=None, prepack=True):
-        key = (str(path), dtype, device, str(quantization), prepack)
+    def cached(path, backend, dtype, device="cpu", quantization=None, prepack=True, single_token=False):
+        key = (str(path), dtype, device, str(quantization), prepack, single_token)
         if key not in cache:
-            cache[key] = real(path, backend, dtype, device, quantization=quantization, prepack=prepack)
+            cache[key] = real(path, backend, dtype, device, quantization=quantization, prepack=prepack,
+                              single_token=single_token)
         return cache[key]
     loader.load_model = cached
     le.load_model = cached

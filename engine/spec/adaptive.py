@@ -62,11 +62,12 @@ class _Acceptance:
 class StepTimeModel:
     """Step time T(n) for n tokens, from decode-only steps.
 
-    Steps of 2+ tokens fit a decayed least-squares line a + b n; one-token steps keep a decayed
-    mean of their own, because a lone token may take a faster path than the batched forward
-    (engine/models/single_token.py) and would bend the line. The line's slope is shrunk towards
-    a prior: the slope from T(1) to the line's mean when T(1) is known (two sizes seen), else a
-    pessimistic share of the mean per-token cost. A step never costs less than T(1).
+    Steps of 2+ tokens fit a decayed least-squares line a + b n, its slope shrunk towards a
+    pessimistic prior (a share of the mean per-token cost). One-token steps keep a decayed mean
+    of their own: a lone token may take a faster path than the batched forward
+    (engine/models/single_token.py), a fixed jump between T(1) and T(2) that a line through
+    both would mistake for a steep per-token cost. Where the line would dip below T(1) it is
+    moved up to start from T(1) (more tokens never cost less than one).
     """
 
     def __init__(self) -> None:
@@ -94,9 +95,12 @@ class StepTimeModel:
         mn, mt = self.sn / self.w, self.st / self.w
         var = self.snn / self.w - mn * mn
         cov = self.snt / self.w - mn * mt
-        prior = (mt - one) / (mn - 1) if one is not None and mn > 1 else PRIOR_SLOPE * mt / mn
-        slope = max(0.0, (cov + max(prior, 0.0)) / (var + 1.0))  # shrunk towards the prior by one token^2
-        return max(1e-6, mt + slope * (n - mn), one or 0.0)
+        prior = PRIOR_SLOPE * mt / max(mn, 1.0)
+        slope = max(0.0, (cov + prior) / (var + 1.0))  # shrunk towards the prior by one token^2
+        t = mt + slope * (n - mn)
+        if one is not None and t < one + slope * (n - 1):
+            t = one + slope * (n - 1)
+        return max(1e-6, t)
 
 
 class AdaptiveK:

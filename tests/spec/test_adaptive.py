@@ -90,3 +90,15 @@ def test_a_fast_one_token_step_is_measured_apart_from_the_line():
         p.observe_verify("good", 4, 4)
     # against the fast one-token step (not the line's ~0.03 s) weak drafts do not pay
     assert p.choose("weak", 1) == 0 and p.choose("good", 1) >= 4
+
+
+def test_a_costly_first_extra_token_does_not_price_long_drafts_out():
+    """With a fast one-token path, a 2-token verify costs much more than a plain step, but that
+    is a fixed jump, not a per-token slope: well-accepted drafts must still get long K."""
+    p = AdaptiveK(8)
+    for _ in range(30):
+        p.observe_step(1, 0.025)
+    for _ in range(3):  # probes: one draft each, all accepted
+        p.observe_step(2, 0.045)
+        p.observe_verify("rep", 1, 1)
+    assert p.choose("rep", 1) >= 3
