@@ -71,7 +71,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     if is_quantized_checkpoint(path):
         if quantization is not None:
             raise ValueError(f"{str(path)!r} is already a quantized checkpoint: leave quantization unset")
-        return load_quantized(path, backend, dtype, device)
+        return _with_single_token(load_quantized(path, backend, dtype, device, prepack=False),
+                                  single_token, prepack and can_prepack(dtype, device))
     cfg = ModelConfig.from_hf(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
@@ -119,9 +120,14 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     if quantization is not None:
         from engine.quant import quantize
         quantize(model, quantization)
+    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device))
+
+
+def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool) -> LlamaForCausalLM:
+    """Attach the compiled one-token path (if asked for and supported), prepack, compile."""
     if single_token and SingleTokenDecoder.supports(model):
         model.single_token = SingleTokenDecoder(model)  # copies the plain weights: before prepacking
-    if prepack and can_prepack(dtype, device):
+    if prepack:
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)
     if model.single_token is not None and not model.single_token.warm_up():

@@ -13,7 +13,10 @@ one buffer advised into 2 MiB transparent huge pages: streaming 400+ MB per toke
 pages costs TLB misses. Measured on the 2-core AVX2 box (ms per token, forward + LM head):
 eager oneDNN 35, compiled 25, compiled in huge pages 21.5.
 
-Only for fp32 on CPU with plain (not quantized) linears; anything else keeps the eager path.
+INT8 weight-only linears (engine/quant, per-channel, symmetric or not) run the same GEMV on
+their int8 weights (a quarter of the bytes; the conversion is fused into the pass) and are
+moved into the huge-page buffer rather than copied. For fp32 or INT8 models on CPU; anything
+else (INT4, W8A8, bf16, CUDA) keeps the eager path.
 Compiling takes a few seconds once per process (inductor caches the kernels on disk), done at
 load so the first request does not pay it.
 """
@@ -57,9 +60,12 @@ def hugepage_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # --- the compiled functions (shared by every layer and every engine in the process) ---------
+# A linear is a tuple (w [N, K] fp32 or int8, s [N], zs [N], b [N]): y = s * (x . w) - zs * sum(x) + b
+# (fp32: s = 1, zs = 0; INT8: the per-channel scale, and zero * scale for asymmetric weights).
 
-def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (w * x).sum(-1) + b
+def _lin(x: torch.Tensor, lin: tuple) -> torch.Tensor:
+    w, s, zs, b = lin
+    return (w.to(x.dtype) * x).sum(-1) * s - x.sum() * zs + b
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,30 +73,30 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _pre(h, ln, w_qkv, b_qkv, cos, sin, eps: float, nq: int, nkv: int):
+def _pre(h, ln, qkv: tuple, cos, sin, eps: float, nq: int, nkv: int):
     """norm + qkv_proj + rotary of one token -> q [nq, D], k [nkv, D], v [nkv, D]."""
-    qkv = _gemv(_rms(h, ln, eps), w_qkv, b_qkv).view(nq + 2 * nkv, -1)
-    qk = qkv[:nq + nkv]
+    out = _lin(_rms(h, ln, eps), qkv).view(nq + 2 * nkv, -1)
+    qk = out[:nq + nkv]
     x1, x2 = qk.chunk(2, -1)
     qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
-    return qk[:nq], qk[nq:], qkv[nq + nkv:]
+    return qk[:nq], qk[nq:], out[nq + nkv:]
 
 
-def _post(h, o, w_o, ln2, w_gu, w_d, zero_h, zero_gu, eps: float):
+def _post(h, o, o_proj: tuple, ln2, gate_up: tuple, down: tuple, eps: float):
     """h + o_proj(o), then + mlp(norm(.)) -> the next residual stream."""
-    h = h + _gemv(o, w_o, zero_h)
-    gate, up = _gemv(_rms(h, ln2, eps), w_gu, zero_gu).chunk(2)
-    return h + _gemv(F.silu(gate) * up, w_d, zero_h)
+    h = h + _lin(o, o_proj)
+    gate, up = _lin(_rms(h, ln2, eps), gate_up).chunk(2)
+    return h + _lin(F.silu(gate) * up, down)
 
 
-def _post_pre(h, o, w_o, ln2, w_gu, w_d, zero_h, zero_gu, ln1, w_qkv, b_qkv, cos, sin,
+def _post_pre(h, o, o_proj: tuple, ln2, gate_up: tuple, down: tuple, ln1, qkv: tuple, cos, sin,
               eps: float, nq: int, nkv: int):
-    h = _post(h, o, w_o, ln2, w_gu, w_d, zero_h, zero_gu, eps)
-    return (h, *_pre(h, ln1, w_qkv, b_qkv, cos, sin, eps, nq, nkv))
+    h = _post(h, o, o_proj, ln2, gate_up, down, eps)
+    return (h, *_pre(h, ln1, qkv, cos, sin, eps, nq, nkv))
 
 
-def _logits(h, ln, w, zero_v, eps: float):
-    return _gemv(_rms(h, ln, eps), w, zero_v)
+def _logits(h, ln, head: tuple, eps: float):
+    return _lin(_rms(h, ln, eps), head)
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -110,59 +116,79 @@ def _compiled(name: str) -> Callable:
     return fn
 
 
+def _is_int8(lin: nn.Module) -> bool:
+    return type(lin).__name__ == "Int8Linear" and getattr(lin, "kernel", "") in ("int8pack", "fused")
+
+
+def _is_fp32(lin: nn.Module) -> bool:
+    return type(lin) is nn.Linear and lin.weight.dtype == torch.float32
+
+
 class SingleTokenDecoder:
     """Runs a one-token step of a Llama-family model (see the module docstring).
 
-    Built from the model's plain ``nn.Linear`` weights before they are prepacked; shares the
-    model's attention backend, rotary tables and KV cache layout, so its results go into the
-    same cache the batched path reads.
+    Built from the model's plain ``nn.Linear`` (and INT8) weights before they are prepacked;
+    shares the model's attention backend, rotary tables and KV cache layout, so its results go
+    into the same cache the batched path reads.
     """
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
         self.model = model
         self.eps, self.nq, self.nkv = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads
-        tied = model.lm_head.weight is model.embed_tokens.weight
-        mats: list[tuple[str, torch.Tensor]] = []
+        self.tied = model.lm_head.weight is model.embed_tokens.weight if _is_fp32(model.lm_head) else False
+        mods: list[tuple[str, nn.Module]] = []
         for i, layer in enumerate(model.layers):
             a, m = layer.self_attn, layer.mlp
-            mats += [(f"{i}.qkv", a.qkv_proj.weight), (f"{i}.o", a.o_proj.weight),
-                     (f"{i}.gu", m.gate_up_proj.weight), (f"{i}.d", m.down_proj.weight)]
-        mats.append(("embed" if tied else "lm_head",
-                     model.embed_tokens.weight if tied else model.lm_head.weight))
-        buf = hugepage_empty(sum(w.numel() for _, w in mats), torch.float32)
-        self.w: dict[str, torch.Tensor] = {}
-        pos = 0
-        with torch.no_grad():
-            for name, w in mats:
-                view = buf[pos:pos + w.numel()].view(w.shape)
-                view.copy_(w)
-                self.w[name] = view
-                pos += w.numel()
-        self.tied = tied
-        self.lm_head = self.w["embed" if tied else "lm_head"]
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        self.zero_h, self.zero_gu = torch.zeros(hidden), torch.zeros(2 * inter)
-        self.zero_v = torch.zeros(self.lm_head.shape[0])
-        self.b_qkv = [l.self_attn.qkv_proj.bias.detach().clone() if l.self_attn.qkv_proj.bias is not None
-                      else torch.zeros(l.self_attn.qkv_proj.out_features) for l in model.layers]
+            mods += [(f"{i}.qkv", a.qkv_proj), (f"{i}.o", a.o_proj), (f"{i}.gu", m.gate_up_proj),
+                     (f"{i}.d", m.down_proj)]
+        mods.append(("head", model.lm_head))
+        weights = self._into_huge_pages(mods)
+        self.lin: dict[str, tuple] = {}
+        for name, mod in mods:
+            n = mod.out_features
+            bias = mod.bias.detach().float() if mod.bias is not None else torch.zeros(n)
+            if _is_int8(mod):
+                zs = torch.zeros(n) if mod.symmetric else (mod.zero * mod.scale).float()
+                self.lin[name] = (weights[name], mod.scale.float(), zs, bias)
+            else:
+                self.lin[name] = (weights[name], torch.ones(n), torch.zeros(n), bias)
         self.ln1 = [l.input_layernorm.weight for l in model.layers]
         self.ln2 = [l.post_attention_layernorm.weight for l in model.layers]
 
+    def _into_huge_pages(self, mods: list[tuple[str, nn.Module]]) -> dict[str, torch.Tensor]:
+        """Each linear's weight in one huge-page buffer per dtype: fp32 weights copied (the
+        module keeps its own, to be prepacked), INT8 ones moved (the module reads the copy)."""
+        out: dict[str, torch.Tensor] = {}
+        for dtype in (torch.float32, torch.int8):
+            group = [(n, m, m.qweight if _is_int8(m) else m.weight) for n, m in mods
+                     if (m.qweight if _is_int8(m) else m.weight).dtype == dtype]
+            pad = lambda k: -(-k // 64) * 64  # 64-element aligned views (the int8 kernel wants it)
+            buf = hugepage_empty(sum(pad(w.numel()) for _, _, w in group), dtype)
+            pos = 0
+            with torch.no_grad():
+                for name, mod, w in group:
+                    view = buf[pos:pos + w.numel()].view(w.shape)
+                    view.copy_(w)
+                    out[name] = view
+                    pos += pad(w.numel())
+                    if _is_int8(mod):
+                        mod.qweight = view
+        return out
+
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """True for an fp32 CPU model whose decoder linears are plain ``nn.Linear``."""
+        """True for a CPU model whose decoder linears and LM head are fp32 ``nn.Linear`` or
+        INT8 weight-only, with fp32 embeddings and norms."""
         p = model.embed_tokens.weight
         if p.dtype != torch.float32 or p.device.type != "cpu" or not hasattr(model, "layers"):
             return False
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-                if type(lin) is not nn.Linear or lin.weight.dtype != torch.float32:
+                if not (_is_fp32(lin) or _is_int8(lin)):
                     return False
-            if a.o_proj.bias is not None:
-                return False
-        return type(model.lm_head) is nn.Linear and model.lm_head.bias is None
+        return _is_fp32(model.lm_head) or _is_int8(model.lm_head)
 
     def warm_up(self) -> bool:
         """Compile every graph now (with dummy inputs), so no request waits for it.
@@ -177,37 +203,43 @@ class SingleTokenDecoder:
             return False
         m = self.model
         if self.tied:  # the embedding lookup reads the huge-page copy too: no second plain copy
-            m.embed_tokens.weight = nn.Parameter(self.w["embed"], requires_grad=False)
+            m.embed_tokens.weight = nn.Parameter(self.lin["head"][0], requires_grad=False)
             if isinstance(m.lm_head, nn.Linear):
                 m.lm_head.weight = m.embed_tokens.weight
         return True
 
     def _run_once(self) -> None:
-        m = self.model
+        m, lin = self.model, self.lin
         cos, sin = m.rotary.cos[:1], m.rotary.sin[:1]
         h = torch.zeros(m.config.hidden_size)
+        last = len(m.layers) - 1
         with torch.inference_mode():
-            q, k, v = _compiled("_pre")(h, self.ln1[0], self.w["0.qkv"], self.b_qkv[0], cos, sin,
-                                        self.eps, self.nq, self.nkv)
-            o = torch.zeros(q.numel())
-            last = len(m.layers) - 1
-            _compiled("_post_pre")(h, o, self.w["0.o"], self.ln2[0], self.w["0.gu"], self.w["0.d"],
-                                   self.zero_h, self.zero_gu, self.ln1[0], self.w["0.qkv"], self.b_qkv[0],
-                                   cos, sin, self.eps, self.nq, self.nkv)
-            _compiled("_post")(h, o, self.w[f"{last}.o"], self.ln2[last], self.w[f"{last}.gu"],
-                               self.w[f"{last}.d"], self.zero_h, self.zero_gu, self.eps)
+            # every (fp32 | int8) combination of the layers present gets its graphs now
+            seen = set()
+            for i in range(len(m.layers)):
+                key = tuple(lin[f"{i}.{p}"][0].dtype for p in ("qkv", "o", "gu", "d"))
+                nxt = lin[f"{min(i + 1, last)}.qkv"][0].dtype
+                if (key, nxt) in seen:
+                    continue
+                seen.add((key, nxt))
+                q, _, _ = _compiled("_pre")(h, self.ln1[i], lin[f"{i}.qkv"], cos, sin, self.eps, self.nq, self.nkv)
+                o = torch.zeros(q.numel())
+                _compiled("_post_pre")(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"],
+                                       self.ln1[min(i + 1, last)], lin[f"{min(i + 1, last)}.qkv"], cos, sin,
+                                       self.eps, self.nq, self.nkv)
+                _compiled("_post")(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"], self.eps)
             self.logits(h[None])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Same contract as ``LlamaForCausalLM.forward`` for one token: hidden [1, hidden]."""
-        m, w = self.model, self.w
+        m, lin = self.model, self.lin
         pos = positions[0]
         cos, sin = m.rotary.cos[pos][None], m.rotary.sin[pos][None]
         h = m.embed_tokens.weight[input_ids[0]]
         pre, post_pre, post = _compiled("_pre"), _compiled("_post_pre"), _compiled("_post")
-        q, k, v = pre(h, self.ln1[0], w["0.qkv"], self.b_qkv[0], cos, sin, self.eps, self.nq, self.nkv)
+        q, k, v = pre(h, self.ln1[0], lin["0.qkv"], cos, sin, self.eps, self.nq, self.nkv)
         last = len(m.layers) - 1
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
@@ -215,15 +247,12 @@ class SingleTokenDecoder:
             if layer_done is not None:
                 layer_done(i)
             if i < last:
-                h, q, k, v = post_pre(h, o, w[f"{i}.o"], self.ln2[i], w[f"{i}.gu"], w[f"{i}.d"],
-                                      self.zero_h, self.zero_gu, self.ln1[i + 1], w[f"{i + 1}.qkv"],
-                                      self.b_qkv[i + 1], cos, sin, self.eps, self.nq, self.nkv)
+                h, q, k, v = post_pre(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"],
+                                      self.ln1[i + 1], lin[f"{i + 1}.qkv"], cos, sin, self.eps, self.nq, self.nkv)
             else:
-                h = post(h, o, w[f"{i}.o"], self.ln2[i], w[f"{i}.gu"], w[f"{i}.d"],
-                         self.zero_h, self.zero_gu, self.eps)
+                h = post(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"], self.eps)
         return h[None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [1, hidden] -> fp32 logits [1, vocab] (final norm + LM head as one GEMV)."""
-        return _compiled("_logits")(hidden[0], self.model.norm.weight, self.lm_head, self.zero_v,
-                                    self.eps)[None]
+        return _compiled("_logits")(hidden[0], self.model.norm.weight, self.lin["head"], self.eps)[None]

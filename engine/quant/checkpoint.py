@@ -94,8 +94,10 @@ def _module(kind: str, sd: dict[str, torch.Tensor], name: str, info: dict[str, A
     return W8A8Linear(qw, bias, in_scale) if kind == "w8a8" else Int8Linear(qw, bias)
 
 
-def load_quantized(path: str | Path, backend, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
-    """Build our model from a quantized checkpoint folder.
+def load_quantized(path: str | Path, backend, dtype: torch.dtype, device: str = "cpu",
+                   prepack: bool = True) -> nn.Module:
+    """Build our model from a quantized checkpoint folder (``prepack``: the fp32 linears left
+    get oneDNN layouts, as ``load_model`` does).
 
     Raises:
         ModelLoadError: the weights do not match the config or the layer list.
@@ -148,6 +150,6 @@ def load_quantized(path: str | Path, backend, dtype: torch.dtype, device: str = 
     for name, mod in qmods.items():
         set_module(model, name, mod.to(device))
     model = model.eval().requires_grad_(False)
-    if can_prepack(dtype, device):
+    if prepack and can_prepack(dtype, device):
         prepack_linears(model)
     return model
