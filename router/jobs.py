@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.detokenizer import TextStream, tokens_through_stop
 from engine.request import SamplingParams
 from pdserve.v1 import pdserve_pb2 as pb
 
@@ -66,7 +67,6 @@ class Job:
         tokens and text already streamed (a held-back character or stop-string tail included)."""
         self.attempt += 1
         if self.stream is None and self.generated:
-            from engine.detokenizer import TextStream
             self.stream = TextStream(tokenizer, self.params.stop)
             self.stream.step(self.generated)
             self.stream.mark_sent(len(self.text))
@@ -83,7 +83,6 @@ class Job:
         ids = record["tokens"]
         text = record["text"]
         if self.stream is not None:  # after a re-run: the router's own text (see ``stream``)
-            from engine.detokenizer import tokens_through_stop
             done = bool(record.get("finish"))
             if self.stream.step(self.generated + ids, final=done):
                 if ids:

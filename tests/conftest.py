@@ -100,23 +100,23 @@ def ray_session(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def connect_workers():
-    """``connect(pw, dw)``: a PrefillWorker's handshake with a DecodeWorker in this process
-    (the decode side's receiver is pumped meanwhile, as its actor's step loop would)."""
+def connect_kv():
+    """``connect(tx, rx)``: a KVSender's handshake with a KVReceiver in this process (the
+    receiver is pumped meanwhile, as a decode worker's step loop would)."""
     import threading
     import time
 
-    def connect(pw, dw) -> None:
+    def connect(tx, rx) -> None:
         stop = threading.Event()
 
         def pump() -> None:
             while not stop.is_set():
-                dw.receiver.progress()
+                rx.progress()
                 time.sleep(0.0005)
         th = threading.Thread(target=pump, daemon=True)
         th.start()
         try:
-            pw.connect(dw.address)
+            tx.connect(rx.address)
         finally:
             stop.set()
             th.join()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 
 import pytest
@@ -52,18 +51,6 @@ def _read(eng: LLMEngine, blocks: list[int], n: int) -> list[tuple[torch.Tensor,
     return [gather_layer(kv, blocks, eng.block_manager.block_size, 0, n) for kv in eng.runner.kv_caches]
 
 
-def _connect(tx: KVSender, rx: KVReceiver) -> None:
-    stop = threading.Event()
-    th = threading.Thread(target=lambda: [rx.progress() or time.sleep(0.0005) for _ in iter(stop.is_set, True)],
-                          daemon=True)
-    th.start()
-    try:
-        tx.connect(rx.address)
-    finally:
-        stop.set()
-        th.join()
-
-
 def _pump(tx: KVSender, rx: KVReceiver, tid: str, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while not (tx.poll(tid).is_final and rx.poll(tid).is_final):
@@ -84,14 +71,14 @@ def _send_all(tx: KVSender, eng: LLMEngine, tid: str, address: str, blocks: list
 
 
 @pytest.fixture(scope="module")
-def links(engines):
+def links(engines, connect_kv):
     """One connected sender/receiver pair per transport, on the two engines' caches."""
     p, d = engines
     made = {}
     for name in NAMES:
         tx = KVSender(get_transport(name), KVLayout.of_engine(p))
         rx = KVReceiver(get_transport(name), KVLayout.of_engine(d), d.runner.kv_caches)
-        _connect(tx, rx)
+        connect_kv(tx, rx)
         made[name] = (tx, rx)
     yield made
     for tx, rx in made.values():

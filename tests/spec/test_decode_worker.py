@@ -29,7 +29,7 @@ def _run_pair(model_path, tokenizer, decode: LLMEngine, connect) -> tuple[list[l
     pw = PrefillWorker(_engine(model_path), get_transport("zmq"))
     dw = DecodeWorker(decode, get_transport("zmq"))
     try:
-        connect(pw, dw)
+        connect(pw.sender, dw.receiver)
         tokens: dict[str, list[int]] = {}
         finished: set[str] = set()
         for i, p in enumerate(PROMPTS):
@@ -55,11 +55,11 @@ def _run_pair(model_path, tokenizer, decode: LLMEngine, connect) -> tuple[list[l
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_decode_worker_speculates_without_changing_output(model_path, tokenizer, quantization, connect_workers):
-    plain, _ = _run_pair(model_path, tokenizer, _engine(model_path, quantization=quantization), connect_workers)
+def test_decode_worker_speculates_without_changing_output(model_path, tokenizer, quantization, connect_kv):
+    plain, _ = _run_pair(model_path, tokenizer, _engine(model_path, quantization=quantization), connect_kv)
     spec = SpeculativeConfig(method="ngram" if quantization else "draft", num_speculative_tokens=4,
                              adaptive=False, draft_model=None if quantization else str(model_path))
-    got, dw = _run_pair(model_path, tokenizer, _engine(model_path, spec, quantization), connect_workers)
+    got, dw = _run_pair(model_path, tokenizer, _engine(model_path, spec, quantization), connect_kv)
     assert got == plain
     st = dw.engine.spec.stats()
     assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0

@@ -27,7 +27,7 @@ def _engine(model_path, block_size: int, budget: int) -> LLMEngine:
 
 
 @pytest.mark.parametrize("transport", ["zmq", "ucx"])
-def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport, connect_workers):
+def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport, connect_kv):
     sp = SamplingParams(max_tokens=20, temperature=0)
     ref_engine = _engine(model_path, 16, 2048)
     want = [o.token_ids for o in ref_engine.generate(PROMPTS, sp)]
@@ -35,7 +35,7 @@ def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport
     pw = PrefillWorker(_engine(model_path, 4, 6), get_transport(transport))
     dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport(transport))
     try:
-        connect_workers(pw, dw)
+        connect_kv(pw.sender, dw.receiver)
         ids = {f"r{i}": tokenizer(p)["input_ids"] for i, p in enumerate(PROMPTS)}
         tokens: dict[str, list[int]] = {}
         finished: set[str] = set()
