@@ -12,6 +12,7 @@ proposed after scheduling and verified in the same forward (``engine.spec.decode
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from engine.models.loader import load_model, read_generation_eos, resolve_model_
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledRequest, Scheduler, StepPlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +93,11 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._ids = itertools.count()
         self._text: dict[str, TextStream] = {}
+        # which kernel each format runs on this CPU class (they differ in speed and, for W8A8,
+        # in activation width): logged once, reported in model info
+        from engine.quant.cpu_kernels import report
+        self.kernels = report(self.model, single_token=getattr(self.model, "single_token", None) is not None)
+        log.info("kernels: %s", self.kernels)
         self.load_seconds = time.monotonic() - t0
 
     # ---- requests ----------------------------------------------------------------------------

@@ -275,7 +275,8 @@ class Router(pb_grpc.GenerationServicer):
         return pb.ModelInfo(model=Path(info["model"]).name, context_length=self.limits.context_length,
                             vocab_size=info["vocab_size"], dtype=info["dtype"],
                             quantization=str(dec.get("quantization", "none")),
-                            speculative=str(dec.get("speculative", "none")), block_size=info["block_size"])
+                            speculative=str(dec.get("speculative", "none")), block_size=info["block_size"],
+                            kernels=str(dec.get("kernels", "")))
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
         workers = []

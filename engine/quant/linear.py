@@ -9,8 +9,9 @@ its state and builds the kernel's own layout from it once, at construction. Kern
                       int8 weight once, converts in registers; fp32 activations
     int4  "int4pack"  ``aten._weight_int4pack_mm_for_cpu`` (CPU) or ``aten._weight_int4pack_mm``
                       (CUDA, tinygemm), both over a weight repacked once at load
-    w8a8  "fbgemm"    ``quantized::linear_dynamic``: int8 x int8 GEMM with per-token dynamic
-                      activation quantization (fbgemm/oneDNN on x86 CPUs)
+    w8a8  "fbgemm"    ``quantized::linear_dynamic``: int8 x int8 GEMM with per-tensor dynamic
+                      activation quantization (fbgemm/oneDNN on x86 CPUs); 7-bit activations
+                      where this CPU's kernel saturates 8-bit ones (no VNNI, see cpu_kernels.py)
 
 The packed CPU kernels are fast only with bf16 activations on AVX2 CPUs (fp32 activations are
 6-13x slower, see bench/quant.py), so ``act_dtype`` says in which dtype the kernel runs; the
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.quant.cpu_kernels import w8a8_reduce_range
 from engine.quant.formats import QuantizedWeight, pack_int4, unpack_int4
 
 _INNER_K_TILES = 8  # tinygemm / CPU int4 packing tile; needs K % (inner_k_tiles * 16) == 0
@@ -221,6 +223,8 @@ class W8A8Linear(QuantLinear):
             raise ValueError("W8A8 needs an int8 x int8 kernel (fbgemm/x86 on CPU); unavailable on this "
                              f"build/device (quantized engines: {torch.backends.quantized.supported_engines})")
         self.act_dtype = torch.float32
+        # 8-bit activations only where the int8 GEMM does not saturate them (measured once)
+        self.reduce_range = w8a8_reduce_range()
         self.register_buffer("qweight", qw.q.to(torch.int8).contiguous())
         self.register_buffer("scale", qw.scale.float().contiguous())
         self.register_buffer("zero", qw.zero.float().contiguous())
@@ -254,7 +258,7 @@ class W8A8Linear(QuantLinear):
         x2 = x.reshape(-1, self.in_features).float()
         if self.in_scale is not None:
             x2 = x2 * self.in_scale
-        y = torch.ops.quantized.linear_dynamic(x2, self._packed, False)
+        y = torch.ops.quantized.linear_dynamic(x2, self._packed, self.reduce_range)
         return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
 

@@ -4,6 +4,10 @@ Speculation must not change greedy output: through prefill -> decode with n-gram
 tokens equal HF generate's. With INT8 decode weights as well, the API reports both features
 and the measured acceptance; the output is the INT8 model's (not bit-equal to fp32 in general:
 INT8 kernels round differently), checked on a prompt whose continuation is unambiguous.
+
+Acceptance under adaptive K depends on measured step times (the CPU, its load): the first
+cluster asserts only what adaptivity guarantees (the output); the second fixes K, so the
+acceptance is a function of the tokens alone and can be asserted.
 """
 
 from __future__ import annotations
@@ -36,19 +40,18 @@ def test_speculative_decode_keeps_hf_greedy_output_then_with_int8(make_cluster, 
     assert [o["token_ids"] for o in outs[:len(greedy_reference)]] == [ids for _, ids in greedy_reference]
     counting = outs[len(greedy_reference)]["token_ids"][:40]
     assert "ngram" in stub.GetModelInfo(pb.GetModelInfoRequest()).speculative
-    st = decode_status(stub)  # repetitive prompts: n-gram drafts land
-    assert st.speculative_acceptance > 0 and st.speculative_tokens_per_verify > 1.5
     wait_idle(stub, spec)
     spec.stop()
 
-    both = make_cluster(**BASE, decode__quantization="int8")
+    both = make_cluster(**BASE, decode__quantization="int8", decode__speculative__adaptive=False)
     stub = connect(f"127.0.0.1:{both.port}")
     outs = generate_all(stub, REPETITIVE, 40)
     assert all(o["finish_reason"] == "length" and len(o["token_ids"]) == 40 for o in outs)
     assert outs[0]["token_ids"] == counting  # "14, 15, 16, ...": no near-tie for INT8 to flip
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
-    assert info.quantization.startswith("int8") and "ngram" in info.speculative
-    st = decode_status(stub)
+    assert info.quantization.startswith("int8") and info.speculative == "ngram-k4-fixed"
+    assert info.kernels.startswith("cpu ") and "int8: " in info.kernels
+    st = decode_status(stub)  # K = 4 on repetitive text: most drafts land
     assert st.speculative_acceptance > 0.3 and st.speculative_tokens_per_verify > 1.5
     wait_idle(stub, both)
     both.stop()

@@ -122,24 +122,44 @@ def test_compile_failure_falls_back_to_eager(make_engine, monkeypatch):
     assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
 
 
+def _int8_activations(eng, dtype: torch.dtype) -> None:
+    from engine.quant.linear import Int8Linear
+    for mod in eng.model.modules():
+        if isinstance(mod, Int8Linear):
+            mod.set_act_dtype(dtype)
+
+
 @pytest.mark.parametrize("quant", ["int8", "int8-asym"])
 def test_int8_weights_take_the_compiled_path_too(make_engine, quant):
     fast = make_engine(quantization=quant)
     eager = make_engine(quantization=quant, compile_decode=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
+    assert "compiled fp32 GEMV" in fast.kernels and "compiled" not in eager.kernels
     st = fast.model.single_token
     qkv = fast.model.layers[0].self_attn.qkv_proj
     assert st.lin["0.qkv"][0] is qkv.qweight  # moved into the huge-page buffer, not copied
     calls = _count_calls(fast)
+    # The same INT8 model on both sides: the compiled GEMV takes fp32 activations and sums in
+    # fp32; so does the eager kernel once given fp32 activations (its serving default, bf16,
+    # rounds every output to bf16: 2^-8 relative, enough to move a near-tie on any CPU class).
+    # A short prompt: the eager kernel with fp32 activations is slow for many rows.
+    _int8_activations(fast, torch.float32)
+    _int8_activations(eager, torch.float32)
     got, want = _record_logits(fast), _record_logits(eager)
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    ids = list(range(1000, 1040))
+    ids = list(range(1000, 1006))
     a, b = fast.generate([ids], sp)[0], eager.generate([ids], sp)[0]
     assert calls[0] == 15
-    # the eager INT8 kernel runs bf16 activations, the compiled GEMV fp32: close, not equal
-    for x, y in zip(got, want):
-        assert torch.nn.functional.cosine_similarity(x, y).item() > 0.999
     assert a.token_ids == b.token_ids
-    # batched steps run the INT8 kernel on the moved weights: same as the untouched model
+    # Only the fp32 summation order differs (vectorized GEMV vs the kernel's blocked sums): a sum
+    # of K terms is off by ~sqrt(K) * 2^-24 relative, and 30 layers keep that near 1e-6 of the
+    # largest logit (measured 3e-6 under both AVX2 and AVX-512 dispatch). 1e-4 leaves 30x room,
+    # while one bf16 rounding anywhere (2^-8 = 4e-3 relative) would fail it.
+    for x, y in zip(got, want):
+        assert (x - y).abs().max().item() < 1e-4 * y.abs().max().item()
+    # Batched steps run the INT8 kernel (bf16 activations, as served) on the moved weights: the
+    # same arithmetic on the same bytes as the untouched model, so the very same tokens.
+    _int8_activations(fast, torch.bfloat16)
+    _int8_activations(eager, torch.bfloat16)
     two = [ids, list(range(2000, 2030))]
     assert [o.token_ids for o in fast.generate(two, sp)] == [o.token_ids for o in eager.generate(two, sp)]

