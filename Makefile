@@ -1,6 +1,7 @@
 # pdserve developer entry points. Everything installs into ./.venv.
 #   make serve   install, then serve the bundled model on a local cluster (gRPC 127.0.0.1:50051)
 #   make test    install, then run the test suite (what CI runs: .ci/run)
+#   make test-avx2  the suite as an AVX2-only CPU runs it (no AVX-512, no VNNI), on any x86-64
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -27,10 +28,18 @@ PIP_FLAGS   ?= --quiet
 PIP_NOISE   := is neither a file nor a directory
 PIP_FILTER  := 2>&1 | { grep -v '$(PIP_NOISE)' || true; }
 PYTEST_ARGS ?=
+# test-avx2: which tests (default: all but those that stop Ray); e.g. TESTS='tests/quant tests/engine'
+TESTS       ?= tests
+# Kernel dispatch held to AVX2 + FMA, as on the smallest CPUs of this project's kind: torch
+# (ATEN_CPU_CAPABILITY, which inductor follows too), fbgemm, oneDNN and MKL each have their own
+# switch. Inductor's kernels go to their own cache: one cache shared by two ISAs served kernels
+# compiled for the other (wrong logits, then a crash; seen with torch 2.13).
+AVX2_ENV    := ATEN_CPU_CAPABILITY=avx2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+               MKL_ENABLE_INSTRUCTIONS=AVX2 TORCHINDUCTOR_CACHE_DIR=$${TMPDIR:-/tmp}/pdserve-inductor-avx2
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv install test serve bench clean distclean
+.PHONY: venv install test test-avx2 serve bench clean distclean
 
 venv: $(PY)
 
@@ -57,6 +66,12 @@ test: install
 	$(PY) -m pytest -q tests -m "not ray_stop" $(PYTEST_ARGS)
 	@# Tests that stop every Ray process on the machine run alone, once the rest is done (exit 5: none selected).
 	$(PY) -m pytest -q tests -m ray_stop $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# What only an AVX2-only machine could show otherwise: native bf16/VNNI/AVX-512 are still
+# present (the CPU's flags), but no kernel above uses them.
+test-avx2: install
+	@echo "==> tests with kernel dispatch held to AVX2 ($(AVX2_ENV))"
+	$(AVX2_ENV) $(PY) -m pytest -q $(TESTS) -m "not ray_stop" $(PYTEST_ARGS)
 
 serve: install
 	$(VENV)/bin/pdserve serve --config deploy/local.yaml

@@ -51,6 +51,7 @@ from engine.quant import QuantConfig, quantize  # noqa: E402
 from engine.quant.calib import calib_sequences, load_calib_texts  # noqa: E402
 from engine.quant.checkpoint import save_quantized  # noqa: E402
 from engine.quant.eval import AGREEMENT_PROMPTS, HELDOUT, greedy_agreement, perplexity  # noqa: E402
+from engine.quant.cpu_kernels import cpu_class, report  # noqa: E402
 from engine.quant.linear import QuantLinear, choose_act_dtype  # noqa: E402
 from engine.quant.offline import load_plain  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -155,6 +156,8 @@ def main() -> int:
                     help="budget of the protected INT4-GPTQ variant (calibration ppl, fraction)")
     ap.add_argument("--w8a8", action="store_true", help="also run SmoothQuant W8A8")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated subset to run (fp32 is always run: the reference), e.g. int8,w8a8")
     args = ap.parse_args()
     if args.quick:
         args.new_tokens, args.reps, args.calib_tokens, args.heldout_tokens = 24, 1, 512, 512
@@ -170,6 +173,14 @@ def main() -> int:
     seqs = calib_sequences(tok, load_calib_texts(None), 512, args.calib_tokens)
     prompts = [tok(p)["input_ids"] for p in AGREEMENT_PROMPTS]
     variants = ["fp32", "int8", "int4-rtn", "int4-gptq", "int4-gptq-prot"] + (["w8a8"] if args.w8a8 else [])
+    if args.variants:
+        known = variants + ([] if args.w8a8 else ["w8a8"])
+        wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+        bad = [v for v in wanted if v not in known]
+        if bad:
+            ap.error(f"unknown variant(s) {bad}; valid: {', '.join(known)}")
+        variants = ["fp32"] + [v for v in known[1:] if v in wanted]
+    log(f"CPU class {cpu_class()} (torch dispatch, extensions present)")
     rows: dict[str, dict] = {}
     refs: list[list[int]] = []
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-quant-bench-"))
@@ -207,6 +218,7 @@ def main() -> int:
         if v != "fp32" and v != "w8a8":  # per layer shape: the faster activation dtype, measured now
             chosen = choose_act_dtype(eng.model)
             extra["act_dtypes"] = {f"{k[1]}x{k[2]}": str(d).removeprefix("torch.") for k, (d, _) in chosen.items()}
+        extra["kernels"] = report(model)
         agree = greedy_agreement(model, prompts, refs)
         log(f"{v}: decode")
         b1 = decode_tok_s(eng, 1, args.new_tokens, args.reps, 1)
@@ -232,7 +244,8 @@ def main() -> int:
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
             ks = {k.removeprefix(f"kernel_us_{name}_"): x for k, x in kernels.items() if k.startswith(f"kernel_us_{name}_")}
             print(f"  {name:<8} " + "  ".join(f"{k}={x:.0f}" for k, x in ks.items()))
-    out: dict[str, float | int] = {"threads": torch.get_num_threads()}
+    print(f"CPU class {cpu_class()}; kernels: " + "; ".join(f"{v}: {r['kernels']}" for v, r in rows.items() if v != "fp32"))
+    out: dict[str, float | int | str] = {"threads": torch.get_num_threads(), "cpu_class": cpu_class()}
     for v, r in rows.items():
         key = v.replace("-", "_")
         out.update({f"{key}_weight_bytes": r["bytes"], f"{key}_tok_s_b1": round(r["b1"], 2),
@@ -246,7 +259,7 @@ def main() -> int:
         if "protected" in r:
             out[f"{key}_protected_layers"] = r["protected"]
     # the headline keys the issue names: INT4 = the RTN variant
-    for src, dst in (("int4_rtn", "int4"),):
+    for src, dst in (("int4_rtn", "int4"),) if "int4-rtn" in rows else ():
         for suffix in ("speedup_b1", "speedup_b16", "ppl_increase_prose", "ppl_increase_code"):
             out[f"{dst}_{suffix}"] = out[f"{src}_{suffix}"]
     out.update({k: round(x, 1) for k, x in kernels.items()})

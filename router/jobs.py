@@ -83,7 +83,8 @@ class Job:
         ids = record["tokens"]
         text = record["text"]
         if self.stream is not None:  # after a re-run: the router's own text (see ``stream``)
-            done = bool(record.get("finish"))
+            # "prefilled" ends only the prefill side's part: decode goes on with this text
+            done = record.get("finish") not in (None, "prefilled")
             if self.stream.step(self.generated + ids, final=done):
                 if ids:
                     ids = ids[:tokens_through_stop(self.stream.tokenizer, self.generated + ids, len(ids),

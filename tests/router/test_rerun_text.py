@@ -11,18 +11,22 @@ from router.jobs import Job
 TEXT = "Weather: 🦩 sunny, then STOP and more words after it."  # the flamingo takes 3 tokens
 
 
-def _worker_records(tokenizer, ids, stop, finish_at=None):
-    """What a worker streams for output ``ids``: one token per record, its own text deltas."""
+def _worker_records(tokenizer, ids, stop, finish_at=None, prefilled=False):
+    """What a worker streams for output ``ids``: one token per record, its own text deltas.
+    ``prefilled``: the first record comes from a prefill worker (the first token, finish
+    "prefilled"; the decode worker streams the rest)."""
     s = TextStream(tokenizer, stop)
     recs = []
     for k in range(1, len(ids) + 1):
         done = k == finish_at
         s.step(ids[:k], final=done)
         recs.append({"tokens": [ids[k - 1]], "text": s.delta(done), "finish": "length" if done else None})
+    if prefilled:
+        recs[0]["finish"] = "prefilled"
     return recs
 
 
-def _run(tokenizer, ids, cut, stop):
+def _run(tokenizer, ids, cut, stop, prefilled=False):
     job = Job("r", [1, 2, 3], SamplingParams(max_tokens=len(ids), stop=stop))
     out_ids, out_text = [], ""
     for r in _worker_records(tokenizer, ids[:cut], stop):  # attempt 0, lost after `cut` tokens
@@ -32,7 +36,7 @@ def _run(tokenizer, ids, cut, stop):
             out_text += resp.text
     job.rerun(tokenizer)
     assert job.attempt == 1
-    for r in _worker_records(tokenizer, ids[cut:], stop, finish_at=len(ids) - cut):  # the new worker
+    for r in _worker_records(tokenizer, ids[cut:], stop, finish_at=len(ids) - cut, prefilled=prefilled):
         resp = job.tokens(r)
         if resp is not None:
             out_ids += resp.token_ids
@@ -57,6 +61,21 @@ def test_a_stop_string_straddling_the_rerun_ends_the_request(tokenizer):
     assert job.stopped
     assert out_text == TEXT[:TEXT.index("STOP")]
     assert "STOP" in tokenizer.decode(out_ids) and "STOP" not in tokenizer.decode(out_ids[:-1])
+
+
+def test_the_prefill_record_of_a_rerun_does_not_flush_held_back_text(tokenizer):
+    """Disaggregated re-run: its first token comes from the prefill worker with finish
+    "prefilled". It ends nothing: half a character stays held back until decode completes it,
+    and a stop string begun there is still found."""
+    ids = tokenizer(TEXT)["input_ids"]
+    # the re-run's first token (the prefill's) is the first of the flamingo's 3 tokens
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k + 1]).endswith("\ufffd"))
+    job, out_ids, out_text = _run(tokenizer, ids, cut, [], prefilled=True)
+    assert out_ids == ids and out_text == TEXT and not job.stopped
+    # the prefill's first token is "ST" of "STOP" (or the token that starts it)
+    cut = next(k for k in range(1, len(ids)) if "ST" in tokenizer.decode(ids[:k + 1])[len(TEXT[:TEXT.index("STOP")]):])
+    job, out_ids, out_text = _run(tokenizer, ids, cut, ["STOP"], prefilled=True)
+    assert job.stopped and out_text == TEXT[:TEXT.index("STOP")]
 
 
 def test_without_a_rerun_the_worker_text_is_passed_through(tokenizer):
