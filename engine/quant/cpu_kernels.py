@@ -32,10 +32,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# The flags that change which code torch, fbgemm, oneDNN and inductor run.
-_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
-          "amx_bf16", "amx_int8")
-
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
@@ -51,17 +47,28 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_class() -> str:
-    """Short name of what this CPU offers the kernels, e.g. "AVX512+VNNI+BF16" or "AVX2".
+    """Short name of what this CPU offers the kernels *as they run now*, e.g.
+    "AVX512+VNNI+BF16" or "AVX2".
 
-    Torch's own dispatch level first (``torch.backends.cpu.get_cpu_capability()``, which
-    ``ATEN_CPU_CAPABILITY`` lowers), then the integer / bf16 extensions the CPU reports.
+    Torch's dispatch level (``torch.backends.cpu.get_cpu_capability()``, which
+    ``ATEN_CPU_CAPABILITY`` lowers); "VNNI" when the int8 GEMM sums int8 products in int32 (the
+    W8A8 probe, which follows fbgemm's/oneDNN's own ISA switches); "BF16"/"AMX" when the CPU
+    has them and torch dispatches at AVX-512.
     """
     cap = torch.backends.cpu.get_cpu_capability()
     flags = cpu_flags()
-    extra = [name for name, present in (("VNNI", "avx512_vnni" in flags or "avx_vnni" in flags),
-                                        ("BF16", "avx512_bf16" in flags), ("AMX", "amx_int8" in flags))
-             if present]
+    wide = cap.startswith("AVX512")
+    if _int8_gemm_available():
+        vnni = not _probe_saturates(torch.backends.quantized.engine)
+    else:
+        vnni = "avx512_vnni" in flags or "avx_vnni" in flags
+    extra = [name for name, present in (("VNNI", vnni), ("BF16", wide and "avx512_bf16" in flags),
+                                        ("AMX", wide and "amx_int8" in flags)) if present]
     return "+".join([cap, *extra])
+
+
+def _int8_gemm_available() -> bool:
+    return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
 
 
 # ---- W8A8: does the int8 x int8 GEMM saturate on this CPU? ----------------------------------
