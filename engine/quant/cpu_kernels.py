@@ -58,7 +58,7 @@ def cpu_class() -> str:
     cap = torch.backends.cpu.get_cpu_capability()
     flags = cpu_flags()
     wide = cap.startswith("AVX512")
-    if _int8_gemm_available():
+    if w8a8_available():
         vnni = not _probe_saturates(torch.backends.quantized.engine)
     else:
         vnni = "avx512_vnni" in flags or "avx_vnni" in flags
@@ -67,8 +67,10 @@ def cpu_class() -> str:
     return "+".join([cap, *extra])
 
 
-def _int8_gemm_available() -> bool:
-    return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
+def w8a8_available(device: str = "cpu") -> bool:
+    """An int8 x int8 GEMM exists: fbgemm/x86 quantized engines on CPU (not on CUDA here)."""
+    engines = torch.backends.quantized.supported_engines
+    return device == "cpu" and any(e in engines for e in ("x86", "fbgemm"))
 
 
 # ---- W8A8: does the int8 x int8 GEMM saturate on this CPU? ----------------------------------
@@ -106,7 +108,7 @@ def report(model: torch.nn.Module | None = None, single_token: bool = False) -> 
     """One line: the CPU class and the kernel each quantized format of ``model`` runs here.
 
     e.g. ``"cpu AVX2; int8: int8pack bf16-act (batched), compiled fp32 GEMV (one-token);
-    w8a8: fbgemm 7-bit act (no VNNI)"``.
+    w8a8: x86 7-bit act (int16 pair sums saturate here)"``.
     """
     from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
     parts = [f"cpu {cpu_class()}"]

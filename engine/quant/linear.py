@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.cpu_kernels import w8a8_reduce_range
+from engine.quant.cpu_kernels import w8a8_available, w8a8_reduce_range
 from engine.quant.formats import QuantizedWeight, pack_int4, unpack_int4
 
 _INNER_K_TILES = 8  # tinygemm / CPU int4 packing tile; needs K % (inner_k_tiles * 16) == 0
@@ -194,12 +194,6 @@ class Int4Linear(QuantLinear):
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         return y.reshape(*shape[:-1], self.out_features)
-
-
-def w8a8_available(device: str = "cpu") -> bool:
-    """An int8 x int8 GEMM exists: fbgemm/x86 quantized engines on CPU (not on CUDA here)."""
-    engines = torch.backends.quantized.supported_engines
-    return device == "cpu" and any(e in engines for e in ("x86", "fbgemm"))
 
 
 class W8A8Linear(QuantLinear):

@@ -9,7 +9,7 @@ down_proj); o_proj has no foldable producer under GQA and keeps s = 1.
 Where it runs: the W8A8 GEMM is ``quantized::linear_dynamic`` (fbgemm/x86 engines, int8 x int8
 with int32 accumulation), which exists in torch's CPU builds for x86. It quantizes activations
 per tensor, dynamically, on every call. There is no int8 x int8 path here for CUDA (use
-weight-only INT8/INT4 there); :func:`engine.quant.linear.w8a8_available` says which.
+weight-only INT8/INT4 there); :func:`engine.quant.cpu_kernels.w8a8_available` says which.
 """
 
 from __future__ import annotations
