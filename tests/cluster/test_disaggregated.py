@@ -152,7 +152,7 @@ def test_killed_decode_worker_its_streams_complete_identically(stub, cluster, gr
     threads = [threading.Thread(target=one, args=(i, p)) for i, (p, _) in enumerate(greedy_reference)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # hang guard only: a slow box takes minutes under this load
     while sum(1 for n in progress.values() if n >= 4) < 3:
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -161,7 +161,7 @@ def test_killed_decode_worker_its_streams_complete_identically(stub, cluster, gr
     assert victim.status["running"] > 0
     os.kill(victim.status["pid"], signal.SIGKILL)
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=600)  # hang guards only
     for i, (_, ref) in enumerate(greedy_reference):
         out = results[i]
         if "error" in out:  # allowed by the contract, but not expected with a decode worker left
@@ -170,7 +170,7 @@ def test_killed_decode_worker_its_streams_complete_identically(stub, cluster, gr
             assert out["token_ids"] == ref, i
     assert sum("error" in r for r in results.values()) == 0
     assert victim.restarts == 1
-    workers = wait_idle(stub, cluster, timeout=60)  # the restarted actor is ready again, no leaks
+    workers = wait_idle(stub, cluster, timeout=240)  # the restarted actor is ready again, no leaks
     assert {w.worker_id: w.state for w in workers}[victim.worker_id] == "ready"
     out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=64, temperature=0)))
     assert out["token_ids"] == greedy_reference[0][1]

@@ -117,7 +117,7 @@ def test_sender_killed_receiver_fails_within_lease_and_frees(spawn, transport):
         rx.expect("t1", blocks["t1"], 13)
         doomed.tell("SEND t1 13 1 2")  # 2 of 4 layers, then it is killed
         doomed.wait_for("SENT t1", rx.progress)
-        end = time.monotonic() + 10
+        end = time.monotonic() + 60  # hang guard only
         while rx.poll("t1") is not TransferState.TRANSFERRING:
             rx.progress()
             assert time.monotonic() < end, "no frame of t1 arrived"

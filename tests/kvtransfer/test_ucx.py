@@ -240,7 +240,7 @@ def test_two_processes_move_256_mib_intact(make):
         # The child is gone: a new endpoint to it cannot be made; the message is dropped.
         late = make()
         late.send(late.connect(child_address), [b"anyone?"])
-        end = time.monotonic() + 5
+        end = time.monotonic() + 60  # hang guard only: exits as soon as it is counted
         while late.unroutable == 0 and time.monotonic() < end:
             time.sleep(0.01)
         assert late.unroutable == 1

@@ -48,7 +48,7 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
                     done.add(r["id"])
             time.sleep(0.01)
         assert tokens == want
-        end = time.monotonic() + 10
+        end = time.monotonic() + 60  # hang guard only
         while ray.get(prefill.status.remote())["kv_blocks_used"]:  # acks may still be in flight
             assert time.monotonic() < end, "prefill blocks not released"
             time.sleep(0.05)
