@@ -76,9 +76,8 @@ test-avx2: install
 serve: install
 	$(VENV)/bin/pdserve serve --config deploy/local.yaml
 
-# -P: keep bench/ off sys.path, or bench/engine.py would shadow the engine package.
 bench: install
-	$(PY) -P bench/engine.py
+	$(PY) bench/engine.py
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis

@@ -13,23 +13,18 @@ The last stdout line is one flat JSON object.
 
 from __future__ import annotations
 
-import os
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import asyncio
+import json
+import random
 import sys
+import threading
+import time
 
-_HERE = os.path.dirname(os.path.realpath(__file__))
-_ROOT = os.path.dirname(_HERE)
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-from router.loadgen import RequestSpec, percentile, run  # noqa: E402
+from bench.loadgen import RequestSpec, percentile, run
 
 
 def log(msg: str) -> None:

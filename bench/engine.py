@@ -25,36 +25,30 @@ included; ``rss_after_engine_mb`` is what the engine still holds then (model + K
 ``peak_rss_mb_total`` is the peak at the end.
 
 Prints a progress line per phase on stderr, a table on stdout, and as the last stdout line one
-flat JSON object. Runs as ``python bench/engine.py`` or ``python -P bench/engine.py``.
+flat JSON object. Runs as ``python bench/engine.py`` or ``python -m bench.engine``.
 """
 
 from __future__ import annotations
 
-import os
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import json
+import math
+import resource
 import sys
+import time
+from collections.abc import Callable, Sequence
 
-# `python bench/engine.py` puts bench/ first on sys.path, where this file would shadow the
-# `engine` package: drop the script's directory and make sure the repo root is importable.
-_HERE = os.path.dirname(os.path.realpath(__file__))
-_ROOT = os.path.dirname(_HERE)
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import psutil
+import torch
+from torch import nn
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import resource  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.llm_engine import LLMEngine, RequestOutput  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
 
 PROMPT_LEN = 128
 PREFILL_BUDGET = 2048  # max_num_batched_tokens: a 2,048-token prompt is one forward

@@ -21,21 +21,18 @@ Used by bench/kv_transfer.py; runnable alone: ``python bench/kv_overlap.py --hel
 
 from __future__ import annotations
 
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
 import os
+import random
+import statistics
 import sys
-from pathlib import Path
-
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import time
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 

@@ -30,26 +30,25 @@ Runs as ``python bench/kv_transfer.py [--quick]``.
 
 from __future__ import annotations
 
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import json
+import multiprocessing as mp
 import os
+import statistics
 import sys
+import time
 
-# bench/engine.py would shadow the `engine` package: import from the repo root instead.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before UCX can load
 
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 
 from kvtransfer.base import FrameTransport, get_transport  # noqa: E402
 from kvtransfer.format import decode_frames, encode_frames  # noqa: E402
+
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 4

@@ -27,34 +27,30 @@ Run: ``flock /tmp/pdserve-bench.lock .venv/bin/python bench/quant.py [--quick] [
 
 from __future__ import annotations
 
-import os
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import json
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-_HERE = os.path.dirname(os.path.realpath(__file__))
-_ROOT = os.path.dirname(_HERE)
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import torch
+from torch import nn
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from engine.config import CacheConfig, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.quant import QuantConfig, quantize
+from engine.quant.calib import calib_sequences, load_calib_texts
+from engine.quant.checkpoint import save_quantized
+from engine.quant.cpu_kernels import cpu_class, report
+from engine.quant.eval import AGREEMENT_PROMPTS, HELDOUT, greedy_agreement, perplexity
+from engine.quant.linear import QuantLinear, choose_act_dtype
+from engine.quant.offline import load_plain
+from engine.request import SamplingParams
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.quant import QuantConfig, quantize  # noqa: E402
-from engine.quant.calib import calib_sequences, load_calib_texts  # noqa: E402
-from engine.quant.checkpoint import save_quantized  # noqa: E402
-from engine.quant.eval import AGREEMENT_PROMPTS, HELDOUT, greedy_agreement, perplexity  # noqa: E402
-from engine.quant.cpu_kernels import cpu_class, report  # noqa: E402
-from engine.quant.linear import QuantLinear, choose_act_dtype  # noqa: E402
-from engine.quant.offline import load_plain  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
 
 T0 = time.perf_counter()
 

@@ -1,26 +1,226 @@
-"""Serving benchmark: ``python bench/serving.py [--compare] [--ttft-overhead] ...``.
+"""The serving benchmark: ``pdserve bench`` = ``python bench/serving.py`` (load generator: bench/loadgen.py).
 
-The same as ``pdserve bench`` (router/bench.py; the load generator is router/loadgen.py):
-N requests through gRPC streaming against a running server (``--server``) or clusters it
-starts; TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets; a table,
-then one flat JSON object as the last stdout line. ``--ttft-overhead`` adds
-``cluster_ttft_overhead_ms_512``; ``--compare`` adds ``p99_tpot_ratio_disagg_vs_colocated``.
+N requests through gRPC streaming against a running server (``--server``) or clusters it starts
+itself: the config's mode, or with ``--compare`` three on the same cores and workload, one after
+the other:
+
+- ``disaggregated``: 1 prefill + 1 decode worker, one thread each;
+- ``colocated``: 1 worker, two threads, chunked prefill off (a long prompt is one step that
+  stalls every running stream);
+- ``colocated-chunked``: the same with chunked prefill (budget ``--chunk``).
+
+TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
+column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
+``p99_tpot_ratio_disagg_vs_colocated``, ``--ttft-overhead`` adds ``cluster_ttft_overhead_ms_512``
+(bench/ttft_overhead.py), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
+latency over time, goodput vs rate).
 """
 
 from __future__ import annotations
 
-import os
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import asyncio
+import json
 import sys
+from collections.abc import Sequence
 
-# `python bench/serving.py` puts bench/ first on sys.path, where bench/engine.py would shadow the
-# `engine` package: drop the script's directory and make sure the repo root is importable.
-_HERE = os.path.dirname(os.path.realpath(__file__))
-_ROOT = os.path.dirname(_HERE)
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from bench.loadgen import BenchError, make_workload, max_goodput_rate, run, summarize
 
-from router.bench import main  # noqa: E402
+COMPARE = {
+    "disaggregated": {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1},
+    "colocated": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": False,
+                  "decode.max_batched_tokens": 8192},
+    "colocated-chunked": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": True},
+}
+SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked"}
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench", description=(
+        "Serving benchmark over gRPC streaming: TTFT, TPOT, inter-token and end-to-end latency "
+        "(p50/p90/p99), throughput and goodput under TTFT/TPOT targets. Starts its own local "
+        "cluster(s) unless --server is given. Last stdout line: one flat JSON object."))
+    p.add_argument("--server", help="a running pdserve server host:port (default: start a cluster here)")
+    p.add_argument("--config", default=None, help="cluster config for the cluster it starts (default: built-in)")
+    p.add_argument("--compare", action="store_true",
+                   help="run the workload on disaggregated, colocated and colocated-chunked clusters")
+    p.add_argument("--chunk", type=int, default=256, help="token budget of colocated-chunked (default 256)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", default="mix",
+                   help="random | mix (short chats + long documents; default) | a JSONL file of prompts")
+    w.add_argument("--num-requests", type=int, default=32, help="requests to send (default 32)")
+    w.add_argument("--prompt-tokens", default="256", help="random dataset: N or LO:HI (default 256)")
+    w.add_argument("--max-tokens", default="64", help="random/file datasets: N or LO:HI (default 64)")
+    w.add_argument("--long-share", type=float, default=0.2, help="mix: share of long documents (default 0.2)")
+    w.add_argument("--long-tokens", type=int, default=1536, help="mix: long document length (default 1536)")
+    w.add_argument("--seed", type=int, default=0)
+    a = p.add_argument_group("arrivals (one of)")
+    a.add_argument("--rate", type=float, help="open loop: Poisson arrivals at this many requests/s")
+    a.add_argument("--rates", help="open loop sweep, e.g. 0.5,1,2: goodput vs rate")
+    a.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 4)")
+    a.add_argument("--duration", type=float, default=300.0, help="stop issuing requests after this many s")
+    s = p.add_argument_group("targets")
+    s.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="TTFT target (default 3000 ms)")
+    s.add_argument("--tpot-slo-ms", type=float, default=150.0, help="TPOT target (default 150 ms)")
+    p.add_argument("--plot-dir", help="write PNG plots here (needs matplotlib: pip install 'pdserve[bench]')")
+    p.add_argument("--ttft-overhead", action="store_true",
+                   help="also measure the cluster's TTFT overhead over the in-process engine, 512 tokens")
+    return p
+
+
+def _rates(args) -> list[float | None]:
+    given = sum(x is not None for x in (args.rate, args.rates, args.concurrency))
+    if given > 1:
+        raise BenchError("give at most one of --rate, --rates and --concurrency")
+    if args.rates:
+        try:
+            rates = [float(x) for x in args.rates.split(",")]
+        except ValueError:
+            raise BenchError(f"--rates: expected numbers separated by commas, got {args.rates!r}") from None
+        for r in rates:
+            if not r > 0:
+                raise BenchError(f"the request rate must be > 0, got {r}")
+        return rates
+    if args.rate is not None and not args.rate > 0:
+        raise BenchError(f"the request rate must be > 0, got {args.rate}")
+    return [args.rate]
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
+
+
+def bench_server(server: str, args, vocab: int) -> dict:
+    """Every rate of the run against one server: summaries and raw results."""
+    runs = []
+    for rate in _rates(args):
+        specs = make_workload(args.num_requests, args.dataset, vocab, args.seed, args.prompt_tokens,
+                              args.max_tokens, args.long_share, args.long_tokens)
+        conc = None if rate is not None else (args.concurrency or 4)
+        with _bar(len(specs), f"{'rate %g/s' % rate if rate else 'concurrency %d' % conc}") as bar:
+            results, wall = asyncio.run(run(server, specs, rate=rate, concurrency=conc, duration_s=args.duration,
+                                            seed=args.seed, progress=lambda d, t: bar.update(1)))
+        slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+        kinds = sorted({r.spec.kind for r in results})
+        summary = {"all": summarize(results, wall, *slo)}
+        if len(kinds) > 1:
+            summary.update({k: summarize(results, wall, *slo, kind=k) for k in kinds})
+        runs.append({"rate": rate, "summary": summary, "results": results})
+    return {"runs": runs, "max_goodput_rate": max_goodput_rate(
+        [(r["rate"], r["summary"]["all"]) for r in runs if r["rate"] is not None])}
+
+
+def _start(cfg):
+    from router.app import BackgroundCluster
+    cluster = BackgroundCluster(cfg)
+    return cluster, f"127.0.0.1:{cluster.port}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except BenchError as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    from cli.client import connect
+    from router.config import load_config
+    _rates(args)  # refuse nonsense before starting anything
+    make_workload(args.num_requests, args.dataset, 1000, 0, args.prompt_tokens, args.max_tokens, args.long_share,
+                  args.long_tokens)
+    if args.server and args.compare:
+        raise BenchError("--compare starts its own clusters: drop --server")
+    out: dict = {}
+    results: dict[str, dict] = {}
+    names = list(COMPARE) if args.compare else [None]
+    started = False
+    for name in names:
+        cluster = None
+        server = args.server
+        cfg = load_config(args.config, {**COMPARE.get(name, {}), "metrics.port": 0,
+                                        **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked"
+                                           else {})})
+        if server is None:
+            from router.app import init_ray
+            if not started:
+                init_ray(cfg if name is None else load_config(args.config, {"prefill.replicas": 1,
+                                                                            "decode.replicas": 1}))
+                started = True
+            log(f"starting a {name or cfg.mode} cluster ...")
+            cluster, server = _start(cfg)
+        try:
+            from pdserve.v1 import pdserve_pb2 as pb
+            stub = connect(server)
+            try:
+                info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            except Exception:
+                raise BenchError(f"cannot reach a pdserve server at {server}") from None
+            label = name or stub.GetClusterStatus(pb.GetClusterStatusRequest()).mode
+            log(f"{label}: {info.model}, {args.num_requests} requests of dataset {args.dataset}")
+            results[label] = bench_server(server, args, info.vocab_size)
+            if args.ttft_overhead:
+                from bench.ttft_overhead import ttft_overhead
+                out.update(ttft_overhead(stub, cfg, info.vocab_size, log))
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    if started:
+        import ray
+        ray.shutdown()
+    out.update(_report(results, args))
+    if args.plot_dir:
+        from bench.plots import plot_all
+        for path in plot_all(results, args.plot_dir):
+            log(f"wrote {path}")
+    print(json.dumps(out))
+    return 0
+
+
+def _report(results: dict[str, dict], args) -> dict:
+    """Print the table; return the flat JSON fields."""
+    flat: dict = {"dataset": args.dataset, "num_requests": args.num_requests,
+                  "ttft_slo_ms": args.ttft_slo_ms, "tpot_slo_ms": args.tpot_slo_ms}
+    rows: dict[str, dict[str, object]] = {}
+    for label, res in results.items():
+        for run_ in res["runs"]:
+            col = label if len(res["runs"]) == 1 else f"{label}@{run_['rate']:g}/s"
+            for kind, summ in run_["summary"].items():
+                for k, v in summ.items():
+                    key = k if kind == "all" else f"{k}_{kind}"
+                    rows.setdefault(key, {})[col] = v
+                    if len(res["runs"]) == 1:
+                        flat[f"{SHORT.get(label, label)}_{key}" if len(results) > 1 else key] = v
+        if res["max_goodput_rate"]:
+            flat[f"{SHORT.get(label, label)}_max_goodput_rate"] = res["max_goodput_rate"]
+    cols = list(next(iter(rows.values())).keys()) if rows else []
+    print(f"{'metric':<28}" + "".join(f"{c:>20}" for c in cols))
+    for key, vals in rows.items():
+        cells = [vals.get(c) for c in cols]
+        print(f"{key:<28}" + "".join(f"{'-':>20}" if v is None else f"{v:>20.2f}" if isinstance(v, float)
+                                     else f"{v!s:>20}" for v in cells))
+    if "disaggregated" in results and "colocated" in results:
+        kind = "_chat" if "disagg_tpot_ms_p99_chat" in flat else ""
+        d, c = flat.get(f"disagg_tpot_ms_p99{kind}"), flat.get(f"colocated_tpot_ms_p99{kind}")
+        if d and c:
+            flat["p99_tpot_ratio_disagg_vs_colocated"] = d / c
+            print(f"\np99 TPOT{kind.replace('_', ' of ')}: disaggregated / colocated = {d / c:.2f}")
+        ch = flat.get(f"chunked_tpot_ms_p99{kind}")
+        if d and ch:
+            flat["p99_tpot_ratio_disagg_vs_chunked"] = d / ch
+    return flat
+
 
 if __name__ == "__main__":
     sys.exit(main())
+

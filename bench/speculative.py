@@ -27,26 +27,22 @@ adaptive policy's worst ratio over every source, workload and batch). Run under
 
 from __future__ import annotations
 
-import os
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import json
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-_HERE = os.path.dirname(os.path.realpath(__file__))
-_ROOT = os.path.dirname(_HERE)
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
 
-import torch  # noqa: E402
-
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
 
 CODE = '''def load_users(path):
     users = []

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli.deploy import check_cluster_file
 from router.config import load_config
-from router.deploy import check_cluster_file
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 CLUSTER_FILES = sorted(DEPLOY.glob("cluster-*.yaml"))

@@ -93,8 +93,8 @@ def test_pools_grow_new_nodes_of_their_type_and_give_them_back(fake_cluster, mak
     ray = fake_cluster
     from pathlib import Path
 
+    from cli.client import collect, connect, make_request
     from router.app import BackgroundCluster
-    from router.client import collect, connect, make_request
     from router.config import load_config
     sc = SCENARIOS[scenario]
     grows, stays = sc["grows"], "decode" if sc["grows"] == "prefill" else "prefill"

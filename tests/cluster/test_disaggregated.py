@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from cli.client import collect, connect, make_request
 from pdserve.v1 import pdserve_pb2 as pb
-from router.client import collect, connect, make_request
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_metrics_endpoints_parse_and_move(stub, cluster, wait_idle):
 def test_bench_against_the_cluster_reports_consistent_numbers(cluster, capsys, wait_idle, stub):
     import json
 
-    from router.bench import main as bench_main
+    from bench.serving import main as bench_main
     n = 6
     rc = bench_main(["--server", f"127.0.0.1:{cluster.port}", "--dataset", "mix", "--long-tokens", "200",
                      "--long-share", "0.3", "--num-requests", str(n), "--rate", "4", "--seed", "3"])
@@ -228,7 +228,7 @@ def test_bench_against_the_cluster_reports_consistent_numbers(cluster, capsys, w
     assert out["ttft_ms_p99"] <= out["e2e_ms_p99"]
     assert out["goodput_rps"] <= out["request_throughput"] and 0 <= out["slo_attainment"] <= 1
     assert out["output_tokens_per_s"] * out["wall_s"] == pytest.approx(out["output_tokens"])
-    from router.loadgen import make_workload  # ignore_eos: every request makes all its max_tokens
+    from bench.loadgen import make_workload  # ignore_eos: every request makes all its max_tokens
     assert out["output_tokens"] == sum(s.max_tokens for s in make_workload(n, "mix", 49152, 3, long_share=0.3,
                                                                             long_tokens=200))
     wait_idle(stub, cluster)

@@ -12,7 +12,7 @@ PROMPT_TOKENS = 512
 
 
 def _client_ttft(stub, ids: list[int]) -> float:
-    from router.client import make_request
+    from cli.client import make_request
     t0 = time.perf_counter()
     for r in stub.Generate(make_request(token_ids=ids, max_tokens=1, ignore_eos=True)):
         if r.token_ids:

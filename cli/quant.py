@@ -1,7 +1,7 @@
 """``pdserve quantize`` and ``pdserve eval-ppl``: offline conversion and quality evaluation.
 
 Both run in this process on CPU (no cluster). ``add_commands(subparsers)`` registers them on
-the main ``pdserve`` parser (router/cli.py).
+the main ``pdserve`` parser (cli/main.py).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench import main as bench_main
-from router.loadgen import (BenchError, RequestSpec, Result, make_workload, max_goodput_rate, percentile,
-                            summarize)
+from bench.loadgen import (BenchError, RequestSpec, Result, make_workload, max_goodput_rate, percentile,
+                           summarize)
+from bench.serving import main as bench_main
 
 
 def result(sent, first, n, gap, kind="chat", error=None):

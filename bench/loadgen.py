@@ -127,7 +127,7 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
 async def _one(stub, spec: RequestSpec, results: list[Result], done: Callable[[], None]) -> None:
     import grpc
 
-    from router.client import make_request
+    from cli.client import make_request
     kw = dict(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     req = make_request(spec.prompt, **kw) if spec.prompt is not None else make_request(token_ids=spec.token_ids, **kw)
     r = Result(spec, time.perf_counter())

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from router.bench_plots import plot_all
+from bench.plots import plot_all
 
 pytest.importorskip("matplotlib")
 

@@ -4,7 +4,7 @@ Subcommands:
   serve              start the cluster: local Ray (or --address), prefill and decode pools, gRPC
   generate           send one prompt to a running server and stream its text (--local: in-process)
   status             the cluster's workers as a table
-  bench              serving benchmark over gRPC (router/bench.py; also bench/serving.py)
+  bench              serving benchmark over gRPC (bench/serving.py, also run as a script)
   serve --local      in-process demo: a few example prompts in one continuous batch, no cluster
   convert            convert the bundled GGUF (or another) into the HF-format cache folder
 """
@@ -86,7 +86,7 @@ def _rpc_error(e, server: str) -> int:
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from router.client import collect, connect, make_request
+    from cli.client import collect, connect, make_request
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if args.chat:
@@ -113,7 +113,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
     from pdserve.v1 import pdserve_pb2 as pb
-    from router.client import connect
+    from cli.client import connect
     try:
         st = connect(args.server).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=10)
     except grpc.RpcError as e:
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     sub.add_parser("bench", help="serving benchmark: TTFT/TPOT/goodput over gRPC (see `pdserve bench --help`)",
-                   add_help=False)  # its own parser (router/bench.py) takes every argument after `bench`
+                   add_help=False)  # its own parser (bench/serving.py) takes every argument after `bench`
 
     c = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format folder",
                        description="Dequantize a llama-architecture GGUF into an HF-format folder "
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gguf", help="path of the .gguf file (default: the bundled one)")
     c.add_argument("--out", help="output folder")
     c.set_defaults(func=cmd_convert)
-    from router.cli_quant import add_commands
+    from cli.quant import add_commands
     add_commands(sub)  # quantize, eval-ppl
     return p
 
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from router.bench import main as bench_main
+        from bench.serving import main as bench_main
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
