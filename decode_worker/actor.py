@@ -1,4 +1,4 @@
-"""Ray actor around DecodeWorker, stepped by engine.step_loop.StepLoop.
+"""Ray actor around DecodeWorker, stepped by the shared worker runtime (``worker/``).
 
 Created by the router's pools with ``DecodeActor.options(resources={"decode": 1})`` so the
 pool lands on nodes that advertise the ``decode`` resource. In colocated mode the same actor
@@ -7,49 +7,48 @@ also prefills (``submit``: a normal request, chunked by the engine's token budge
 
 from __future__ import annotations
 
-import dataclasses
-
 import ray
 
-from engine.config import EngineConfig
 from engine.request import SamplingParams
-from engine.step_loop import StepLoop, WorkerOptions, error_record, output_record
+from worker.actor import WorkerActor
+from worker.protocol import Key, Record
 
 
 @ray.remote
-class DecodeActor(StepLoop):
-    def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
-        import torch
+class DecodeActor(WorkerActor):
+    role = "decode"  # "colocated" when it also prefills
 
+    def _make(self, engine, transport, lease_s, options):
         from decode_worker.worker import DecodeWorker
-        from engine.llm_engine import LLMEngine
-        from kvtransfer.base import get_transport
-        torch.set_num_threads(options.threads)  # several workers share a node's cores
-        if options.metrics is not None and not options.metrics[0]:  # "": this node's address
-            options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
         self.role = "colocated" if options.colocated else "decode"
-        self._start(DecodeWorker(LLMEngine(config, progress=False), get_transport(options.transport),
-                                 options.lease_s), options)
+        return DecodeWorker(engine, transport, lease_s)
 
-    def _records(self, step_result) -> list[dict]:
+    def _records(self, step_result) -> list[Record]:
         failed, self.worker.failed = self.worker.failed, {}
-        return [output_record(o) for o in step_result] + [error_record(r, m) for r, m in failed.items()]
+        return [self._tokens(o, o.finished) for o in step_result] + [
+            self._failed(rid, error) for rid, error in failed.items()]
 
     def address(self) -> str:
         return self.worker.address
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
-        return self._call(lambda: self.worker.reserve(request_id, prompt_ids, params))
+    def reserve(self, key: Key, prompt_ids: list[int], params: SamplingParams) -> bool:
+        """Reserve blocks and expect the KV (and first token) from a prefill worker. False: not now."""
+        def reserve() -> bool:
+            ok = False
+            try:
+                ok = self.worker.reserve(self._admit(key), prompt_ids, params)
+            finally:
+                if not ok:  # not now, or bad input (raised to the router)
+                    self.keys.pop(key.engine_id, None)
+            return ok
+        return self._call(reserve)
 
-    def first_token(self, request_id: str, token: int) -> None:
-        def relay() -> None:
-            if request_id in self.worker.engine.scheduler.receiving:  # else aborted meanwhile
-                self.outbox.extend(output_record(o) for o in self.worker.first_token(request_id, token))
-        self._post(relay, request_id)
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams) -> None:
         """Colocated mode: prefill and decode here."""
-        self._post(lambda: self.worker.engine.add_request(prompt_ids, params, request_id=request_id), request_id)
+        self._post(lambda: self.worker.engine.add_request(prompt_ids, params, request_id=self._admit(key)), key)
 
-    def abort(self, request_id: str) -> None:
-        self._post(lambda: self.worker.abort(request_id), request_id)
+    def abort(self, key: Key) -> None:
+        def abort() -> None:
+            self.worker.abort(key.engine_id)
+            self.keys.pop(key.engine_id, None)
+        self._post(abort, key)

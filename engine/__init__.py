@@ -1,4 +1,5 @@
 """pdserve's shared engine core: model, paged KV cache, scheduler, sampler.
 
-Imported by both worker kinds; imports no Ray, gRPC or UCX.
+Imported by both worker kinds; knows no network (no Ray, zmq, HTTP, gRPC or UCX: the worker
+runtime in ``worker/`` does; ``tests/test_layout.py`` checks).
 """

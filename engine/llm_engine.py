@@ -229,10 +229,6 @@ class LLMEngine:
         """Prefill side: the KV transfer ended (acked or failed); free the request's blocks."""
         return self.scheduler.release(request_id)
 
-    def request_blocks(self, request_id: str) -> list[int]:
-        """Block ids a live request holds (for the KV sender)."""
-        return list(self.scheduler.requests[request_id].block_ids)
-
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state; its blocks are freed now. False if unknown.
 

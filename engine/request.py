@@ -128,11 +128,8 @@ class Request:
     num_preemptions: int = 0
     output_text: str = ""
     # Speculative decoding: draft tokens to verify in this request's next decode step (0 =
-    # plain decode; set by the adaptive policy), and what its verify steps have accepted.
+    # plain decode; set by the adaptive policy). Acceptance is counted per worker (SpecDecoder).
     spec_k: int = 0
-    spec_verify_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
 
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -172,11 +169,6 @@ class Request:
             self.first_token_time = now
         self.last_token_time = now
         self.output_token_ids.append(token_id)
-
-    @property
-    def spec_acceptance_rate(self) -> float | None:
-        """Share of draft tokens the target accepted (alpha), None before any verify."""
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
     @property
     def ttft(self) -> float | None:

@@ -307,10 +307,6 @@ class Scheduler:
         before = req.num_computed_tokens
         base = s.num_new_tokens - len(s.spec_token_ids)  # 1: the last token
         computed = before + base + max(len(tokens) - 1, 0)
-        if s.spec_token_ids:
-            req.spec_verify_steps += 1
-            req.spec_draft_tokens += len(s.spec_token_ids)
-            req.spec_accepted_tokens += max(len(tokens) - 1, 0)
         # Hash blocks that became full of accepted tokens before a stop may free them.
         self.bm.cache_blocks(req.block_ids, req.all_token_ids + tokens, before, computed)
         req.num_computed_tokens = computed

@@ -8,7 +8,9 @@ one sequence, layer by layer, from a sender's paged cache into blocks a receiver
                                          └──►  begin(transfer_id, receiver address)
                                                send_layer(i) as soon as layer i is computed
     scatter each frame into its blocks  ◄────  frames: [header, K bytes, V bytes]
-    all layers in: DONE, ack  ─────────────►   DONE: free own blocks
+    (if expected) keep the trailer      ◄────  end(transfer_id, trailer): a small map after
+                                               the last layer (decode: the first token)
+    all layers (+ trailer) in: DONE, ack ───►  DONE: free own blocks
     lease deadline passed: FAILED, free        ack lost / receiver dead: FAILED after the lease
 
 Transports only move messages (lists of buffers) between endpoints; the lifecycle above is
@@ -75,6 +77,10 @@ class KVLayout:
 
 
 MAX_ENDED = 4096  # popped transfer ids remembered to recognise late messages
+# The default lease, on both sides: seconds of silence (no frame, no renewal) after which a
+# transfer fails and its blocks are freed. Long: a live sender renews it while its prompt
+# waits, and the router frees a lost worker's blocks itself; the lease is the last resort.
+LEASE_S = 120.0
 
 
 @dataclass
@@ -199,12 +205,16 @@ def get_transport(name: str, **kwargs) -> FrameTransport:
     return TRANSPORTS[name](**kwargs)
 
 
+# The transports that ship with pdserve (name -> module that registers it): what a config may name.
+BUILTIN_TRANSPORTS = {"ucx": "kvtransfer.ucx", "zmq": "kvtransfer.zmq_transport", "inproc": "kvtransfer.inproc"}
+
+
 def _load_builtin() -> None:
     # Transports register themselves on import; import lazily so a missing optional
     # dependency (ucxx) only matters to whoever asks for that transport. Any other import
     # error is a bug and surfaces.
     import importlib
-    for mod in ("kvtransfer.inproc", "kvtransfer.zmq_transport", "kvtransfer.ucx"):
+    for mod in BUILTIN_TRANSPORTS.values():
         try:
             importlib.import_module(mod)
         except ImportError as e:

@@ -3,7 +3,7 @@
 Lifecycle of one transfer here (``TransferState``)::
 
     expect() ─► WAITING ──first valid frame──► TRANSFERRING ──every layer x head x token in──► DONE
-                   │                                │                                 (ack → senders)
+                   │                                │              (and the trailer, if expected) (ack → senders)
                    └── bad frame | sender's fail | abort() | lease deadline passed ──► FAILED
                                                                                       (fail → senders)
 
@@ -13,8 +13,9 @@ each ``renew`` (sent while the prompt is still queued at the sender) starts it o
 transfer is final nothing more is written into its blocks: later frames for it are dropped.
 
 Tables (exactly these): ``_transfers`` (id → live transfer, or final but not yet popped),
-``_finished`` (ids that turned final, in order, drained by ``pop_finished``) and ``_ended``
-(recently popped ids → final state, bounded, so late messages are told from unknown ones).
+``_finished`` (ids that turned final, in order, drained by ``pop_finished``), ``_ended``
+(recently popped ids → final state, bounded, so late messages are told from unknown ones) and
+``trailers`` (DONE transfers' trailers until the caller takes them as it pops them).
 
 Wire protocol, shared with ``sender.py``. A message of ONE frame is a control message: a small
 msgpack map with a ``"type"`` field; a message of THREE frames is KV data
@@ -25,6 +26,9 @@ msgpack map with a ``"type"`` field; a message of THREE frames is KV data
              sender a peer of the transfer (acked/failed with it). A begin for a transfer this
              side does not expect is answered by fail: decode must ``expect`` before prefill
              begins.
+    end      {id, trailer}               sender → receiver after its last frame: a small map the
+             receiver hands over with DONE (``take_trailer``; decode: the first token). A
+             transfer expected with ``trailer=True`` is DONE only once every frame and it are in.
     ack      {id}                        receiver → senders: all KV is in; they may free
     renew    {id}                        sender → receiver while the prompt still waits in the
              sender's queue: the lease starts over (a live sender never lets it expire)
@@ -41,7 +45,7 @@ from collections.abc import Callable, Sequence
 import msgpack
 import torch
 
-from kvtransfer.base import Buffer, FrameTransport, KVLayout, TransferState, TransferTable
+from kvtransfer.base import LEASE_S, Buffer, FrameTransport, KVLayout, TransferState, TransferTable
 from kvtransfer.format import FrameError, FrameHeader, decode_frames, scatter_layer
 
 MAX_CONTROL_BYTES = 1 << 16  # a control message is ~200 bytes; refuse to unpack more
@@ -88,6 +92,8 @@ class _Incoming:
     token_end: int
     deadline: float
     missing: int  # (layer, head) cells whose whole token range has not arrived yet
+    wants_trailer: bool = False
+    trailer: dict | None = None
     spans: dict[tuple[int, int], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     peers: set[str] = dataclasses.field(default_factory=set)
     state: TransferState = TransferState.WAITING
@@ -129,7 +135,7 @@ class KVReceiver(TransferTable):
     """
 
     def __init__(self, transport: FrameTransport, layout: KVLayout,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lease_s: float = 30.0,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lease_s: float = LEASE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         h0, h1 = layout.heads
         if len(kv_caches) != layout.num_layers:
@@ -142,12 +148,13 @@ class KVReceiver(TransferTable):
         self.lease_s, self._clock = lease_s, clock
         self.address = transport.bind()
         self._init_table()  # _transfers: id -> _Incoming
+        self.trailers: dict[str, dict] = {}
         self.dropped_frames = 0  # data messages not written: unknown/ended transfer, duplicate, garbage
         self.bad_messages = 0  # control messages that made no sense
 
     # ---- decode's side of the lifecycle -------------------------------------------------
     def expect(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int,
-               token_start: int = 0) -> None:
+               token_start: int = 0, trailer: bool = False) -> None:
         """Announce a transfer into blocks the caller already reserved; starts its lease.
 
         Args:
@@ -156,6 +163,7 @@ class KVReceiver(TransferTable):
                 ``token_start + num_tokens`` tokens.
             num_tokens: tokens to receive.
             token_start: sequence position of the first one (e.g. after a local prefix hit).
+            trailer: DONE needs the sender's ``end`` trailer too (see ``take_trailer``).
         Raises:
             ValueError: id already live, or blocks too few for the token range.
         """
@@ -169,7 +177,11 @@ class KVReceiver(TransferTable):
         h0, h1 = self.layout.heads
         self._transfers[transfer_id] = _Incoming(
             list(block_ids), token_start, token_end, self._clock() + self.lease_s,
-            missing=self.layout.num_layers * (h1 - h0))
+            missing=self.layout.num_layers * (h1 - h0), wants_trailer=trailer)
+
+    def take_trailer(self, transfer_id: str) -> dict | None:
+        """The trailer of a DONE transfer (once; None if it had none). Take it as you pop it."""
+        return self.trailers.pop(transfer_id, None)
 
     def abort(self, transfer_id: str) -> None:
         """FAIL a live transfer and tell its senders; no-op for one already final."""
@@ -204,7 +216,7 @@ class KVReceiver(TransferTable):
         if kind == "hello":
             self.transport.send(peer, encode_control("hello_ok", layout=layout_to_wire(self.layout)))
             return
-        if not isinstance(tid, str) or kind not in ("begin", "fail", "renew"):
+        if not isinstance(tid, str) or kind not in ("begin", "end", "fail", "renew"):
             self.bad_messages += 1
             return
         t = self._transfers.get(tid)
@@ -217,6 +229,18 @@ class KVReceiver(TransferTable):
         if kind == "renew":  # the sender still has it queued: the lease starts over
             if t is not None and not t.state.is_final:
                 t.deadline = max(t.deadline, self._clock() + self.lease_s)
+            return
+        if kind == "end":
+            if t is None or t.state.is_final:
+                self.bad_messages += 1  # unknown, or late for an ended transfer
+            elif not isinstance(msg.get("trailer"), dict) or t.trailer is not None:
+                t.peers.add(peer)
+                self._fail(tid, t, "bad transfer trailer: not a map, or a second one")
+            else:
+                t.peers.add(peer)
+                t.trailer = msg["trailer"]
+                t.deadline = max(t.deadline, self._clock() + self.lease_s)
+                self._done_if_complete(tid, t)
             return
         # begin
         if state is None:
@@ -269,9 +293,14 @@ class KVReceiver(TransferTable):
         self._moved(tid, k.numel() * k.element_size() * 2)
         t.deadline = max(t.deadline, self._clock() + self.lease_s)  # the lease bounds silence
         t.state = TransferState.TRANSFERRING
-        if t.missing == 0:
+        self._done_if_complete(tid, t)
+
+    def _done_if_complete(self, tid: str, t: _Incoming) -> None:
+        if t.missing == 0 and (t.trailer is not None or not t.wants_trailer):
             t.state = TransferState.DONE
             self._finished.append(tid)
+            if t.trailer is not None:
+                self.trailers[tid] = t.trailer
             for p in t.peers:
                 self.transport.send(p, encode_control("ack", id=tid))
 

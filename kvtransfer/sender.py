@@ -2,7 +2,7 @@
 
 Lifecycle of one transfer here (``TransferState``)::
 
-    begin() ─► WAITING ──first send_layer()──► TRANSFERRING ──receiver's ack──► DONE
+    begin() ─► WAITING ──first send_layer()──► TRANSFERRING ──(end()) receiver's ack──► DONE
                   │                                 │
                   └── receiver's fail | abort() | no ack by lease_s + margin_s ──► FAILED
 
@@ -19,8 +19,8 @@ Tables (exactly these): ``_peers`` (receiver address → its peer id and layout,
 ``_finished`` (ids that turned final, drained by ``pop_finished``) and ``_ended`` (recently
 popped ids → final state, bounded, so late acks are told from unknown ones).
 
-The wire protocol (control messages hello/hello_ok/begin/ack/fail; 3-frame KV data) is
-described in ``receiver.py``.
+The wire protocol (control messages hello/hello_ok/begin/end/renew/ack/fail; 3-frame KV data)
+is described in ``receiver.py``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvtransfer.base import FrameTransport, KVLayout, TransferState, TransferTable
+from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState, TransferTable
 from kvtransfer.format import encode_frames
-from kvtransfer.receiver import decode_control, encode_control, layout_from_wire, layout_to_wire
+from kvtransfer.receiver import MAX_CONTROL_BYTES, decode_control, encode_control, layout_from_wire, layout_to_wire
 
 
 class LayoutMismatch(ValueError):
@@ -64,7 +64,7 @@ class KVSender(TransferTable):
             ``max(0.5, lease_s / 10)``.
     """
 
-    def __init__(self, transport: FrameTransport, layout: KVLayout, lease_s: float = 30.0,
+    def __init__(self, transport: FrameTransport, layout: KVLayout, lease_s: float = LEASE_S,
                  clock: Callable[[], float] = time.monotonic, margin_s: float | None = None) -> None:
         self.transport, self.layout, self.lease_s, self._clock = transport, layout, lease_s, clock
         self.margin_s = max(0.5, lease_s / 10) if margin_s is None else margin_s
@@ -157,12 +157,8 @@ class KVSender(TransferTable):
         Raises:
             KeyError: unknown transfer. ValueError: shapes or ranges that do not fit.
         """
-        t = self._transfers.get(transfer_id)
+        t = self._live(transfer_id)
         if t is None:
-            if transfer_id in self._ended:
-                return False
-            raise KeyError(f"unknown transfer {transfer_id!r}: begin() it first")
-        if t.state.is_final:
             return False
         h0, h1 = self.layout.heads
         start = t.token_start if token_start is None else token_start
@@ -183,6 +179,32 @@ class KVSender(TransferTable):
         self._moved(transfer_id, k.numel() * k.element_size() * 2)
         t.deadline = self._clock() + self.lease_s + self.margin_s  # the lease bounds silence, not length
         t.state = TransferState.TRANSFERRING
+        return True
+
+    def _live(self, transfer_id: str) -> _Outgoing | None:
+        """The live transfer to send for; None if it has ended. Raises KeyError if unknown."""
+        t = self._transfers.get(transfer_id)
+        if t is None and transfer_id not in self._ended:
+            raise KeyError(f"unknown transfer {transfer_id!r}: begin() it first")
+        return None if t is None or t.state.is_final else t
+
+    def end(self, transfer_id: str, trailer: dict) -> bool:
+        """Send the transfer's trailer after its last layer: a small map the receiver hands to
+        its caller with DONE (decode: the first token, so it needs no other message to start).
+
+        Returns:
+            False if the transfer has already ended: nothing sent.
+        Raises:
+            KeyError: unknown transfer. ValueError: not a map, or too big for a control message.
+        """
+        t = self._live(transfer_id)
+        if t is None:
+            return False
+        msg = encode_control("end", id=transfer_id, trailer=trailer) if isinstance(trailer, dict) else None
+        if msg is None or len(msg[0]) > MAX_CONTROL_BYTES:
+            raise ValueError(f"a trailer is a map of at most {MAX_CONTROL_BYTES} bytes encoded")
+        self.transport.send(t.peer, msg)
+        t.deadline = self._clock() + self.lease_s + self.margin_s
         return True
 
     def abort(self, transfer_id: str) -> None:

@@ -1,44 +1,40 @@
-"""Ray actor around PrefillWorker, stepped by engine.step_loop.StepLoop.
+"""Ray actor around PrefillWorker, stepped by the shared worker runtime (``worker/``).
 
 Created by the router's pools with ``PrefillActor.options(resources={"prefill": 1})`` so the
-pool lands on nodes that advertise the ``prefill`` resource. Its first tokens (records with
-finish ``prefilled``) and failed transfers (``error`` records) go to the router in per-step
-batches over zmq.
+pool lands on nodes that advertise the ``prefill`` resource. Its first tokens (``Tokens``
+records with finish ``prefilled``) and failed transfers (``Failed`` records) go to the router
+in per-step batches over zmq.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import ray
 
-from engine.config import EngineConfig
 from engine.request import SamplingParams
-from engine.step_loop import StepLoop, WorkerOptions, error_record, output_record
+from worker.actor import WorkerActor
+from worker.protocol import Key, Record
 
 
 @ray.remote
-class PrefillActor(StepLoop):
+class PrefillActor(WorkerActor):
     role = "prefill"
 
-    def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
-        import torch
-
-        from engine.llm_engine import LLMEngine
-        from kvtransfer.base import TransferState, get_transport
+    def _make(self, engine, transport, lease_s, options):
         from prefill_worker.worker import PrefillWorker
-        torch.set_num_threads(options.threads)  # several workers share a node's cores
-        if options.metrics is not None and not options.metrics[0]:  # "": this node's address
-            options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
-        self._failed = TransferState.FAILED
-        self._start(PrefillWorker(LLMEngine(config, progress=False), get_transport(options.transport),
-                                  options.lease_s), options)
+        return PrefillWorker(engine, transport, lease_s)
 
-    def _records(self, step_result) -> list[dict]:
+    def _records(self, step_result) -> list[Record]:
+        from kvtransfer.base import TransferState
         outputs, ended = step_result  # the worker already freed the ended transfers' blocks
-        return [output_record(o) for o in outputs] + [
-            error_record(rid, "KV transfer to the decode worker failed")
-            for rid, state in ended if state == self._failed]
+        # A request leaves here when its transfer ends (its blocks are freed then), not when
+        # its first token is out: the transfer may still fail, and the router must hear of it.
+        records: list[Record] = [self._tokens(o, leaves=False) for o in outputs]
+        for rid, state in ended:
+            if state == TransferState.FAILED:
+                records.append(self._failed(rid, "KV transfer to the decode worker failed"))
+            else:
+                self.keys.pop(rid, None)
+        return records
 
     def _busy(self) -> bool:
         return self.worker.engine.scheduler.has_work() or bool(self.worker.transfers)
@@ -46,9 +42,12 @@ class PrefillActor(StepLoop):
     def connect(self, decode_address: str) -> None:
         self._call(lambda: self.worker.connect(decode_address))
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               decode_address: str) -> None:
-        self._post(lambda: self.worker.submit(request_id, prompt_ids, params, decode_address), request_id)
+    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, decode_address: str) -> None:
+        self._post(lambda: self.worker.submit(self._admit(key), prompt_ids, params, decode_address), key)
 
-    def abort(self, request_id: str) -> None:
-        self._post(lambda: self.worker.abort(request_id), request_id)
+    def abort(self, key: Key) -> None:
+        def abort() -> None:
+            self.worker.abort(key.engine_id)
+            if key.engine_id not in self.worker.transfers:  # else it leaves when the transfer ends
+                self.keys.pop(key.engine_id, None)
+        self._post(abort, key)

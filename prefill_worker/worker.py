@@ -2,8 +2,9 @@
 
 Lifecycle of a request here (the engine's queues plus one table):
     submit() -> engine waiting -> running (prompt chunks; after each layer of each chunk its
-    KV goes to the decode worker) -> prefilled (first token out; blocks held) -> the transfer
-    ends (ack or failure) -> released (blocks freed).
+    KV goes to the decode worker) -> prefilled (first token out, and to the decode worker as
+    the transfer's trailer; blocks held) -> the transfer ends (ack or failure) -> released
+    (blocks freed).
 ``transfers`` maps request id -> (decode address, tokens sent so far). The Ray actor around
 this class (the cluster issue) only forwards calls; everything here is testable in-process.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 from engine.scheduler import StepPlan
-from kvtransfer.base import FrameTransport, KVLayout, TransferState
+from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
 from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
 
@@ -29,7 +30,7 @@ class _Outgoing:
 class PrefillWorker:
     """Engine + KV sender. Drive it with :meth:`step`; never blocks but in ``connect``."""
 
-    def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = 30.0) -> None:
+    def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = LEASE_S) -> None:
         self.engine = engine
         self.sender = KVSender(transport, KVLayout.of_engine(engine), lease_s=lease_s)
         self.transfers: dict[str, _Outgoing] = {}
@@ -76,6 +77,9 @@ class PrefillWorker:
             first token already ends the request; transfers that ended: their blocks are freed)
         """
         outputs = self.engine.step(layer_done=self._send_layer) if self.engine.scheduler.has_work() else []
+        for o in outputs:  # the first token follows the last layer's KV: decode starts from both
+            if o.request_id in self.transfers and o.new_token_ids:
+                self.sender.end(o.request_id, {"first_token": o.new_token_ids[0]})
         self.sender.progress()
         ended = self.sender.pop_finished()
         for rid, _ in ended:

@@ -129,9 +129,10 @@ class PoolController:
         recent = [x for x in r.recent if x[0] >= now - self.cfg.window_s]
         ttfts = sorted(x[1] for x in recent if x[1] is not None)
         tpots = sorted(x[2] for x in recent if x[2] is not None)
-        used = sum(w.status.get("kv_blocks_used", 0) + w.reserved_blocks for w in ws)
-        total = sum(w.status.get("kv_blocks_total", 0) for w in ws)
-        return Signals(workers=len(ws), queued_prompt_tokens=sum(w.status.get("queued_prompt_tokens", 0) for w in ws),
+        reported = [w.status for w in ws if w.status is not None]
+        used = sum(s.kv_blocks_used for s in reported) + sum(w.reserved_blocks for w in ws)
+        total = sum(s.kv_blocks_total for s in reported)
+        return Signals(workers=len(ws), queued_prompt_tokens=sum(s.queued_prompt_tokens for s in reported),
                        ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
                        kv_utilization=used / total if total else 0.0, waiting_admission=r.queued,
                        tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None)

@@ -1,7 +1,10 @@
 """Cluster config (``deploy/local.yaml``): small frozen dataclasses, validated when loaded.
 
 Unknown keys and bad values fail at start with a message naming the key (``decode.replicas``),
-never deep inside a worker.
+never deep inside a worker. What the engine and the transfer layer own is not re-declared
+here: an engine setting's default is the engine config's (``_engine``), valid dtypes,
+speculative methods, transports and quantization names are their registries', and the lease
+default is kvtransfer's. ``router.pools.engine_configs`` maps the pools onto EngineConfig.
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.config import DTYPES, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kvtransfer.base import BUILTIN_TRANSPORTS, LEASE_S
 from router.autoscale import DecodeTargets, PrefillTargets
+
+
+def _engine(cls: type, name: str) -> Any:
+    """The engine's default for one of its config fields (declared there, once)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 class ConfigError(ValueError):
@@ -24,26 +34,25 @@ class PrefillPool:
     replicas: int = 1
     threads: int = 1
     kv_cache_gb: float = 0.5
-    block_size: int = 16
-    max_batched_tokens: int = 2048
+    block_size: int = _engine(CacheConfig, "block_size")
+    max_batched_tokens: int = _engine(SchedulerConfig, "max_num_batched_tokens")
 
 
 @dataclass(frozen=True)
 class DecodeSpeculative:
     """``decode.speculative``: speculative decoding on the decode workers (engine/spec)."""
 
-    method: str = "none"  # none | ngram | draft | layer_skip | quant_self
-    num_speculative_tokens: int = 4
+    method: str = "none"  # none | engine.config.SPECULATIVE_METHODS
+    num_speculative_tokens: int = _engine(SpeculativeConfig, "num_speculative_tokens")
     draft_model: str = ""  # method draft: an HF-format folder with the target's tokenizer
     draft_layers: int = 0  # method layer_skip: 0 = half the target's layers
-    draft_quantization: str = "int4"  # method quant_self
-    adaptive: bool = True
+    draft_quantization: str = _engine(SpeculativeConfig, "draft_quantization")  # method quant_self
+    adaptive: bool = _engine(SpeculativeConfig, "adaptive")
 
     def to_engine(self):
         """The engine's SpeculativeConfig, or None when off. Raises ValueError on bad values."""
         if self.method == "none":
             return None
-        from engine.config import SpeculativeConfig
         return SpeculativeConfig(method=self.method, num_speculative_tokens=self.num_speculative_tokens,
                                  draft_model=self.draft_model or None, draft_layers=self.draft_layers or None,
                                  draft_quantization=self.draft_quantization, adaptive=self.adaptive)
@@ -54,23 +63,23 @@ class DecodePool:
     replicas: int = 1
     threads: int = 1
     kv_cache_gb: float = 1.0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 2048
-    chunked_prefill: bool = True
+    block_size: int = _engine(CacheConfig, "block_size")
+    max_num_seqs: int = _engine(SchedulerConfig, "max_num_seqs")
+    max_batched_tokens: int = _engine(SchedulerConfig, "max_num_batched_tokens")
+    chunked_prefill: bool = _engine(SchedulerConfig, "enable_chunked_prefill")
     reserve_fraction: float = 1.0
     speculative: DecodeSpeculative = field(default_factory=DecodeSpeculative)
     # decode weights: none | int8 | int4 | int4-g64 | w8a8 (RTN at load) or a quantized checkpoint folder
     quantization: str = "none"
     # one-token steps through compiled kernels (fp32 CPU): faster batch-1 decode for a second
     # copy of the decoder weights in memory and a few seconds of compiling at worker start
-    compile_decode: bool = True
+    compile_decode: bool = _engine(EngineConfig, "compile_decode")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     transport: str = "ucx"
-    lease_s: float = 120.0
+    lease_s: float = LEASE_S
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,8 @@ class AutoscaleConfig:
 class ClusterConfig:
     mode: str = "disaggregated"
     model: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = _engine(EngineConfig, "dtype")
+    device: str = _engine(EngineConfig, "device")
     prefill: PrefillPool = field(default_factory=PrefillPool)
     decode: DecodePool = field(default_factory=DecodePool)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -110,20 +119,25 @@ class ClusterConfig:
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
 
+def _one_of(names) -> str:
+    *rest, last = names
+    return f"{', '.join(rest)} or {last}"
+
+
 # Per key: (check, what a valid value is). Keys are dotted paths.
 _RULES: dict[str, tuple[Any, str]] = {
     "mode": (lambda v: v in ("disaggregated", "colocated"), "disaggregated or colocated"),
     "model": (lambda v: v is None or (isinstance(v, str) and v), "null or a model folder path"),
-    "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    "dtype": (lambda v: v in DTYPES, _one_of(DTYPES)),
     "device": (lambda v: v in ("cpu", "cuda"), "cpu or cuda"),
-    "kv_transfer.transport": (lambda v: v in ("ucx", "zmq", "inproc"), "ucx, zmq or inproc"),
+    "kv_transfer.transport": (lambda v: v in BUILTIN_TRANSPORTS, _one_of(BUILTIN_TRANSPORTS)),
     "router.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535"),
     "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
-    "decode.speculative.method": (lambda v: v in ("none", "ngram", "draft", "layer_skip", "quant_self"),
-                                  "none, ngram, draft, layer_skip or quant_self"),
+    "decode.speculative.method": (lambda v: v in ("none", *SPECULATIVE_METHODS),
+                                  _one_of(("none", *SPECULATIVE_METHODS))),
     "decode.speculative.num_speculative_tokens": (lambda v: 1 <= v <= 8, "an integer in 1..8"),
     "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
     "decode.speculative.adaptive": (lambda v: isinstance(v, bool), "true or false"),

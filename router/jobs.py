@@ -1,18 +1,28 @@
 """One client request as the router tracks it across workers and attempts.
 
 A job owns its state: the prompt, what it has streamed so far, where it runs now and the
-events for it. Workers know it as ``<request_id>#<attempt>``: a re-run after a lost worker is
-a new attempt, so late records of the old one are told apart and dropped.
+events for it. Workers know it by a ``worker.protocol.Key`` (request id, attempt): a re-run
+after a lost worker is a new attempt, so late records of the old one are told apart and
+dropped.
 
-Events (``Job.events``), each ``(attempt, worker or None, record)``:
-    an output record from a worker (engine.step_loop.output_record / error_record),
-    ``{"lost": True}`` when a worker the job runs on was lost, ``{"abort": True}`` from Abort.
+Lifecycle (``Job.state``; the router's ``Generate`` drives it, router.server)::
+
+    PLACING ──reserved on decode, submitted to prefill (or one colocated worker)──► RUNNING
+    RUNNING ──a record with a final finish, Abort, a stop string across a re-run──► DONE
+    RUNNING ──worker lost, transfer failed──► PLACING again (attempt + 1; the prompt is now
+              prompt + every token already streamed) ... after MAX_ATTEMPTS: DONE (UNAVAILABLE)
+
+Events (``Job.events``), each ``(attempt, worker or None, event)``: a worker's record
+(``Tokens``/``Failed``), :class:`Lost` when a worker the job runs on was lost, :class:`Aborted`
+from Abort or shutdown. A decode worker's records may overtake the prefill's first token (two
+sockets): :meth:`Job.in_order` puts an attempt's records in output order by their ``start``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +30,28 @@ from typing import Any
 from engine.detokenizer import TextStream, tokens_through_stop
 from engine.request import SamplingParams
 from pdserve.v1 import pdserve_pb2 as pb
+from worker.protocol import Failed, Key, Tokens
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+class JobState(enum.Enum):
+    PLACING = "placing"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A worker the job runs on was lost (router.pools)."""
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """Abort, or the router stops."""
+
+
+Event = Tokens | Failed | Lost | Aborted
 
 
 @dataclass
@@ -40,7 +70,6 @@ class Job:
     cached_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-    finished: bool = False
     gaps: list[float] = field(default_factory=list)  # seconds between streamed token batches
     text: str = ""  # text streamed so far
     # After a re-run the new worker sees the streamed tokens as prompt: the router then makes
@@ -48,11 +77,14 @@ class Job:
     # and stop strings straddling the boundary come out right.
     stream: Any = None
     stopped: bool = False  # the router's stream found a stop string: finish with "stop"
+    state: JobState = JobState.PLACING
+    base: int = 0  # tokens streamed before this attempt
+    pending: dict[int, Tokens] = field(default_factory=dict)  # this attempt's records ahead of their turn
 
     @property
-    def key(self) -> str:
-        """The id workers know this attempt by."""
-        return f"{self.request_id}#{self.attempt}"
+    def key(self) -> Key:
+        """What workers know this attempt by."""
+        return Key(self.request_id, self.attempt)
 
     def inputs(self) -> tuple[list[int], SamplingParams]:
         """What the next attempt runs: the prompt plus every token already streamed, for what
@@ -66,6 +98,7 @@ class Job:
         """A new attempt follows: from now on the text is made here, continuing from the
         tokens and text already streamed (a held-back character or stop-string tail included)."""
         self.attempt += 1
+        self.state, self.base, self.pending = JobState.PLACING, len(self.generated), {}
         if self.stream is None and self.generated:
             self.stream = TextStream(tokenizer, self.params.stop)
             self.stream.step(self.generated)
@@ -74,17 +107,37 @@ class Job:
     def placed(self, prefill: Any, decode: Any) -> None:
         self.prefill, self.decode = prefill, decode
         self.prefill_id, self.decode_id = prefill.worker_id, decode.worker_id
+        self.state = JobState.RUNNING
 
-    def put(self, worker: Any, record: dict) -> None:
-        self.events.put_nowait((self.attempt, worker, record))
+    def put(self, worker: Any, event: Event) -> None:
+        self.events.put_nowait((self.attempt, worker, event))
 
-    def tokens(self, record: dict) -> pb.GenerateResponse | None:
+    @property
+    def finished(self) -> bool:
+        """Its last response is out (a rejected job never gets there)."""
+        return self.state is JobState.DONE
+
+    def in_order(self, record: Tokens) -> list[Tokens]:
+        """This attempt's records that are next in output order, ``record`` included once its
+        turn comes; a record already streamed (the same token from another worker) is dropped."""
+        at = len(self.generated) - self.base
+        if record.start < at:
+            return []
+        self.pending[record.start] = record
+        out = []
+        while at in self.pending:
+            r = self.pending.pop(at)
+            out.append(r)
+            at += len(r.tokens)
+        return out
+
+    def tokens(self, record: Tokens) -> pb.GenerateResponse | None:
         """The response for a record's new tokens and text (None when it has neither)."""
-        ids = record["tokens"]
-        text = record["text"]
+        ids = record.tokens
+        text = record.text
         if self.stream is not None:  # after a re-run: the router's own text (see ``stream``)
             # "prefilled" ends only the prefill side's part: decode goes on with this text
-            done = record.get("finish") not in (None, "prefilled")
+            done = record.finish not in (None, "prefilled")
             if self.stream.step(self.generated + ids, final=done):
                 if ids:
                     ids = ids[:tokens_through_stop(self.stream.tokenizer, self.generated + ids, len(ids),
@@ -96,7 +149,7 @@ class Job:
         now = time.monotonic()
         if ids and self.first_token_time is None:
             self.first_token_time = now
-            self.cached_tokens = record.get("cached_tokens", 0)
+            self.cached_tokens = record.cached_tokens
         if ids:
             if self.last_token_time is not None:
                 self.gaps.append(now - self.last_token_time)
@@ -116,7 +169,7 @@ class Job:
 
     def final(self, finish: str) -> pb.GenerateResponse:
         """The last response: finish reason and usage."""
-        self.finished = True
+        self.state = JobState.DONE
         n = len(self.generated)
         ttft, tpot = self.ttft or 0.0, self.tpot or 0.0
         usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=n,

@@ -2,7 +2,7 @@
 
 Request latencies are measured where the client sees them (the router): TTFT from arrival to
 the first token sent, TPOT as a request's mean gap after the first token, ITL each gap
-between token batches, e2e from arrival to the last message. Worker series (engine.metrics)
+between token batches, e2e from arrival to the last message. Worker series (worker.metrics)
 are read from the pools' latest heartbeats at scrape time.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.metrics import serve_metrics, worker_families
+from worker.metrics import serve_metrics, worker_families
 
 # Seconds; fine at the low end for TPOT/ITL, wide for TTFT/e2e of long prompts.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
@@ -68,4 +68,4 @@ class RouterMetrics:
         for (role, state), n in sorted(counts.items()):
             pools.add_metric([role, state], n)
         yield pools
-        yield from worker_families(({"worker": w.worker_id, "role": w.role}, dict(w.status)) for w in workers)
+        yield from worker_families(({"worker": w.worker_id, "role": w.role}, w.status, w.info) for w in workers)

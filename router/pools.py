@@ -3,7 +3,9 @@
 Lifecycle of a worker here (``Worker.state``)::
 
     starting (actor created, model loading) ──up──► ready ──lost──► dead ──up again──► ready
-                                                     (Ray restarts the actor; a fresh incarnation)
+                                                      │      (Ray restarts the actor; a fresh incarnation)
+                                                      └──drain──► draining ──holds nothing──► retired (removed)
+    Ray cannot bring it back (restarts exhausted, node gone), or lost while draining: gone.
 
 ``up`` means: its model info answered (same model as the others) and, for a decode worker,
 every ready prefill worker has connected to its KV receiver (a prefill worker coming up
@@ -12,8 +14,9 @@ or DEAD after its heartbeat went quiet, a heartbeat arrives from a new incarnati
 to it failed with a Ray actor error. The router then re-runs that worker's requests elsewhere
 (``on_lost``) and this module brings the restarted actor back.
 
-Every worker pushes ``[worker_id, incarnation, records, status]`` over zmq after each step with
-outputs and at least every 50 ms (engine.step_loop); one PULL socket here receives them all.
+Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
+step with outputs and at least every 50 ms (worker.step_loop); one PULL socket here receives
+them all, and a message that does not decode as a Report is dropped and counted.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.step_loop import WorkerOptions
 from router.config import ClusterConfig
 from router.placement import WorkerLoad
+from worker.protocol import MAX_REPORT_BYTES, Failed, ModelInfo, ProtocolError, Record, WorkerStatus, decode_report
+from worker.step_loop import RouterLink, WorkerOptions
 
 log = logging.getLogger("pdserve.router")
 
@@ -43,23 +47,22 @@ class Worker:
     worker_id: str
     role: str  # prefill, decode or colocated
     actor: Any
-    state: str = "starting"
+    state: str = "starting"  # starting, ready, draining, dead, gone (module docstring)
     incarnation: str | None = None
     address: str | None = None  # decode and colocated: the KV receiver's address
-    status: dict = field(default_factory=dict)
+    status: WorkerStatus | None = None  # its latest report's; None until one arrives
     last_seen: float = field(default_factory=time.monotonic)
     reserved_blocks: int = 0  # reserved by the router since the last heartbeat
     restarts: int = 0
-    draining: bool = False  # retiring: no new requests, exits once it holds none
-    info: dict = field(default_factory=dict)  # model_info() of its current incarnation
+    info: ModelInfo | None = None  # model_info() of its current incarnation
 
     def load(self) -> WorkerLoad:
         s = self.status
-        total, bs = s.get("kv_blocks_total", 0), s.get("block_size", 16)
-        free = total - s.get("kv_blocks_used", total) - self.reserved_blocks
-        return WorkerLoad(self.worker_id, self.role, max(0, free), total, bs,
-                          s.get("queued_prompt_tokens", 0), s.get("remaining_decode_tokens", 0),
-                          accepting=self.state == "ready")
+        if s is None:
+            return WorkerLoad(self.worker_id, self.role, 0, 0, 16, 0, 0, accepting=False)
+        free = s.kv_blocks_free - self.reserved_blocks
+        return WorkerLoad(self.worker_id, self.role, max(0, free), s.kv_blocks_total, s.block_size,
+                          s.queued_prompt_tokens, s.remaining_decode_tokens, accepting=self.state == "ready")
 
 
 def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
@@ -93,12 +96,13 @@ class Pools:
     """
 
     def __init__(self, cfg: ClusterConfig, model_path: str,
-                 on_records: Callable[[Worker, list[dict]], None],
+                 on_records: Callable[[Worker, list[Record]], None],
                  on_lost: Callable[[Worker], None]) -> None:
         self.cfg, self.model_path = cfg, model_path
         self.on_records, self.on_lost = on_records, on_lost
         self.workers: dict[str, Worker] = {}
-        self.model_info: dict = {}
+        self.model_info: ModelInfo | None = None  # the first worker's; every other must match it
+        self.bad_reports = 0  # messages on the report socket that were not a Report
         self._changed = asyncio.Event()  # replaced on every notify: waiters wake once each
         self._tasks: list[asyncio.Task] = []
         self._sock = None
@@ -113,6 +117,7 @@ class Pools:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPORT_BYTES)
         port = self._sock.bind_to_random_port(f"tcp://{ray.util.get_node_ip_address()}")
         address = f"tcp://{ray.util.get_node_ip_address()}:{port}"
         self._tasks.append(asyncio.create_task(self._receive(), name="pools-receive"))
@@ -145,7 +150,7 @@ class Pools:
         wid = f"{'prefill' if role == 'prefill' else 'decode'}-{self._next_index[role]}"
         self._next_index[role] += 1
         metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
-        opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, (self._address, wid), metrics,
+        opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
                              role == "colocated")
         cls, engine_cfg = (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
         actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=pool.threads,
@@ -167,8 +172,9 @@ class Pools:
         ready = [w for w in self.workers.values() if w.role == role and w.state == "ready"]
         if not ready:
             return None
-        w = min(ready, key=lambda w: (w.status.get("kv_blocks_used", 0), w.status.get("running", 0), w.worker_id))
-        w.state, w.draining = "draining", True
+        w = min(ready, key=lambda w: (w.status.kv_blocks_used, w.status.running, w.worker_id) if w.status
+                else (0, 0, w.worker_id))
+        w.state = "draining"
         self._tasks.append(asyncio.create_task(self._retire(w, holds), name=f"retire-{w.worker_id}"))
         return w
 
@@ -178,8 +184,8 @@ class Pools:
         while True:
             s = w.status
             # A heartbeat after draining began shows what it still holds.
-            if (w.last_seen > since and not holds(w) and not s.get("running") and not s.get("waiting")
-                    and not s.get("kv_blocks_used")) or w.state == "gone":
+            if (w.last_seen > since and not holds(w) and s is not None and not s.running and not s.waiting
+                    and not s.kv_blocks_used) or w.state == "gone":
                 break
             await asyncio.sleep(HEALTH_PERIOD_S)
         log.info("worker %s drained; retiring it", w.worker_id)
@@ -232,15 +238,18 @@ class Pools:
 
     # ---- liveness ----------------------------------------------------------------------------
     def lost(self, w: Worker, why: str) -> None:
-        """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background."""
+        """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background;
+        a draining worker is not brought back (it is gone, and its retirement completes)."""
         if w.state not in ("ready", "draining"):
             return
         log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
-        w.state, w.status, w.reserved_blocks = "dead", {}, 0
+        back = w.state == "ready"
+        w.state, w.status, w.reserved_blocks = "dead" if back else "gone", None, 0
         w.restarts += 1
         self.on_lost(w)
         self._notify()
-        self._tasks.append(asyncio.create_task(self._bring_up(w), name=f"up-{w.worker_id}"))
+        if back:
+            self._tasks.append(asyncio.create_task(self._bring_up(w), name=f"up-{w.worker_id}"))
 
     async def _bring_up(self, w: Worker) -> None:
         from ray.exceptions import ActorUnavailableError, RayActorError
@@ -255,15 +264,15 @@ class Pools:
                 w.state = "gone"
                 self._notify()
                 return
-        w.info, w.incarnation, w.last_seen = info, info["incarnation"], time.monotonic()
-        w.state = "draining" if w.draining else "ready"
+        w.info, w.incarnation, w.last_seen = info, info.incarnation, time.monotonic()
+        w.state = "ready"
         self._notify()
 
-    async def _connect(self, w: Worker) -> dict:
+    async def _connect(self, w: Worker) -> ModelInfo:
         """Check the worker's model and wire its KV connections; returns its model info."""
         info = await w.actor.model_info.remote()  # waits while its model loads
-        if self.model_info and info["fingerprint"] != self.model_info["fingerprint"]:
-            raise RuntimeError(f"{w.worker_id} serves another model: {info['model']}")
+        if self.model_info and info.fingerprint != self.model_info.fingerprint:
+            raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
         self.model_info = self.model_info or info
         if w.role != "prefill":
             w.address = await w.actor.address.remote()
@@ -287,23 +296,28 @@ class Pools:
                         self.lost(w, f"Ray reports it {state}")
 
     async def _receive(self) -> None:
-        import msgpack
         while True:
             msg = await self._sock.recv()
-            wid, incarnation, records, status = msgpack.unpackb(msg)
-            w = self.workers.get(wid)
+            try:
+                report = decode_report(msg)
+            except ProtocolError as e:  # never from our workers; whatever it is, it ends nothing
+                self.bad_reports += 1
+                log.warning("dropped a message on the report socket: %s", e)
+                continue
+            w = self.workers.get(report.worker_id)
             if w is None:
                 continue
-            if w.state in ("ready", "draining") and incarnation != w.incarnation:
+            if w.state in ("ready", "draining") and report.incarnation != w.incarnation:
                 self.lost(w, "it restarted")  # a new process: the old one's requests are gone
                 continue
-            if incarnation != w.incarnation:
+            if report.incarnation != w.incarnation:
                 continue  # starting, or a late message of a lost incarnation
-            freed = status.get("kv_blocks_used", 0) < w.status.get("kv_blocks_used", 0)
+            status = report.status
+            freed = w.status is not None and status.kv_blocks_used < w.status.kv_blocks_used
             w.status, w.reserved_blocks, w.last_seen = status, 0, time.monotonic()
-            if records:
-                self.on_records(w, records)
-            if freed or any(r["finish"] for r in records):
+            if report.records:
+                self.on_records(w, report.records)
+            if freed or any(isinstance(r, Failed) or r.finish for r in report.records):
                 self._notify()
 
 

@@ -1,11 +1,14 @@
 """The gRPC front door (``grpc.aio``): validate, place, relay, stream. No model code here.
 
-Lifecycle of a request in the router (``Job``)::
+One request, from ``Generate`` to its last token (the job's states: router.jobs)::
 
-    Generate ─validate─► admission (waits in a bounded queue while no decode worker can
-    reserve it; full queue: RESOURCE_EXHAUSTED) ─► decode.reserve ─► prefill.submit
-    ─► first token (prefill's record): streamed, relayed to decode.first_token
-    ─► decode's per-step records: streamed ─► finish: last response with usage.
+    Generate ─validate (router.requests)─► Job: PLACING
+      admission: waits in a bounded queue while no decode worker can reserve it (full queue:
+      RESOURCE_EXHAUSTED) ─► decode.reserve(key) ─► prefill.submit(key, decode address): RUNNING
+      prefill's first token (a Tokens record, finish "prefilled") ─► streamed at once
+      meanwhile the KV and, as its trailer, that first token go prefill → decode directly
+      (kvtransfer); decode starts from them and its per-step Tokens records stream in order
+      ─► a final finish: the last response, with usage: DONE
 
 Disaggregated mode places on a prefill and a decode worker; colocated mode on one worker that
 does both. A lost worker (see router.pools) or a failed KV transfer re-runs the job from its
@@ -31,10 +34,11 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.config import ClusterConfig
 from router.autoscale import PoolController
-from router.jobs import Job
+from router.jobs import Aborted, Job, Lost
 from router.placement import pick_decode, pick_prefill
 from router.pools import Pools, Worker
 from router.requests import Limits, prompt_ids, sampling_params
+from worker.protocol import Failed, Record, Tokens
 
 log = logging.getLogger("pdserve.router")
 
@@ -78,30 +82,29 @@ class Router(pb_grpc.GenerationServicer):
         await self.pools.start(progress)
         if self.autoscaler is not None:
             self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name="autoscale")
-        info = self.pools.model_info
-        self.limits = Limits(context_length=min(w.info["context_length"] for w in self.pools.workers.values()),
-                             vocab_size=info["vocab_size"], default_max_tokens=self.cfg.router.default_max_tokens)
+        self.limits = Limits(context_length=min(w.info.context_length for w in self.pools.workers.values()),
+                             vocab_size=self.pools.model_info.vocab_size,
+                             default_max_tokens=self.cfg.router.default_max_tokens)
 
     async def stop(self) -> None:
         if self.autoscaler is not None:
             self._autoscale_task.cancel()
         for job in list(self.jobs.values()):
-            job.put(None, {"abort": True})
+            job.put(None, Aborted())
         await self.pools.stop()
         self.metrics.stop()
 
     # ---- worker events -----------------------------------------------------------------------
-    def _on_records(self, worker: Worker, records: list[dict]) -> None:
+    def _on_records(self, worker: Worker, records: list[Record]) -> None:
         for r in records:
-            rid, _, attempt = r["id"].rpartition("#")
-            job = self.jobs.get(rid)
-            if job is not None and str(job.attempt) == attempt:
+            job = self.jobs.get(r.key.request_id)
+            if job is not None and job.attempt == r.key.attempt:  # else late, of an earlier attempt
                 job.put(worker, r)
 
     def _on_lost(self, worker: Worker) -> None:
         for job in self.jobs.values():
             if worker is job.prefill or worker is job.decode:
-                job.put(worker, {"lost": True})
+                job.put(worker, Lost())
 
     # ---- Generate ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -153,31 +156,34 @@ class Router(pb_grpc.GenerationServicer):
                  job.prefill_id or "-", job.decode_id or "-", job.attempt + 1)
 
     async def _run(self, job: Job):
+        """Drive the job: PLACING → RUNNING → DONE, or back to PLACING for a re-run."""
         while True:
             if len(job.generated) >= job.params.max_tokens:  # lost right after its last token
                 yield job.final("length")
                 return
             await self._place(job)
-            while True:
-                attempt, worker, r = await job.events.get()
-                if attempt != job.attempt:
-                    continue
-                if r.get("abort"):
-                    self._release(job)
-                    yield job.final("abort")
-                    return
-                if r.get("invalid"):  # the worker refused it as bad input: retrying cannot help
-                    self._release(job)
-                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, r.get("error", "invalid request"))
-                if r.get("lost") or r["finish"] == "error":
-                    why = "a worker was lost" if r.get("lost") else r.get("error", "error")
-                    self._release(job)
-                    job.rerun(self.tokenizer)
-                    if job.attempt >= MAX_ATTEMPTS:
-                        raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
-                    log.warning("rid=%s event=rerun attempt=%d reason=%r", job.request_id, job.attempt, why)
-                    self.metrics.retries.inc()
-                    break
+            async for response in self._stream(job):
+                yield response
+            if job.finished:
+                return
+
+    async def _stream(self, job: Job):
+        """RUNNING: this attempt's responses, until the job is DONE or must re-run."""
+        while True:
+            attempt, worker, event = await job.events.get()
+            if attempt != job.attempt:
+                continue
+            if isinstance(event, Aborted):
+                self._release(job)
+                yield job.final("abort")
+                return
+            if isinstance(event, Failed) and event.invalid:  # bad input: retrying cannot help
+                self._release(job)
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, event.error)
+            if isinstance(event, (Lost, Failed)):
+                self._rerun(job, "a worker was lost" if isinstance(event, Lost) else event.error)
+                return
+            for r in job.in_order(event):
                 response = job.tokens(r)
                 if response is not None:
                     yield response
@@ -185,13 +191,18 @@ class Router(pb_grpc.GenerationServicer):
                     self._release(job)
                     yield job.final("stop")
                     return
-                if worker is job.prefill and worker is not job.decode:
-                    if r["tokens"]:  # the first token: decode goes on from it
-                        job.decode.actor.first_token.remote(job.key, r["tokens"][0])
-                    continue
-                if r["finish"]:
-                    yield job.final(r["finish"])
+                if r.finish not in (None, "prefilled"):  # from either worker: the first token may end it
+                    yield job.final(r.finish)
                     return
+
+    def _rerun(self, job: Job, why: str) -> None:
+        """Free the attempt's blocks and go back to PLACING (or fail after MAX_ATTEMPTS)."""
+        self._release(job)
+        job.rerun(self.tokenizer)
+        if job.attempt >= MAX_ATTEMPTS:
+            raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
+        log.warning("rid=%s event=rerun attempt=%d reason=%r", job.request_id, job.attempt, why)
+        self.metrics.retries.inc()
 
     def _release(self, job: Job) -> None:
         """Abort the job's current attempt wherever it may hold blocks (idempotent there)."""
@@ -265,30 +276,30 @@ class Router(pb_grpc.GenerationServicer):
         job = self.jobs.get(request.request_id)
         if job is None:
             return pb.AbortResponse(found=False)
-        job.put(None, {"abort": True})
+        job.put(None, Aborted())
         return pb.AbortResponse(found=True)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         info = self.pools.model_info
         # Quantization and speculation are decode-side: a decode (or colocated) worker's say.
         dec = next((w.info for w in self.pools.workers.values() if w.role != "prefill" and w.info), info)
-        return pb.ModelInfo(model=Path(info["model"]).name, context_length=self.limits.context_length,
-                            vocab_size=info["vocab_size"], dtype=info["dtype"],
-                            quantization=str(dec.get("quantization", "none")),
-                            speculative=str(dec.get("speculative", "none")), block_size=info["block_size"],
-                            kernels=str(dec.get("kernels", "")))
+        return pb.ModelInfo(model=Path(info.model).name, context_length=self.limits.context_length,
+                            vocab_size=info.vocab_size, dtype=info.dtype, quantization=dec.quantization,
+                            speculative=dec.speculative, block_size=info.block_size, kernels=dec.kernels)
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
         workers = []
         for w in self.pools.workers.values():
-            s = w.status
-            workers.append(pb.WorkerStatus(
-                worker_id=w.worker_id, role=w.role, state=w.state, running=s.get("running", 0),
-                waiting=s.get("waiting", 0), kv_blocks_used=s.get("kv_blocks_used", 0),
-                kv_blocks_total=s.get("kv_blocks_total", 0), tokens_per_s=s.get("tokens_per_s", 0.0),
-                metrics_address=s.get("metrics_address") or "", restarts=w.restarts,
-                speculative_acceptance=(s.get("speculative") or {}).get("acceptance_rate") or 0.0,
-                speculative_tokens_per_verify=(s.get("speculative") or {}).get("mean_tokens_per_verify") or 0.0))
+            ws = pb.WorkerStatus(worker_id=w.worker_id, role=w.role, state=w.state, restarts=w.restarts)
+            if (s := w.status) is not None:
+                spec = s.speculative or {}
+                ws.MergeFrom(pb.WorkerStatus(
+                    running=s.running, waiting=s.waiting, kv_blocks_used=s.kv_blocks_used,
+                    kv_blocks_total=s.kv_blocks_total, tokens_per_s=s.tokens_per_s,
+                    metrics_address=s.metrics_address or "",
+                    speculative_acceptance=spec.get("acceptance_rate") or 0.0,
+                    speculative_tokens_per_verify=spec.get("mean_tokens_per_verify") or 0.0))
+            workers.append(ws)
         return pb.ClusterStatus(mode=self.cfg.mode, workers=workers, metrics_address=self.metrics.address or "",
                                 queued_requests=self.queued, active_requests=len(self.jobs),
                                 autoscale_events=list(self.autoscaler.events) if self.autoscaler else [])

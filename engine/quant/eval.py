@@ -76,19 +76,6 @@ def perplexity(model: nn.Module, ids: Sequence[int], window: int = 512, stride: 
 
 
 @torch.inference_mode()
-def greedy_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], new_tokens: int = 32) -> list[list[int]]:
-    """Greedy continuations (recomputes the whole sequence per token: for evaluation only)."""
-    fwd = SequenceForward(model)
-    out = []
-    for p in prompts:
-        ids = list(p)
-        for _ in range(new_tokens):
-            ids.append(int(fwd.logits(ids)[-1].argmax()))
-        out.append(ids[len(p):])
-    return out
-
-
-@torch.inference_mode()
 def greedy_agreement(model: nn.Module, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> float:
     """Fraction of reference tokens the model's argmax reproduces, under teacher forcing."""
     fwd = SequenceForward(model)

@@ -309,11 +309,6 @@ def choose_act_dtype(model: nn.Module, rows: int = 1, candidates=(torch.bfloat16
     return chosen
 
 
-def fp_linear_bytes(linear: nn.Module) -> int:
-    """Bytes of a full-precision linear's parameters."""
-    return sum(p.numel() * p.element_size() for p in linear.parameters(recurse=False))
-
-
 def reference_forward(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """The dequantized reference: ``F.linear(x, dequantize(W), bias)`` in fp32 (for tests); for
     INT4 with the scales/offsets at the precision the kernel stores them (bf16)."""

@@ -124,7 +124,6 @@ def build_spec_decoder(config: SpeculativeConfig, engine) -> SpecDecoder:
 
     Raises:
         ModelLoadError: a draft model that cannot be used (e.g. a different tokenizer).
-        NotImplementedError: ``quant_self`` without the quantization package.
     """
     from engine.spec.registry import build_proposer
     return SpecDecoder(config, build_proposer(config, engine))

@@ -157,9 +157,9 @@ def test_killed_decode_worker_its_streams_complete_identically(stub, cluster, gr
         assert time.monotonic() < deadline
         time.sleep(0.01)
     pools = cluster.router.pools
-    victim = max((w for w in pools.workers.values() if w.role == "decode"), key=lambda w: w.status["running"])
-    assert victim.status["running"] > 0
-    os.kill(victim.status["pid"], signal.SIGKILL)
+    victim = max((w for w in pools.workers.values() if w.role == "decode"), key=lambda w: w.status.running)
+    assert victim.status.running > 0
+    os.kill(victim.status.pid, signal.SIGKILL)
     for t in threads:
         t.join(timeout=600)  # hang guards only
     for i, (_, ref) in enumerate(greedy_reference):

@@ -60,8 +60,9 @@ class Child:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
-    def wait_for(self, prefix: str, pump: Callable[[], None] = lambda: None, timeout: float = 20.0) -> list[str]:
-        """Run ``pump`` until the child prints a line starting with ``prefix``; its words."""
+    def wait_for(self, prefix: str, pump: Callable[[], None] = lambda: None, timeout: float = 120.0) -> list[str]:
+        """Run ``pump`` until the child prints a line starting with ``prefix``; its words. The
+        timeout guards a hang only: a child importing torch on a loaded 2-core box takes a while."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             pump()

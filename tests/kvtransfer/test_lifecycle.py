@@ -17,7 +17,7 @@ import torch
 from engine.kv_cache import BlockManager, allocate_kv_tensors
 from kvtransfer.base import TRANSPORTS, FrameTransport, KVLayout, TransferState, _load_builtin, get_transport
 from kvtransfer.format import encode_frames, gather_layer
-from kvtransfer.receiver import KVReceiver
+from kvtransfer.receiver import KVReceiver, encode_control
 from kvtransfer.sender import KVSender, LayoutMismatch
 
 _load_builtin()
@@ -155,6 +155,42 @@ def test_full_transfer_streams_layer_by_layer(net, dtype, start):
     for side, blocks in ((pre, pblocks), (dec, dblocks)):
         side.bm.free(blocks)
         assert side.bm.num_used_blocks == 0
+
+
+def test_a_trailer_completes_the_transfer_and_reaches_the_receivers_caller(net):
+    """Decode's first token travels as the trailer: a transfer expected with one is DONE only
+    once every frame and the trailer are in, and the receiver hands the trailer over once."""
+    pre, dec = Side(layout(4)), Side(layout(8))
+    tx, rx = net("sender", pre), net("receiver", dec)
+    handshake(tx, rx)
+    pblocks, dblocks = pre.reserve(9), dec.reserve(9)
+    pre.fill_random(pblocks, 9, seed=4)
+    rx.expect("t", dblocks, 9, trailer=True)
+    tx.begin("t", rx.address, 9)
+    send_layers(tx, pre, pblocks, "t", 0, 9)
+    pump(tx, rx, until=lambda: rx._transfers["t"].missing == 0)  # every frame in, but no trailer:
+    assert (tx.poll("t"), rx.poll("t")) == (T, T) and rx.take_trailer("t") is None  # not DONE, no ack
+    assert tx.end("t", {"first_token": 42})
+    pump(tx, rx, until=lambda: tx.poll("t") == D)
+    assert rx.pop_finished() == [("t", D)] and tx.pop_finished() == [("t", D)]
+    assert rx.take_trailer("t") == {"first_token": 42} and rx.take_trailer("t") is None
+    assert_same(pre, pblocks, dec, dblocks, 0, 9)
+    assert not tx.end("t", {"first_token": 1})  # ended: nothing sent
+    with pytest.raises(ValueError):
+        tx.begin("u", rx.address, 1)
+        tx.end("u", ["not", "a", "map"])
+
+
+def test_a_trailer_that_is_not_a_map_fails_the_transfer(net):
+    pre, dec = Side(layout(4)), Side(layout(8))
+    tx, rx = net("sender", pre), net("receiver", dec)
+    handshake(tx, rx)
+    pblocks, dblocks = pre.reserve(5), dec.reserve(5)
+    rx.expect("t", dblocks, 5, trailer=True)
+    tx.begin("t", rx.address, 5)
+    tx.transport.send(tx._peers[rx.address][0], encode_control("end", id="t", trailer=7))  # not a map
+    pump(tx, rx, until=lambda: tx.poll("t") == F and rx.poll("t") == F)
+    assert "trailer" in rx.error("t") and rx.take_trailer("t") is None
 
 
 def test_two_concurrent_transfers_from_two_senders(net):

@@ -63,6 +63,7 @@ def test_controller_grows_and_drains_through_the_pools():
 
     from router.autoscale import PoolController
     from router.config import load_config
+    from worker.protocol import WorkerStatus
     cfg = load_config(None, {"autoscale.enabled": True, "autoscale.prefill.up_delay_s": 1.0,
                              "autoscale.prefill.down_delay_s": 1.0, "autoscale.decode.down_delay_s": 100.0,
                              "autoscale.prefill.target_queued_tokens": 100}).autoscale
@@ -72,11 +73,11 @@ def test_controller_grows_and_drains_through_the_pools():
             self.workers = {}
             for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
                 self.workers[wid] = SimpleNamespace(worker_id=wid, role=role, state="ready", reserved_blocks=0,
-                                                    status={"queued_prompt_tokens": 0, "kv_blocks_used": 50,
-                                                            "kv_blocks_total": 100})
+                                                    status=WorkerStatus(role, "i", 1, kv_blocks_used=50,
+                                                                        kv_blocks_total=100, block_size=16))
 
         def grow(self, role):
-            w = SimpleNamespace(worker_id=f"{role}-new", role=role, state="ready", reserved_blocks=0, status={})
+            w = SimpleNamespace(worker_id=f"{role}-new", role=role, state="ready", reserved_blocks=0, status=None)
             self.workers[w.worker_id] = w
             return w
 
@@ -85,9 +86,9 @@ def test_controller_grows_and_drains_through_the_pools():
             return w
     router = SimpleNamespace(pools=Pools(), recent=[], queued=0, colocated=False, holds=lambda w: False)
     ctl = PoolController(router, cfg)
-    router.pools.workers["prefill-0"].status["queued_prompt_tokens"] = 5000
+    router.pools.workers["prefill-0"].status.queued_prompt_tokens = 5000
     assert ctl.step(0.0) == [] and ctl.step(0.5) == []
     assert ctl.step(1.0) == ["prefill +1 (prefill-new): queued prompt tokens 5000/worker > 100"]
-    router.pools.workers["prefill-0"].status["queued_prompt_tokens"] = 0
+    router.pools.workers["prefill-0"].status.queued_prompt_tokens = 0
     assert ctl.step(2.0) == [] and ctl.step(3.1)[0].startswith("prefill -1 (draining prefill-new)")
     assert len(ctl.events) == 2 and "prefill-new" not in router.pools.workers

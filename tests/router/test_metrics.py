@@ -10,14 +10,20 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtransfer.base import TransferStats
 from router.metrics import RouterMetrics
+from worker.protocol import ModelInfo, Report, WorkerStatus, decode_report, encode_report
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 
-STATUS = {"role": "decode", "running": 2, "waiting": 1, "queued_prompt_tokens": 0, "kv_blocks_used": 10,
-          "kv_blocks_total": 100, "generated_tokens": 50, "tokens_per_s": 3.0, "prefix_query_tokens": 64,
-          "prefix_hit_tokens": 16, "kv_transfer": {"done": 3, "failed": 1, "bytes": 3000, "seconds": 0.5},
-          "speculative": {"acceptance_rate": 0.5}}
+# What a worker reports, through the protocol's codec: a renamed field fails here, not in production.
+STATUS = decode_report(encode_report(Report("decode-0", "i", [], WorkerStatus(
+    role="decode", incarnation="i", pid=1, running=2, waiting=1, queued_prompt_tokens=0, kv_blocks_used=10,
+    kv_blocks_total=100, block_size=16, generated_tokens=50, tokens_per_s=3.0, prefix_query_tokens=64,
+    prefix_hit_tokens=16, kv_transfer=TransferStats(done=3, failed=1, bytes=3000, seconds=0.5),
+    speculative={"acceptance_rate": 0.5})))).status
+INFO = ModelInfo(model="m", fingerprint="f", incarnation="i", context_length=2048, vocab_size=100, dtype="float32",
+                 block_size=16, speculative="ngram-k4", quantization="int8")
 
 
 def exported(workers) -> dict[str, list]:
@@ -31,7 +37,7 @@ def exported(workers) -> dict[str, list]:
 
 
 def test_worker_series_carry_labels_and_values():
-    w = SimpleNamespace(worker_id="decode-0", role="decode", state="ready", status=STATUS)
+    w = SimpleNamespace(worker_id="decode-0", role="decode", state="ready", status=STATUS, info=INFO)
     samples = exported({"decode-0": w})
     assert samples["pdserve_worker_kv_blocks_free"].value == 90
     assert samples["pdserve_worker_kv_blocks_free"].labels == {"worker": "decode-0", "role": "decode"}
@@ -40,13 +46,15 @@ def test_worker_series_carry_labels_and_values():
     assert samples["pdserve_kv_transfer_failed_total"].value == 1
     assert samples["pdserve_pool_workers"].labels == {"role": "decode", "state": "ready"}
     assert samples["pdserve_admission_queue_requests"].value == 1
+    assert samples["pdserve_worker_info"].labels == {"worker": "decode-0", "role": "decode", "quantization": "int8",
+                                                     "speculative": "ngram-k4"}
     # A worker that has not reported yet exports nothing rather than zeros.
     assert "pdserve_worker_running_requests" not in exported(
-        {"x": SimpleNamespace(worker_id="x", role="prefill", state="starting", status={})})
+        {"x": SimpleNamespace(worker_id="x", role="prefill", state="starting", status=None, info=None)})
 
 
 def test_dashboard_queries_only_exported_series():
-    w = SimpleNamespace(worker_id="decode-0", role="decode", state="ready", status=STATUS)
+    w = SimpleNamespace(worker_id="decode-0", role="decode", state="ready", status=STATUS, info=INFO)
     names = set(exported({"decode-0": w}))
     dash = json.loads(DASHBOARD.read_text())
     used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"pdserve_[a-z0-9_]+", t["expr"])}

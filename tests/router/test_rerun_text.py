@@ -7,6 +7,9 @@ from __future__ import annotations
 from engine.detokenizer import TextStream
 from engine.request import SamplingParams
 from router.jobs import Job
+from worker.protocol import Key, Tokens
+
+KEY = Key("r")  # Job.tokens reads only what the records carry
 
 TEXT = "Weather: 🦩 sunny, then STOP and more words after it."  # the flamingo takes 3 tokens
 
@@ -20,9 +23,8 @@ def _worker_records(tokenizer, ids, stop, finish_at=None, prefilled=False):
     for k in range(1, len(ids) + 1):
         done = k == finish_at
         s.step(ids[:k], final=done)
-        recs.append({"tokens": [ids[k - 1]], "text": s.delta(done), "finish": "length" if done else None})
-    if prefilled:
-        recs[0]["finish"] = "prefilled"
+        finish = "length" if done else "prefilled" if prefilled and k == 1 else None
+        recs.append(Tokens(KEY, k - 1, [ids[k - 1]], s.delta(done), finish))
     return recs
 
 
@@ -82,6 +84,6 @@ def test_without_a_rerun_the_worker_text_is_passed_through(tokenizer):
     ids = tokenizer(TEXT)["input_ids"]
     job = Job("r", [1], SamplingParams(max_tokens=len(ids)))
     recs = _worker_records(tokenizer, ids, [], finish_at=len(ids))
-    recs[0]["text"] = "<worker text>"  # whatever the worker says is what the client gets
+    recs[0].text = "<worker text>"  # whatever the worker says is what the client gets
     text = "".join(r.text for r in map(job.tokens, recs) if r is not None)
     assert job.stream is None and text.startswith("<worker text>")

@@ -39,9 +39,8 @@ def _run_pair(model_path, tokenizer, decode: LLMEngine, connect) -> tuple[list[l
         deadline = time.monotonic() + 120
         while len(finished) < len(PROMPTS) or pw.transfers:
             assert time.monotonic() < deadline, "workers did not finish"
-            for o in pw.step()[0]:
+            for o in pw.step()[0]:  # decode gets the first token with the KV
                 tokens[o.request_id] = list(o.token_ids)
-                dw.first_token(o.request_id, o.token_ids[0])
             for o in dw.step():
                 tokens[o.request_id] = list(o.token_ids)
                 if o.finished:

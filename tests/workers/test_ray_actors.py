@@ -1,6 +1,7 @@
 """The worker cores as real Ray actors (placed by the `prefill` / `decode` custom resources):
-the test plays the router's part — reserve on decode, submit to prefill, relay the first
-token, collect per-step token batches — and gets one engine's greedy output, leak-free."""
+the test plays the router's part — reserve on decode, submit to prefill, collect per-step
+typed records (the first token reaches decode with the KV) — and gets one engine's greedy
+output, leak-free."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.request import SamplingParams
-from engine.step_loop import WorkerOptions
+from worker.protocol import Key, Tokens
+from worker.step_loop import WorkerOptions
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
@@ -30,29 +32,32 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
         ray.get(prefill.connect.remote(address))
         for rid, text in zip(want, PROMPTS):
             ids = tokenizer(text)["input_ids"]
-            assert ray.get(decode.reserve.remote(rid, ids, sp))
-            prefill.submit.remote(rid, ids, sp, address)
-        tokens: dict[str, list[int]] = {}
+            key = Key(rid, attempt=1)
+            assert ray.get(decode.reserve.remote(key, ids, sp))
+            prefill.submit.remote(key, ids, sp, address)
+        first: dict[str, list[int]] = {}
+        rest: dict[str, list[int]] = {rid: [] for rid in want}
         done: set[str] = set()
         deadline = time.monotonic() + 120
         while len(done) < len(want):
             assert time.monotonic() < deadline, "actors did not finish"
             for r in ray.get(prefill.poll.remote()):
-                assert r["finish"] == "prefilled" and len(r["tokens"]) == 1, r
-                tokens[r["id"]] = list(r["tokens"])
-                decode.first_token.remote(r["id"], r["tokens"][0])
+                assert isinstance(r, Tokens) and r.key.attempt == 1, r
+                assert r.finish == "prefilled" and r.start == 0 and len(r.tokens) == 1, r
+                first[r.key.request_id] = r.tokens
             for r in ray.get(decode.poll.remote()):
-                assert r["finish"] != "error", r
-                tokens[r["id"]] += r["tokens"]
-                if r["finish"]:
-                    done.add(r["id"])
+                assert isinstance(r, Tokens) and r.key.attempt == 1, r
+                assert r.start == 1 + len(rest[r.key.request_id])  # decode goes on after the first token
+                rest[r.key.request_id] += r.tokens
+                if r.finish:
+                    done.add(r.key.request_id)
             time.sleep(0.01)
-        assert tokens == want
+        assert {rid: first[rid] + rest[rid] for rid in want} == want
         end = time.monotonic() + 60  # hang guard only
-        while ray.get(prefill.status.remote())["kv_blocks_used"]:  # acks may still be in flight
+        while ray.get(prefill.status.remote()).kv_blocks_used:  # acks may still be in flight
             assert time.monotonic() < end, "prefill blocks not released"
             time.sleep(0.05)
-        assert ray.get(decode.status.remote())["kv_blocks_used"] == 0
+        assert ray.get(decode.status.remote()).kv_blocks_used == 0
     finally:
         for a in (prefill, decode):
             ray.get(a.shutdown.remote())

@@ -1,4 +1,4 @@
-"""Prometheus metric families built from a worker's status report (``StepLoop.status``).
+"""Prometheus metric families built from a worker's status (``worker.protocol.WorkerStatus``).
 
 One definition serves both places that show worker metrics: each worker's own ``/metrics``
 and the router's, which repeats every worker's (labelled ``worker``, ``role``) so that one
@@ -11,46 +11,48 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-# name, kind, help, value from a status dict (None: not reported by this worker)
-_WORKER_SERIES: list[tuple[str, str, str, Callable[[dict], Any]]] = [
-    ("pdserve_worker_running_requests", "gauge", "Requests in the worker's running batch",
-     lambda s: s.get("running")),
+from worker.protocol import ModelInfo, WorkerStatus
+
+# name, kind, help, value from a status (None: not reported by this worker)
+_WORKER_SERIES: list[tuple[str, str, str, Callable[[WorkerStatus], Any]]] = [
+    ("pdserve_worker_running_requests", "gauge", "Requests in the worker's running batch", lambda s: s.running),
     ("pdserve_worker_waiting_requests", "gauge", "Requests waiting for compute or for their KV",
-     lambda s: s.get("waiting")),
+     lambda s: s.waiting),
     ("pdserve_worker_queued_prompt_tokens", "gauge", "Prompt tokens not yet prefilled",
-     lambda s: s.get("queued_prompt_tokens")),
-    ("pdserve_worker_kv_blocks_used", "gauge", "KV cache blocks in use", lambda s: s.get("kv_blocks_used")),
-    ("pdserve_worker_kv_blocks_free", "gauge", "KV cache blocks free",
-     lambda s: s["kv_blocks_total"] - s["kv_blocks_used"] if "kv_blocks_total" in s else None),
+     lambda s: s.queued_prompt_tokens),
+    ("pdserve_worker_kv_blocks_used", "gauge", "KV cache blocks in use", lambda s: s.kv_blocks_used),
+    ("pdserve_worker_kv_blocks_free", "gauge", "KV cache blocks free", lambda s: s.kv_blocks_free),
     ("pdserve_worker_generated_tokens", "counter", "Tokens this worker sent to the router",
-     lambda s: s.get("generated_tokens")),
+     lambda s: s.generated_tokens),
     ("pdserve_worker_tokens_per_second", "gauge", "Tokens sent over the last 5 s, per second",
-     lambda s: s.get("tokens_per_s")),
+     lambda s: s.tokens_per_s),
     ("pdserve_worker_prefix_cache_query_tokens", "counter", "Prompt tokens looked up in the prefix cache",
-     lambda s: s.get("prefix_query_tokens")),
+     lambda s: s.prefix_query_tokens),
     ("pdserve_worker_prefix_cache_hit_tokens", "counter", "Prompt tokens found in the prefix cache",
-     lambda s: s.get("prefix_hit_tokens")),
+     lambda s: s.prefix_hit_tokens),
     ("pdserve_worker_prefix_cache_hit_ratio", "gauge", "Prefix cache hit tokens / query tokens",
-     lambda s: s["prefix_hit_tokens"] / s["prefix_query_tokens"] if s.get("prefix_query_tokens") else None),
+     lambda s: s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else None),
     ("pdserve_kv_transfer_bytes", "counter", "KV bytes sent (prefill) or received (decode)",
-     lambda s: s.get("kv_transfer", {}).get("bytes")),
+     lambda s: s.kv_transfer.bytes if s.kv_transfer else None),
     ("pdserve_kv_transfer_seconds", "counter", "Time from first byte to completion, completed transfers",
-     lambda s: s.get("kv_transfer", {}).get("seconds")),
+     lambda s: s.kv_transfer.seconds if s.kv_transfer else None),
     ("pdserve_kv_transfer_completed", "counter", "KV transfers acknowledged complete",
-     lambda s: s.get("kv_transfer", {}).get("done")),
+     lambda s: s.kv_transfer.done if s.kv_transfer else None),
     ("pdserve_kv_transfer_failed", "counter", "KV transfers failed (lease, bad frame, abort, dead peer)",
-     lambda s: s.get("kv_transfer", {}).get("failed")),
+     lambda s: s.kv_transfer.failed if s.kv_transfer else None),
     ("pdserve_kv_transfer_bytes_per_second", "gauge", "Mean KV transfer rate of completed transfers",
-     lambda s: (s["kv_transfer"]["bytes"] / s["kv_transfer"]["seconds"])
-     if s.get("kv_transfer", {}).get("seconds") else None),
+     lambda s: s.kv_transfer.bytes / s.kv_transfer.seconds if s.kv_transfer and s.kv_transfer.seconds else None),
     ("pdserve_speculative_acceptance_ratio", "gauge", "Draft tokens accepted / proposed",
-     lambda s: s.get("speculative", {}).get("acceptance_rate") if isinstance(s.get("speculative"), dict) else None),
+     lambda s: s.speculative.get("acceptance_rate") if s.speculative else None),
 ]
 
+WorkerView = tuple[dict[str, str], WorkerStatus | None, ModelInfo | None]
 
-def worker_families(workers: Iterable[tuple[dict[str, str], dict]]) -> list:
-    """Metric families for ``(labels, status)`` pairs (labels e.g. ``{"worker": "decode-0",
-    "role": "decode"}``); every pair must carry the same label names."""
+
+def worker_families(workers: Iterable[WorkerView]) -> list:
+    """Metric families for ``(labels, status, model info)`` of each worker (labels e.g.
+    ``{"worker": "decode-0", "role": "decode"}``; every worker carries the same label names;
+    status and info are None until it has reported them)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     workers = list(workers)
     if not workers:
@@ -59,17 +61,16 @@ def worker_families(workers: Iterable[tuple[dict[str, str], dict]]) -> list:
     out = []
     for name, kind, doc, get in _WORKER_SERIES:
         fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=names)
-        for labels, status in workers:
-            value = get(status) if status else None
+        for labels, status, _ in workers:
+            value = get(status) if status is not None else None
             if value is not None:
                 fam.add_metric([labels[n] for n in names], float(value))
         out.append(fam)
     info = GaugeMetricFamily("pdserve_worker_info", "Worker identity: role, model, quantization, "
                              "speculative method (value 1)", labels=names + ["quantization", "speculative"])
-    for labels, status in workers:
-        spec = status.get("speculative") if isinstance(status.get("speculative"), dict) else {}
-        info.add_metric([labels[n] for n in names] + [str(status.get("quantization", "none")),
-                                                      str(spec.get("method", "none"))], 1.0)
+    for labels, _, model in workers:
+        if model is not None:
+            info.add_metric([labels[n] for n in names] + [model.quantization, model.speculative], 1.0)
     out.append(info)
     return out
 
@@ -77,11 +78,12 @@ def worker_families(workers: Iterable[tuple[dict[str, str], dict]]) -> list:
 class WorkerCollector:
     """A prometheus_client collector reading one worker's status at scrape time."""
 
-    def __init__(self, labels: dict[str, str], status: Callable[[], dict]) -> None:
-        self.labels, self.status = labels, status
+    def __init__(self, labels: dict[str, str], status: Callable[[], WorkerStatus | None],
+                 info: Callable[[], ModelInfo]) -> None:
+        self.labels, self.status, self.info = labels, status, info
 
     def collect(self):
-        yield from worker_families([(self.labels, self.status())])
+        yield from worker_families([(self.labels, self.status(), self.info())])
 
 
 def serve_metrics(source: Any, host: str, port: int) -> tuple[Any, int]:

@@ -1,0 +1,35 @@
+"""What both worker actors share: build the engine and the KV transport, start the step loop.
+
+An actor class says only which role it plays (``_make``: the worker core around the engine)
+and which calls it answers; Ray-specific setup lives here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.config import EngineConfig
+from kvtransfer.base import LEASE_S, FrameTransport
+from worker.step_loop import StepLoop, WorkerOptions
+
+
+class WorkerActor(StepLoop):
+    """Base of ``PrefillActor`` and ``DecodeActor`` (each wrapped by ``ray.remote``)."""
+
+    def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
+        import ray
+        import torch
+
+        from engine.llm_engine import LLMEngine
+        from kvtransfer.base import get_transport
+        torch.set_num_threads(options.threads)  # several workers share a node's cores
+        if options.metrics is not None and not options.metrics[0]:  # "": this node's address
+            options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
+        lease_s = LEASE_S if options.lease_s is None else options.lease_s
+        self._start(self._make(LLMEngine(config, progress=False), get_transport(options.transport), lease_s,
+                               options), options)
+
+    def _make(self, engine: Any, transport: FrameTransport, lease_s: float, options: WorkerOptions) -> Any:
+        """The worker core (``PrefillWorker``, ``DecodeWorker``) around a loaded engine."""
+        raise NotImplementedError

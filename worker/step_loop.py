@@ -1,0 +1,268 @@
+"""A worker core stepped by a background thread, with one lock for every outside call.
+
+Both worker kinds' Ray actors build on it (``worker.actor``): the loop keeps stepping (engine
+and network) while actor methods (reserve, submit, abort, status...) run between steps.
+Outputs leave as typed records (``worker.protocol``) in per-step batches, pushed over zmq to
+the router named at start (else kept for :meth:`StepLoop.poll`), never one call per token.
+
+The loop knows each live request by its :class:`~worker.protocol.Key` (``keys``: engine id →
+key, from the call that brought it here until it leaves), so records carry the attempt as a
+field and nothing parses ids.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from engine.llm_engine import RequestOutput
+from engine.quant import quantization_name
+from engine.request import RequestStatus
+from worker.protocol import Failed, Key, ModelInfo, Record, Report, Tokens, WorkerStatus, encode_report
+
+log = logging.getLogger("pdserve.worker")
+
+TOKEN_RATE_WINDOW_S = 5.0
+HEARTBEAT_S = 0.05  # an idle worker's load report interval
+
+
+@dataclass(frozen=True)
+class RouterLink:
+    """Where a worker pushes its reports, and the id the router knows it by."""
+
+    address: str  # the router's zmq PULL socket
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a worker actor runs, besides its engine config."""
+
+    transport: str = "ucx"  # KV transport by name (kvtransfer.base.get_transport)
+    lease_s: float | None = None  # KV transfer lease, the same on both sides; None: kvtransfer's LEASE_S
+    threads: int = 1  # torch threads: several workers share a node's cores
+    router: RouterLink | None = None  # None: records wait for poll()
+    metrics: tuple[str, int] | None = None  # serve /metrics on (host, port; 0 = a free port)
+    colocated: bool = False  # decode workers only: also prefill (mode: colocated)
+
+
+class StepLoop:
+    """Drives ``worker.step()`` in a thread. ``worker`` needs ``engine``, ``step``, ``close``.
+
+    Subclasses turn ``step()``'s result into records (``_records``) and may say when there is
+    work beyond the engine's own (``_busy``). Actor methods that touch the worker go through
+    :meth:`_call`: the loop runs them between two steps, in arrival order, so a busy loop never
+    starves them (a plain lock would let the loop take it back step after step).
+    """
+
+    role = "worker"
+
+    def _start(self, worker: Any, options: WorkerOptions) -> None:
+        """Start stepping ``worker``; with ``options.router`` push reports there, with
+        ``options.metrics`` serve ``/metrics``."""
+        self.worker = worker
+        self.options = options
+        root = logging.getLogger("pdserve")
+        if not root.handlers:  # a worker process: its stderr goes to the Ray worker log file
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+            root.addHandler(handler)
+            root.setLevel(logging.INFO)
+        self.lock = threading.Lock()  # held by the loop for a whole step
+        self.inbox: collections.deque[tuple[Any, Future | Key]] = collections.deque()  # (fn, waiter or key)
+        self.outbox: list[Record] = []
+        self.keys: dict[str, Key] = {}  # engine id -> key, while the request is here
+        self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
+        self.worker_id = options.router.worker_id if options.router else self.incarnation
+        self._snapshot: WorkerStatus | None = None  # the last report's status (metrics read it lock-free)
+        self._token_times: collections.deque[tuple[float, int]] = collections.deque()
+        self._generated = 0  # tokens sent to the router since start
+        self.metrics_address = None
+        self._metrics_server = None
+        if options.metrics is not None:
+            from worker.metrics import WorkerCollector, serve_metrics
+            host, port = options.metrics
+            collector = WorkerCollector({"worker": self.worker_id, "role": self.role}, self._metrics_status,
+                                        self.model_info)
+            self._metrics_server, port = serve_metrics(collector, host, port)
+            self.metrics_address = f"{host}:{port}"
+        self.running = True
+        self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
+        self.loop.start()
+
+    # ---- records -----------------------------------------------------------------------------
+    def _admit(self, key: Key) -> str:
+        """A request arrives here under ``key``; returns its engine id."""
+        self.keys[key.engine_id] = key
+        return key.engine_id
+
+    def _tokens(self, o: RequestOutput, leaves: bool) -> Tokens:
+        """The record of one step's output; ``leaves``: the request is done here."""
+        key = self.keys.pop(o.request_id) if leaves else self.keys[o.request_id]
+        return Tokens(key, len(o.token_ids) - len(o.new_token_ids), list(o.new_token_ids), o.new_text,
+                      o.finish_reason if o.finished else None, o.num_prompt_tokens, o.num_cached_tokens)
+
+    def _failed(self, engine_id: str, error: str, invalid: bool = False) -> Failed | None:
+        """The record of a request dropped here (None if it already left)."""
+        key = self.keys.pop(engine_id, None)
+        return None if key is None else Failed(key, error, invalid)
+
+    def _records(self, step_result: Any) -> list[Record]:
+        return [self._tokens(o, o.finished) for o in step_result]
+
+    def _busy(self) -> bool:
+        return self.worker.engine.scheduler.has_work()
+
+    # ---- calls from the actor ----------------------------------------------------------------
+    def _call(self, fn: Any) -> Any:
+        """Run ``fn()`` on the loop thread between two steps; returns its result or raises."""
+        fut: Future = Future()
+        self.inbox.append((fn, fut))
+        return fut.result()
+
+    def _post(self, fn: Any, key: Key) -> None:
+        """Queue ``fn()`` for the loop and return at once (so a burst of calls is taken in one
+        step, not one per step); if it raises, the router gets a ``Failed`` record for ``key``."""
+        self.inbox.append((fn, key))
+
+    def _run_inbox(self) -> None:
+        from engine.errors import InvalidRequestError
+        while self.inbox:
+            fn, waiter = self.inbox.popleft()
+            try:
+                result = fn()
+            except Exception as e:  # bad input for the caller (e.g. InvalidRequestError)
+                if isinstance(waiter, Future):
+                    waiter.set_exception(e)
+                else:
+                    self.keys.pop(waiter.engine_id, None)
+                    self.outbox.append(Failed(waiter, str(e), isinstance(e, InvalidRequestError)))
+                continue
+            if isinstance(waiter, Future):
+                waiter.set_result(result)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        sink = self._connect() if self.options.router is not None else None
+        try:
+            self._loop(sink)
+        except BaseException:  # a bug: die loudly so Ray restarts the actor and the router re-runs
+            log.exception("step loop failed; exiting the worker process")
+            os._exit(1)
+        finally:
+            if sink is not None:
+                sink.close(linger=1000)
+
+    def _loop(self, sink: Any) -> None:
+        last_beat = 0.0
+        while self.running:
+            with self.lock:
+                if self.inbox:
+                    self._run_inbox()
+                    if sink is not None:  # new work: show it before a step that may take seconds
+                        self._send(sink, time.monotonic())
+                        last_beat = time.monotonic()
+                busy = self._busy()
+                self.outbox.extend(r for r in self._records(self.worker.step()) if r is not None)
+                now = time.monotonic()
+                # Outputs go at once; an idle worker still reports its load (a heartbeat).
+                if sink is not None and (self.outbox or now - last_beat >= HEARTBEAT_S):
+                    self._send(sink, now)
+                    last_beat = now
+            if not busy and not self.inbox:
+                time.sleep(0.0005)  # idle: keep polling the network, give the core back
+
+    def _send(self, sink: Any, now: float) -> None:
+        """Push the outbox and the current status (with the lock held)."""
+        batch, self.outbox = self.outbox, []
+        self._count_tokens(batch, now)
+        self._log(batch)
+        self._snapshot = self._status()
+        sink.send(encode_report(Report(self.worker_id, self.incarnation, batch, self._snapshot)))
+
+    def _connect(self) -> Any:
+        import zmq
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)  # tokens are never dropped; the router drains them
+        sock.connect(self.options.router.address)
+        return sock
+
+    def _log(self, batch: list[Record]) -> None:
+        """One key=value line per request that ends here; ``rid`` is the router's request id,
+        so one grep follows a request across router and workers."""
+        for r in batch:
+            if isinstance(r, Failed):
+                log.info("rid=%s attempt=%d event=error worker=%s error=%r", r.key.request_id, r.key.attempt,
+                         self.worker_id, r.error)
+            elif r.finish:
+                log.info("rid=%s attempt=%d event=%s worker=%s prompt_tokens=%d cached_tokens=%d",
+                         r.key.request_id, r.key.attempt, r.finish, self.worker_id, r.prompt_tokens,
+                         r.cached_tokens)
+
+    def _count_tokens(self, batch: list[Record], now: float) -> None:
+        n = sum(len(r.tokens) for r in batch if isinstance(r, Tokens))
+        self._generated += n
+        self._token_times.append((now, n))
+        while self._token_times and self._token_times[0][0] < now - TOKEN_RATE_WINDOW_S:
+            self._token_times.popleft()
+
+    # ---- views -------------------------------------------------------------------------------
+    def poll(self) -> list[Record]:
+        """Records since the last call (only while no router is attached)."""
+        def take() -> list[Record]:
+            out, self.outbox = self.outbox, []
+            return out
+        return self._call(take)
+
+    def status(self) -> WorkerStatus:
+        return self._call(self._status)
+
+    def _metrics_status(self) -> WorkerStatus | None:
+        return self._snapshot if self.options.router is not None else self.status()
+
+    def _status(self) -> WorkerStatus:
+        eng = self.worker.engine
+        bm, sch = eng.block_manager, eng.scheduler
+        reqs = list(sch.requests.values())
+        now = time.monotonic()
+        tokens = sum(n for t, n in self._token_times if t >= now - TOKEN_RATE_WINDOW_S)
+        side = getattr(self.worker, "sender", None) or getattr(self.worker, "receiver", None)
+        return WorkerStatus(
+            role=self.role, incarnation=self.incarnation, pid=os.getpid(),
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks, block_size=bm.block_size,
+            running=len(sch.running), waiting=len(sch.waiting) + len(sch.receiving),
+            queued_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in reqs
+                                     if not r.is_finished and r.status != RequestStatus.WAITING_FOR_KV),
+            remaining_decode_tokens=sum(max(0, r.sampling_params.max_tokens - r.num_output_tokens)
+                                        for r in reqs if not r.prefill_only and not r.is_finished),
+            tokens_per_s=tokens / TOKEN_RATE_WINDOW_S, generated_tokens=self._generated,
+            prefix_query_tokens=bm.prefix_queries, prefix_hit_tokens=bm.prefix_hits,
+            metrics_address=self.metrics_address,
+            kv_transfer=dataclasses.replace(side.stats) if side is not None else None,
+            speculative=eng.spec.stats() if getattr(eng, "spec", None) is not None else None)
+
+    def model_info(self) -> ModelInfo:
+        eng = self.worker.engine
+        return ModelInfo(model=str(eng.model_path), fingerprint=eng.model_config.fingerprint(),
+                         incarnation=self.incarnation, context_length=eng.max_model_len,
+                         vocab_size=eng.model_config.vocab_size, dtype=eng.config.dtype,
+                         block_size=eng.block_manager.block_size,
+                         speculative=eng.spec.label if getattr(eng, "spec", None) is not None else "none",
+                         quantization=quantization_name(eng.config.quantization, eng.model_path),
+                         kernels=eng.kernels)
+
+    def shutdown(self) -> None:
+        self.running = False
+        self.loop.join(timeout=5)
+        self._run_inbox()  # nothing waits forever on a stopped loop
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.worker.close()
