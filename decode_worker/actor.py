@@ -23,7 +23,7 @@ class DecodeActor(WorkerActor):
         self.role = "colocated" if options.colocated else "decode"
         return DecodeWorker(engine, transport, lease_s)
 
-    def _records(self, step_result) -> list[Record]:
+    def _records(self, step_result) -> list[Record | None]:
         failed, self.worker.failed = self.worker.failed, {}
         return [self._tokens(o, o.finished) for o in step_result] + [
             self._failed(rid, error) for rid, error in failed.items()]

@@ -23,12 +23,12 @@ class PrefillActor(WorkerActor):
         from prefill_worker.worker import PrefillWorker
         return PrefillWorker(engine, transport, lease_s)
 
-    def _records(self, step_result) -> list[Record]:
+    def _records(self, step_result) -> list[Record | None]:
         from kvtransfer.base import TransferState
         outputs, ended = step_result  # the worker already freed the ended transfers' blocks
         # A request leaves here when its transfer ends (its blocks are freed then), not when
         # its first token is out: the transfer may still fail, and the router must hear of it.
-        records: list[Record] = [self._tokens(o, leaves=False) for o in outputs]
+        records: list[Record | None] = [self._tokens(o, leaves=False) for o in outputs]
         for rid, state in ended:
             if state == TransferState.FAILED:
                 records.append(self._failed(rid, "KV transfer to the decode worker failed"))

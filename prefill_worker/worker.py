@@ -11,6 +11,7 @@ this class (the cluster issue) only forwards calls; everything here is testable 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -19,6 +20,8 @@ from engine.scheduler import StepPlan
 from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
 from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
+
+log = logging.getLogger("pdserve.worker")
 
 
 @dataclass
@@ -63,8 +66,15 @@ class PrefillWorker:
             # A prefix-cache hit was never computed here: its KV goes with the first chunk.
             start = 0 if t.sent == 0 else req.num_computed_tokens
             end = req.num_computed_tokens + s.num_new_tokens
-            k, v = gather_layer(self.engine.runner.kv_caches[layer], req.block_ids, bs, start, end)
-            self.sender.send_layer(req.request_id, layer, k, v, token_start=start)
+            try:
+                k, v = gather_layer(self.engine.runner.kv_caches[layer], req.block_ids, bs, start, end)
+                self.sender.send_layer(req.request_id, layer, k, v, token_start=start)
+            except Exception as e:  # one request's bad transfer (e.g. an id its header cannot hold)
+                # fails that request only: never the step, which would end the worker process
+                log.warning("rid=%s event=transfer_error error=%r", req.request_id, e)
+                self.transfers.pop(req.request_id)
+                self.sender.abort(req.request_id)  # FAILED: the step below aborts it and frees
+                continue
             if layer == len(self.engine.runner.kv_caches) - 1:
                 t.sent = end
         self.sender.progress()
@@ -84,7 +94,10 @@ class PrefillWorker:
         ended = self.sender.pop_finished()
         for rid, _ in ended:
             self.transfers.pop(rid, None)
-            self.engine.release(rid)  # False when aborted or finished meanwhile: already freed
+            # A prefilled request's blocks are freed now; one still prefilling (its transfer
+            # failed early) stops and frees them too; one aborted meanwhile is already freed.
+            if not self.engine.release(rid):
+                self.engine.abort(rid)
         return outputs, ended
 
     def close(self) -> None:

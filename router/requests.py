@@ -12,6 +12,26 @@ from engine.errors import InvalidRequestError
 from engine.request import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
+# A request id names the request in logs, in Abort and (with its attempt) in every KV frame
+# header: short, printable ASCII without spaces, so it fits a header and a log line whole.
+MAX_REQUEST_ID_CHARS = 128
+
+
+def request_id(req) -> str:
+    """The request's id (a fresh one when it sets none).
+
+    Raises:
+        InvalidRequestError: longer than MAX_REQUEST_ID_CHARS, or a character outside
+            printable ASCII (33..126).
+    """
+    import uuid
+    rid = req.request_id
+    if not rid:
+        return uuid.uuid4().hex
+    if len(rid) > MAX_REQUEST_ID_CHARS or not all(33 <= ord(c) <= 126 for c in rid):
+        raise InvalidRequestError(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                                  f"without spaces; got {len(rid)} characters starting {rid[:16]!r}")
+    return rid
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ import asyncio
 import collections
 import logging
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,8 @@ from router.autoscale import PoolController
 from router.jobs import Aborted, Job, Lost
 from router.placement import pick_decode, pick_prefill
 from router.pools import Pools, Worker
-from router.requests import Limits, prompt_ids, sampling_params
-from worker.protocol import Failed, Record, Tokens
+from router.requests import Limits, prompt_ids, request_id, sampling_params
+from worker.protocol import Failed, Record
 
 log = logging.getLogger("pdserve.router")
 
@@ -108,7 +107,10 @@ class Router(pb_grpc.GenerationServicer):
 
     # ---- Generate ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        rid = request.request_id or uuid.uuid4().hex
+        try:
+            rid = request_id(request)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.jobs:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
         try:

@@ -104,9 +104,13 @@ class StepLoop:
         self.keys[key.engine_id] = key
         return key.engine_id
 
-    def _tokens(self, o: RequestOutput, leaves: bool) -> Tokens:
-        """The record of one step's output; ``leaves``: the request is done here."""
-        key = self.keys.pop(o.request_id) if leaves else self.keys[o.request_id]
+    def _tokens(self, o: RequestOutput, leaves: bool) -> Tokens | None:
+        """The record of one step's output; ``leaves``: the request is done here. None for a
+        request this loop does not know (a bug, logged: it must not end the worker)."""
+        key = self.keys.pop(o.request_id, None) if leaves else self.keys.get(o.request_id)
+        if key is None:
+            log.error("output for unknown request %r dropped", o.request_id)
+            return None
         return Tokens(key, len(o.token_ids) - len(o.new_token_ids), list(o.new_token_ids), o.new_text,
                       o.finish_reason if o.finished else None, o.num_prompt_tokens, o.num_cached_tokens)
 
@@ -115,7 +119,7 @@ class StepLoop:
         key = self.keys.pop(engine_id, None)
         return None if key is None else Failed(key, error, invalid)
 
-    def _records(self, step_result: Any) -> list[Record]:
+    def _records(self, step_result: Any) -> list[Record | None]:
         return [self._tokens(o, o.finished) for o in step_result]
 
     def _busy(self) -> bool:

@@ -6,7 +6,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
-from router.requests import Limits, prompt_ids, sampling_params
+from router.requests import Limits, prompt_ids, request_id, sampling_params
 
 LIMITS = Limits(context_length=64, vocab_size=49152, default_max_tokens=16)
 
@@ -52,3 +52,15 @@ def test_prompt_token_ids_and_messages(tokenizer):
 def test_bad_requests_are_named(req, needle, tokenizer):
     with pytest.raises(InvalidRequestError, match=needle):
         _parse(req, tokenizer)
+
+
+@pytest.mark.parametrize("rid,ok", [("", True), ("req-1_a.b:c", True), ("r" * 128, True), ("r" * 129, False),
+                                    ("🦩" * 250, False), ("a b", False), ("tab\there", False), ("é", False)])
+def test_request_ids_are_short_printable_ascii(rid, ok):
+    """The id names the request in every KV frame header: one that cannot fit is refused here."""
+    if ok:
+        got = request_id(pb.GenerateRequest(request_id=rid))
+        assert got == rid or (not rid and len(got) == 32)
+    else:
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            request_id(pb.GenerateRequest(request_id=rid))

@@ -13,7 +13,7 @@ from decode_worker.worker import DecodeWorker
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from kvtransfer.base import get_transport
+from kvtransfer.base import TransferState, get_transport
 from prefill_worker.worker import PrefillWorker
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -83,4 +83,34 @@ def test_decode_worker_frees_blocks_when_the_transfer_fails(model_path):
         dw.abort("y")
         assert dw.engine.block_manager.num_used_blocks == 0
     finally:
+        dw.close()
+
+
+def test_a_transfer_that_cannot_be_sent_fails_its_request_only(model_path, tokenizer, connect_kv):
+    """An id too long for a KV frame header (the router refuses such ids; a worker must still
+    not trust it): that request's transfer fails and its blocks are freed on both sides at
+    once, the worker goes on, and a request beside it completes."""
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    pw = PrefillWorker(_engine(model_path, 16, 2048), get_transport("zmq"))
+    dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport("zmq"))
+    try:
+        connect_kv(pw.sender, dw.receiver)
+        ids = tokenizer(PROMPTS[0])["input_ids"]
+        bad, good = "r" * 300, "ok"
+        for rid in (bad, good):
+            assert dw.reserve(rid, ids, sp)
+            pw.submit(rid, ids, sp, dw.address)
+        ended: dict[str, object] = {}
+        done = False
+        deadline = time.monotonic() + 120  # hang guard only
+        while not (done and bad in dw.failed and not pw.transfers):
+            assert time.monotonic() < deadline
+            _, e = pw.step()
+            ended.update(e)
+            done = done or any(o.request_id == good and o.finished for o in dw.step())
+        assert (ended[bad], ended[good]) == (TransferState.FAILED, TransferState.DONE)
+        assert pw.engine.block_manager.num_used_blocks == 0 and not pw.engine.has_unfinished()
+        assert dw.engine.block_manager.num_used_blocks == 0 and not dw.engine.has_unfinished()
+    finally:
+        pw.close()
         dw.close()
