@@ -91,6 +91,21 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class InputLimits:
+    """``limits``: the most one request may carry. Beyond: INVALID_ARGUMENT naming the field,
+    before the request touches the tokenizer or a worker (gRPC's own: RESOURCE_EXHAUSTED)."""
+
+    request_id_chars: int = 128  # printable ASCII; the id rides in every KV frame header
+    prompt_bytes: int = 262144  # UTF-8 bytes of the prompt text, or of all chat messages together
+    messages: int = 256  # chat messages per request
+    stop_strings: int = 16  # each decode step looks for every one
+    stop_string_chars: int = 256
+    stop_token_ids: int = 64
+    concurrent_rpcs: int = 1024  # gRPC calls in progress at once; beyond: RESOURCE_EXHAUSTED
+    message_bytes: int = 4194304  # the largest request message the server reads
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     port: int | None = 9400  # the router's /metrics; 0 = a free port; null = off
     worker_port: int | None = 0  # each worker's /metrics; 0 = a free port; null = off
@@ -115,6 +130,7 @@ class ClusterConfig:
     decode: DecodePool = field(default_factory=DecodePool)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    limits: InputLimits = field(default_factory=InputLimits)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 

@@ -10,37 +10,43 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.request import SamplingParams
+from router.config import InputLimits
 
 CHAT_ROLES = ("system", "user", "assistant")
-# A request id names the request in logs, in Abort and (with its attempt) in every KV frame
-# header: short, printable ASCII without spaces, so it fits a header and a log line whole.
-MAX_REQUEST_ID_CHARS = 128
-
-
-def request_id(req) -> str:
-    """The request's id (a fresh one when it sets none).
-
-    Raises:
-        InvalidRequestError: longer than MAX_REQUEST_ID_CHARS, or a character outside
-            printable ASCII (33..126).
-    """
-    import uuid
-    rid = req.request_id
-    if not rid:
-        return uuid.uuid4().hex
-    if len(rid) > MAX_REQUEST_ID_CHARS or not all(33 <= ord(c) <= 126 for c in rid):
-        raise InvalidRequestError(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} printable ASCII characters "
-                                  f"without spaces; got {len(rid)} characters starting {rid[:16]!r}")
-    return rid
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What the served model allows (from the workers' model info and the router config)."""
+    """What the served model allows (from the workers' model info) and what one request may
+    carry (the config's ``limits``)."""
 
     context_length: int
     vocab_size: int
     default_max_tokens: int = 256
+    input: InputLimits = InputLimits()
+
+
+def request_id(req, limits: Limits) -> str:
+    """The request's id (a fresh one when it sets none). A request id names the request in
+    logs, in Abort and (with its attempt) in every KV frame header: short, printable ASCII
+    without spaces, so it fits a header and a log line whole.
+
+    Raises:
+        InvalidRequestError: too long, or a character outside printable ASCII (33..126).
+    """
+    import uuid
+    rid, most = req.request_id, limits.input.request_id_chars
+    if not rid:
+        return uuid.uuid4().hex
+    if len(rid) > most or not all(33 <= ord(c) <= 126 for c in rid):
+        raise InvalidRequestError(f"request_id must be 1..{most} printable ASCII characters without spaces; "
+                                  f"got {len(rid)} characters starting {rid[:16]!r}")
+    return rid
+
+
+def _at_most(field: str, n: int, most: int, unit: str) -> None:
+    if n > most:
+        raise InvalidRequestError(f"{field} has {n} {unit}; the limit is {most}")
 
 
 def sampling_params(msg, limits: Limits, prompt_len: int) -> SamplingParams:
@@ -56,6 +62,11 @@ def sampling_params(msg, limits: Limits, prompt_len: int) -> SamplingParams:
     if max_tokens > room:
         raise InvalidRequestError(f"max_tokens {max_tokens} does not fit: the prompt has {prompt_len} "
                                   f"tokens and the context length is {limits.context_length}")
+    lim = limits.input
+    _at_most("stop", len(msg.stop), lim.stop_strings, "strings")
+    for i, stop in enumerate(msg.stop):
+        _at_most(f"stop[{i}]", len(stop), lim.stop_string_chars, "characters")
+    _at_most("stop_token_ids", len(msg.stop_token_ids), lim.stop_token_ids, "ids")
     bad = [t for t in msg.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequestError(f"stop_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
@@ -81,14 +92,20 @@ def prompt_ids(req, tokenizer, limits: Limits) -> list[int]:
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("the request has no input: set prompt, token_ids or messages")
+    lim = limits.input
     if kind == "prompt":
+        _at_most("prompt", len(req.prompt.encode()), lim.prompt_bytes, "bytes")
         ids = tokenizer(req.prompt)["input_ids"]
     elif kind == "token_ids":
+        _at_most("token_ids", len(req.token_ids.ids), limits.context_length - 1, "ids (the context length less one)")
         ids = list(req.token_ids.ids)
         bad = [t for t in ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise InvalidRequestError(f"token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
     else:
+        _at_most("messages", len(req.messages.messages), lim.messages, "messages")
+        _at_most("messages", sum(len(m.content.encode()) for m in req.messages.messages), lim.prompt_bytes,
+                 "bytes of content")
         msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
         if not msgs:
             raise InvalidRequestError("messages is empty")

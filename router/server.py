@@ -64,7 +64,9 @@ class Router(pb_grpc.GenerationServicer):
     def __init__(self, cfg: ClusterConfig, model_path: str) -> None:
         from transformers import AutoTokenizer
         self.cfg = cfg
+        from concurrent.futures import ThreadPoolExecutor
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pools = Pools(cfg, model_path, self._on_records, self._on_lost)
         self.jobs: dict[str, Job] = {}
         self.queued = 0  # jobs waiting for a decode worker
@@ -83,7 +85,7 @@ class Router(pb_grpc.GenerationServicer):
             self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name="autoscale")
         self.limits = Limits(context_length=min(w.info.context_length for w in self.pools.workers.values()),
                              vocab_size=self.pools.model_info.vocab_size,
-                             default_max_tokens=self.cfg.router.default_max_tokens)
+                             default_max_tokens=self.cfg.router.default_max_tokens, input=self.cfg.limits)
 
     async def stop(self) -> None:
         if self.autoscaler is not None:
@@ -92,6 +94,7 @@ class Router(pb_grpc.GenerationServicer):
             job.put(None, Aborted())
         await self.pools.stop()
         self.metrics.stop()
+        self._tokenizing.shutdown(wait=False)
 
     # ---- worker events -----------------------------------------------------------------------
     def _on_records(self, worker: Worker, records: list[Record]) -> None:
@@ -108,13 +111,16 @@ class Router(pb_grpc.GenerationServicer):
     # ---- Generate ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            rid = request_id(request)
+            rid = request_id(request, self.limits)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.jobs:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
         try:
-            ids = prompt_ids(request, self.tokenizer, self.limits)
+            # Tokenizing a long prompt takes a while: in its own thread, off the event loop that
+            # streams every other request (one thread: the tokenizer is not shared across threads).
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizing, prompt_ids, request, self.tokenizer, self.limits)
             params = sampling_params(request.sampling, self.limits, len(ids))
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -311,7 +317,9 @@ async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.S
     """Serve ``router`` plus grpc.health.v1 and reflection; returns (server, bound port)."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
-    server = grpc.aio.server()
+    lim = router.cfg.limits
+    server = grpc.aio.server(maximum_concurrent_rpcs=lim.concurrent_rpcs,
+                             options=[("grpc.max_receive_message_length", lim.message_bytes)])
     pb_grpc.add_GenerationServicer_to_server(router, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -72,6 +72,12 @@ def _bad_requests(ctx: int, vocab: int):
         "token id outside the vocabulary": make_request(token_ids=[1, vocab]),
         "negative token id": make_request(token_ids=[-3]),
         "unknown chat role": make_request(messages=[{"role": "wizard", "content": "hi"}]),
+        # limits (config `limits`): the id rides in every KV frame header, so one too long for
+        # it once killed the prefill worker, and 250 emoji once hung the request
+        "request id too long": make_request("Hi", request_id="r" * 300),
+        "request id not ASCII": make_request("Hi", request_id="\U0001F9A9" * 250),
+        "too many stop strings": make_request("hi", stop=["x"] * 17),
+        "prompt too big": make_request("x" * 262145),
     }
 
 
@@ -84,7 +90,8 @@ def test_bad_input_is_invalid_argument_and_the_cluster_keeps_serving(stub, clust
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         assert len(e.value.details()) > 10, name
     assert collect(stub.Generate(make_request("Hello", max_tokens=4)))["finish_reason"] == "length"
-    wait_idle(stub, cluster)
+    workers = wait_idle(stub, cluster)
+    assert all(w.restarts == 0 for w in workers)  # refused at the door: no worker saw them
 
 
 def test_duplicate_request_id_is_refused(stub, cluster, wait_idle):

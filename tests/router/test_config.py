@@ -15,7 +15,7 @@ def test_local_yaml_documents_every_key_with_its_default():
     cfg = load_config(LOCAL)
     assert cfg == ClusterConfig()  # the file lists exactly the defaults
     text = LOCAL.read_text()
-    for section in ("prefill", "decode", "kv_transfer", "router"):
+    for section in ("prefill", "decode", "kv_transfer", "router", "limits"):
         for key in getattr(cfg, section).__dataclass_fields__:
             assert f"  {key}:" in text, f"{section}.{key} is not documented in local.yaml"
 

@@ -59,8 +59,34 @@ def test_bad_requests_are_named(req, needle, tokenizer):
 def test_request_ids_are_short_printable_ascii(rid, ok):
     """The id names the request in every KV frame header: one that cannot fit is refused here."""
     if ok:
-        got = request_id(pb.GenerateRequest(request_id=rid))
+        got = request_id(pb.GenerateRequest(request_id=rid), LIMITS)
         assert got == rid or (not rid and len(got) == 32)
     else:
         with pytest.raises(InvalidRequestError, match="request_id"):
-            request_id(pb.GenerateRequest(request_id=rid))
+            request_id(pb.GenerateRequest(request_id=rid), LIMITS)
+
+
+def _big(n: int) -> list[str]:
+    return ["x"] * n
+
+
+@pytest.mark.parametrize("req,needle", [
+    (_req(prompt="é" * 131073), "prompt has 262146 bytes; the limit is 262144"),
+    (_req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")] * 257)),
+     "messages has 257 messages; the limit is 256"),
+    (_req(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x" * 140000)] * 2)),
+     "messages has 280000 bytes of content"),
+    (_req(token_ids=pb.TokenIds(ids=[5] * 64)), "token_ids has 64 ids"),
+    (_req(prompt="x", sampling=dict(stop=_big(17))), "stop has 17 strings; the limit is 16"),
+    (_req(prompt="x", sampling=dict(stop=["ok", "y" * 257])), "stop[1] has 257 characters; the limit is 256"),
+    (_req(prompt="x", sampling=dict(stop_token_ids=[1] * 65)), "stop_token_ids has 65 ids; the limit is 64"),
+])
+def test_every_input_has_a_limit_named_in_its_error(req, needle, tokenizer):
+    """Each limit (config ``limits``, defaults here) is checked before the tokenizer runs."""
+    class Untouchable:  # a limit must refuse before tokenizing: the tokenizer is never called
+        def __call__(self, *a, **k):
+            raise AssertionError("tokenized an over-limit prompt")
+        apply_chat_template = __call__
+    tok = tokenizer if needle.startswith("stop") else Untouchable()
+    with pytest.raises(InvalidRequestError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        _parse(req, tok)
