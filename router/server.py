@@ -191,6 +191,10 @@ class Router(pb_grpc.GenerationServicer):
             if isinstance(event, (Lost, Failed)):
                 self._rerun(job, "a worker was lost" if isinstance(event, Lost) else event.error)
                 return
+            if worker is job.decode and job.prefill is not job.decode:
+                # Decode runs only once the KV and the first token are in: the prefill's part is
+                # done, and losing that worker now must not re-run this request.
+                job.prefill = None
             for r in job.in_order(event):
                 response = job.tokens(r)
                 if response is not None:
