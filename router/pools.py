@@ -52,9 +52,26 @@ class Worker:
     address: str | None = None  # decode and colocated: the KV receiver's address
     status: WorkerStatus | None = None  # its latest report's; None until one arrives
     last_seen: float = field(default_factory=time.monotonic)
-    reserved_blocks: int = 0  # reserved by the router since the last heartbeat
+    # Blocks the router promised this worker that its reports do not show yet: (the call's
+    # number, blocks). A report drops those its status has admitted (``WorkerStatus.admitted``):
+    # a report sent before the worker took a call must not erase that call's reservation.
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    calls: int = 0  # admitting calls (reserve, submit) made to its current incarnation
     restarts: int = 0
     info: ModelInfo | None = None  # model_info() of its current incarnation
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(b for _, b in self.pending)
+
+    def reported(self, status: WorkerStatus | None) -> None:
+        """A new status (None: none yet, a new incarnation); reservations it shows are dropped."""
+        self.status = status
+        if status is None:
+            self.pending, self.calls = [], 0
+        else:
+            self.calls = max(self.calls, status.admitted)
+            self.pending = [(n, b) for n, b in self.pending if n > status.admitted]
 
     def load(self) -> WorkerLoad:
         s = self.status
@@ -216,9 +233,13 @@ class Pools:
     def loads(self, *roles: str) -> list[WorkerLoad]:
         return [w.load() for w in self.workers.values() if w.role in roles]
 
-    def reserved(self, worker_id: str, blocks: int) -> None:
-        """The router reserved ``blocks`` there; count them until its next heartbeat."""
-        self.workers[worker_id].reserved_blocks += blocks
+    def reserved(self, worker_id: str, blocks: int, new_call: bool = True) -> None:
+        """The router is about to make an admitting call (reserve, colocated submit) for
+        ``blocks`` there (``new_call=False``: more blocks for the call just made); they count
+        until a report shows the worker took that call."""
+        w = self.workers[worker_id]
+        w.calls += new_call
+        w.pending.append((w.calls, blocks))
 
     def any_alive(self, *roles: str) -> bool:
         """Some worker of these roles is ready or coming back (a request may wait for it)."""
@@ -244,7 +265,8 @@ class Pools:
             return
         log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
         back = w.state == "ready"
-        w.state, w.status, w.reserved_blocks = "dead" if back else "gone", None, 0
+        w.state = "dead" if back else "gone"
+        w.reported(None)
         w.restarts += 1
         self.on_lost(w)
         self._notify()
@@ -281,7 +303,8 @@ class Pools:
         else:
             await asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
                                    if d.role == "decode" and d.state == "ready"))
-        w.status, w.reserved_blocks = await w.actor.status.remote(), 0  # placement needs a load now
+        w.reported(None)
+        w.reported(await w.actor.status.remote())  # placement needs a load now
         return info
 
     async def _health(self) -> None:
@@ -314,7 +337,8 @@ class Pools:
                 continue  # starting, or a late message of a lost incarnation
             status = report.status
             freed = w.status is not None and status.kv_blocks_used < w.status.kv_blocks_used
-            w.status, w.reserved_blocks, w.last_seen = status, 0, time.monotonic()
+            w.reported(status)
+            w.last_seen = time.monotonic()
             if report.records:
                 self.on_records(w, report.records)
             if freed or any(isinstance(r, Failed) or r.finish for r in report.records):

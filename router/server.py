@@ -258,7 +258,7 @@ class Router(pb_grpc.GenerationServicer):
                         job.placed(dw, dw)
                         return
                     if not await dw.actor.reserve.remote(job.key, ids, params):
-                        self.pools.reserved(dw.worker_id, d.free_blocks)  # full until it reports
+                        self.pools.reserved(dw.worker_id, d.free_blocks, new_call=False)  # full until it reports
                         continue
                 except RayActorError as e:
                     self.pools.lost(dw, f"reserve failed: {e}")

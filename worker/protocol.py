@@ -94,6 +94,7 @@ class WorkerStatus(msgspec.Struct):
     generated_tokens: int = 0  # sent to the router since start
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    admitted: int = 0  # admitting calls (reserve, submit) taken since start: the router's reservations
     metrics_address: str | None = None
     kv_transfer: TransferStats | None = None  # sender's (prefill) or receiver's (decode)
     # engine.spec.decoder.SpecDecoder.stats(): alpha, tokens per verify, draft vs verify time

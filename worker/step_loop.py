@@ -80,6 +80,7 @@ class StepLoop:
         self.inbox: collections.deque[tuple[Any, Future | Key]] = collections.deque()  # (fn, waiter or key)
         self.outbox: list[Record] = []
         self.keys: dict[str, Key] = {}  # engine id -> key, while the request is here
+        self.admitted = 0  # calls that brought a request here (WorkerStatus.admitted)
         self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
         self.worker_id = options.router.worker_id if options.router else self.incarnation
         self._snapshot: WorkerStatus | None = None  # the last report's status (metrics read it lock-free)
@@ -100,7 +101,9 @@ class StepLoop:
 
     # ---- records -----------------------------------------------------------------------------
     def _admit(self, key: Key) -> str:
-        """A request arrives here under ``key``; returns its engine id."""
+        """A request arrives here under ``key`` (counted: the router holds its reservation until
+        a status shows it); returns its engine id."""
+        self.admitted += 1
         self.keys[key.engine_id] = key
         return key.engine_id
 
@@ -249,7 +252,7 @@ class StepLoop:
                                         for r in reqs if not r.prefill_only and not r.is_finished),
             tokens_per_s=tokens / TOKEN_RATE_WINDOW_S, generated_tokens=self._generated,
             prefix_query_tokens=bm.prefix_queries, prefix_hit_tokens=bm.prefix_hits,
-            metrics_address=self.metrics_address,
+            admitted=self.admitted, metrics_address=self.metrics_address,
             kv_transfer=dataclasses.replace(side.stats) if side is not None else None,
             speculative=eng.spec.stats() if getattr(eng, "spec", None) is not None else None)
 

@@ -74,3 +74,18 @@ def test_the_router_drops_a_bad_report_and_takes_the_next():
     asyncio.run(run())
     assert pools.bad_reports == 2 and seen == good.records
     assert pools.workers["decode-0"].status == good.status
+
+
+def test_a_report_sent_before_a_reserve_keeps_its_reservation():
+    """The race that put two whole-cache requests on one worker: a report the worker sent before
+    it took a reserve must not erase the router's count of that reserve's blocks."""
+    from router.pools import Worker
+    w = Worker("decode-0", "decode", actor=None, state="ready")
+    w.reported(_status(kv_blocks_used=0, kv_blocks_total=100))
+    w.calls += 1
+    w.pending.append((w.calls, 90))  # what Pools.reserved records for one reserve call
+    assert w.load().free_blocks == 10
+    w.reported(_status(kv_blocks_used=0, kv_blocks_total=100, admitted=0))  # in flight before it
+    assert w.load().free_blocks == 10
+    w.reported(_status(kv_blocks_used=90, kv_blocks_total=100, admitted=1))  # shows it now
+    assert w.load().free_blocks == 10 and w.reserved_blocks == 0
