@@ -183,46 +183,6 @@ def test_killed_decode_worker_its_streams_complete_identically(stub, cluster, gr
     assert out["token_ids"] == greedy_reference[0][1]
 
 
-def test_killed_prefill_worker_leaves_decoding_streams_alone(stub, cluster, greedy_reference, wait_idle):
-    """Once decode has the KV and the first token, the prefill's part is done: SIGKILL the
-    prefill worker that served the running streams and none of them re-runs; each still equals
-    HF; Ray restarts the actor and it serves again."""
-    router = cluster.router
-    reruns = router.metrics.retries._value.get()
-    progress: dict[int, int] = {}
-    results: dict[int, list[int]] = {}
-
-    def one(i, prompt):
-        ids = []
-        for r in stub.Generate(make_request(prompt, max_tokens=64, temperature=0, request_id=f"pk{i}")):
-            ids += list(r.token_ids)
-            progress[i] = len(ids)
-        results[i] = ids
-
-    threads = [threading.Thread(target=one, args=(i, p)) for i, (p, _) in enumerate(greedy_reference)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 240  # hang guard only
-    while any(progress.get(i, 0) < min(4, len(ref)) for i, (_, ref) in enumerate(greedy_reference)):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    served = [j.prefill_id for j in list(router.jobs.values()) if j.request_id.startswith("pk")]
-    assert served  # some streams still decoding
-    victim = router.pools.workers[max(set(served), key=served.count)]
-    os.kill(victim.status.pid, signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=600)  # hang guard only
-    assert [results[i] for i in range(len(greedy_reference))] == [ref for _, ref in greedy_reference]
-    assert router.metrics.retries._value.get() == reruns  # no stream was re-run
-    deadline = time.monotonic() + 240
-    while victim.restarts != 1 or victim.state != "ready":  # noticed (heartbeat, Ray), restarted, reconnected
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    wait_idle(stub, cluster, timeout=240)
-    out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=64, temperature=0)))
-    assert out["token_ids"] == greedy_reference[0][1]
-
-
 def _scrape(address: str) -> dict[tuple[str, tuple], float]:
     import urllib.request
 
