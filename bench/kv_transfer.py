@@ -10,6 +10,10 @@ sender (this process) sends one message per layer and then waits for the receive
 - ``raw``: ``[small msgpack header, K bytes, V bytes]``, zero-copy views of the tensors.
 - ``fmt``: ``kvtransfer.format.encode_frames`` (xxh3 checksum of K and V on the sender) and
   ``decode_frames`` on the receiver (checksum verified): the real wire format's cost.
+- ``mac``: ``fmt`` plus the KV plane's authentication as a cluster runs it
+  (``kvtransfer.auth``, ``kv_transfer.integrity: full``): an HMAC-SHA256 over header, K and V
+  on the sender, verified on the receiver before decoding. ``machdr``: the MAC over the header
+  only (``integrity: header``).
 
 Time runs from the first send to the ack's arrival; GB/s = payload bytes (K + V) / time, GB =
 1e9 B. Each (transport, size, mode) has a warm-up transfer (connection set-up, first-touch
@@ -23,7 +27,8 @@ Timings are wall-clock: on the 2-core development machine any other busy process
 
 Prints progress on stderr, a table on stdout, and as the last stdout line one flat JSON object:
 ``memcpy_gbps``, ``<t>_gbps`` (raw, largest size: 8,192 tokens by default), ``<t>_gbps_<T>``,
-``<t>_fmt_gbps[_<T>]``, ``ucx_vs_memcpy`` (floor 0.2), and ``overlap_hidden_fraction``
+``<t>_fmt_gbps[_<T>]``, ``<t>_mac_gbps[_<T>]``, ``<t>_machdr_gbps[_<T>]``,
+``mac_cost_fraction`` (1 - ucx mac / ucx fmt at the largest size), ``ucx_vs_memcpy`` (floor 0.2), and ``overlap_hidden_fraction``
 (reserved: null until layer streaming vs send-after-prefill is measured).
 Runs as ``python bench/kv_transfer.py [--quick]``.
 """
@@ -46,6 +51,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before UCX can load
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 
+from kvtransfer.auth import PlaneAuth  # noqa: E402
 from kvtransfer.base import FrameTransport, get_transport  # noqa: E402
 from kvtransfer.format import decode_frames, encode_frames  # noqa: E402
 
@@ -58,6 +64,11 @@ TIMEOUT_S = 120.0
 # name shown -> (registered transport, constructor kwargs)
 TRANSPORTS = {"ucx": ("ucx", {}), "zmq": ("zmq", {}), "zmq_ipc": ("zmq", {"scheme": "ipc"}),
               "inproc": ("inproc", {})}
+MODES = ("raw", "fmt", "mac", "machdr")
+# Both processes MAC with the same key and "transfer secret", as two workers of one cluster do.
+AUTH = {"mac": PlaneAuth(b"bench-cluster-key-32-bytes------", "full"),
+        "machdr": PlaneAuth(b"bench-cluster-key-32-bytes------", "header")}
+SECRET = b"bench-transfer-secret-32-bytes--"
 
 
 def log(msg: str) -> None:
@@ -74,6 +85,10 @@ def wait_msg(t: FrameTransport, deadline: float) -> tuple[str, list]:
 
 def handle(t: FrameTransport, peer: str, frames: list) -> bool:
     """Receiver side of one message; acks after the last layer. Returns False on "stop"."""
+    if len(frames) == 5:  # authenticated: [mode, header, K, V, mac]
+        auth = AUTH[bytes(frames[0]).decode()]
+        frames, tag = PlaneAuth.split(frames[1:])
+        assert auth.valid(frames, tag, SECRET), "bad MAC"
     head = msgpack.unpackb(frames[0])
     if head[0] == "stop":
         return False
@@ -113,14 +128,16 @@ def make_kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(NUM_LAYERS)]
 
 
-def transfer(t: FrameTransport, peer: str, kv: list, fmt: bool, other: FrameTransport | None) -> float:
+def transfer(t: FrameTransport, peer: str, kv: list, mode: str, other: FrameTransport | None) -> float:
     """Send every layer, wait for the ack; returns seconds. ``other``: in-process receiver."""
     nbytes = kv[0][0].numel() * 4
     deadline = time.monotonic() + TIMEOUT_S
     t0 = time.perf_counter()
     for layer, (k, v) in enumerate(kv):
-        if fmt:
+        if mode != "raw":
             frames = encode_frames("bench", FINGERPRINT, layer, 0, k, v, NUM_KV_HEADS)
+            if mode in AUTH:
+                frames = [mode.encode(), *AUTH[mode].seal(frames, SECRET)]
         else:
             frames = [msgpack.packb(["raw", layer, nbytes]), memoryview(k.numpy()).cast("B"),
                       memoryview(v.numpy()).cast("B")]
@@ -149,10 +166,10 @@ def bench_transport(label: str, sizes: list[int], reps: int, kvs: dict) -> dict[
             address = q.get(timeout=60)
         peer = sender.connect(address)
         for tokens in sizes:
-            for fmt in (False, True):
-                times = [transfer(sender, peer, kvs[tokens], fmt, other) for _ in range(reps + 1)][1:]
+            for mode in MODES:
+                times = [transfer(sender, peer, kvs[tokens], mode, other) for _ in range(reps + 1)][1:]
                 gbps = tokens * BYTES_PER_TOKEN / statistics.median(times) / 1e9
-                key = f"{label}_{'fmt_' if fmt else ''}gbps_{tokens}"
+                key = f"{label}_{_prefix(mode)}gbps_{tokens}"
                 out[key] = round(gbps, 3)
                 log(f"{key} = {gbps:.2f} GB/s (median of {reps}, {min(times) * 1e3:.0f}-{max(times) * 1e3:.0f} ms)")
         if proc is not None:
@@ -166,6 +183,10 @@ def bench_transport(label: str, sizes: list[int], reps: int, kvs: dict) -> dict[
             proc.kill()
             proc.join()
     return out
+
+
+def _prefix(mode: str) -> str:
+    return "" if mode == "raw" else f"{mode}_"
 
 
 def memcpy_gbps() -> float:
@@ -221,9 +242,11 @@ def main(argv: list[str] | None = None) -> None:
 
     big = max(args.sizes)
     for label in args.transports:
-        for fmt in ("", "fmt_"):
+        for fmt in map(_prefix, MODES):
             if f"{label}_{fmt}gbps_{big}" in results:
                 results[f"{label}_{fmt}gbps"] = results[f"{label}_{fmt}gbps_{big}"]
+    if results.get("ucx_mac_gbps") and results.get("ucx_fmt_gbps"):
+        results["mac_cost_fraction"] = round(1 - results["ucx_mac_gbps"] / results["ucx_fmt_gbps"], 3)
     if "ucx_gbps" in results:
         results["ucx_vs_memcpy"] = round(results["ucx_gbps"] / results["memcpy_gbps"], 3)
         results["ucx_vs_memcpy_floor"] = 0.2
@@ -240,14 +263,14 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"KV transfer, SmolLM2-135M shape ({BYTES_PER_TOKEN} B/token), GB/s (median of {reps})")
     print(f"memcpy (1 thread, torch copy_ 256 MiB): {results['memcpy_gbps']:.2f} GB/s")
-    print(f"{'transport':<10} {'mode':<4} " + " ".join(f"{n:>8}" for n in args.sizes) + "  vs memcpy")
+    print(f"{'transport':<10} {'mode':<6} " + " ".join(f"{n:>8}" for n in args.sizes) + "  vs memcpy")
     for label in args.transports:
-        for fmt in ("", "fmt_"):
+        for fmt in map(_prefix, MODES):
             cells = [results.get(f"{label}_{fmt}gbps_{n}") for n in args.sizes]
             if all(c is None for c in cells):
                 continue
             ratio = (cells[-1] or 0) / results["memcpy_gbps"]
-            print(f"{label:<10} {fmt[:-1] or 'raw':<4} "
+            print(f"{label:<10} {fmt[:-1] or 'raw':<6} "
                   + " ".join(f"{c:>8.2f}" if c is not None else f"{'-':>8}" for c in cells) + f"  {ratio:>8.0%}")
     if overlap:
         hf = overlap["hidden_fraction"]

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(p50/p90/p99), throughput and goodput under TTFT/TPOT targets. Starts its own local "
         "cluster(s) unless --server is given. Last stdout line: one flat JSON object."))
     p.add_argument("--server", help="a running pdserve server host:port (default: start a cluster here)")
+    p.add_argument("--tls-ca", default=None, help="--server speaks TLS: the PEM CA that signed its certificate "
+                                                 "(a token, if it wants one: $PDSERVE_TOKEN)")
     p.add_argument("--config", default=None, help="cluster config for the cluster it starts (default: built-in)")
     p.add_argument("--compare", action="store_true",
                    help="run the workload on disaggregated, colocated and colocated-chunked clusters")
@@ -161,7 +163,7 @@ def _main(args) -> int:
             cluster, server = _start(cfg)
         try:
             from pdserve.v1 import pdserve_pb2 as pb
-            stub = connect(server)
+            stub = connect(server, tls_ca=args.tls_ca if args.server else None)
             try:
                 info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
             except Exception:

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -19,9 +21,52 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
                    "presence_penalty", "frequency_penalty")
 
 
-def connect(server: str) -> pb_grpc.GenerationStub:
-    """A stub on an insecure channel to ``host:port``."""
-    return pb_grpc.GenerationStub(grpc.insecure_channel(server))
+TOKEN_ENV = "PDSERVE_TOKEN"
+
+
+def channel(server: str, *, tls_ca: str | None = None, token: str | None = None,
+            tls_cert: str | None = None, tls_key: str | None = None) -> grpc.Channel:
+    """A channel to ``host:port``: TLS when ``tls_ca`` is given (the CA that signed the
+    server's certificate; ``tls_cert``/``tls_key``: this client's own, for mTLS), and every call
+    carrying ``authorization: Bearer TOKEN`` (``token``, else $PDSERVE_TOKEN, else none)."""
+    token = token or os.environ.get(TOKEN_ENV) or None
+    if tls_ca:
+        def read(path: str | None) -> bytes | None:
+            return Path(path).expanduser().read_bytes() if path else None
+        creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+        ch = grpc.secure_channel(server, creds)
+    else:
+        ch = grpc.insecure_channel(server)
+    return grpc.intercept_channel(ch, _Bearer(token)) if token else ch
+
+
+def connect(server: str, **security) -> pb_grpc.GenerationStub:
+    """A Generation stub on ``channel(server, **security)``."""
+    return pb_grpc.GenerationStub(channel(server, **security))
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the token to every call's metadata (call credentials would refuse a plaintext
+    channel, and a loopback server without TLS may still want tokens)."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details):
+        return _Details(details, [*(details.metadata or ()), self.metadata])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d, metadata) -> None:
+        self.method, self.timeout, self.metadata = d.method, d.timeout, metadata
+        self.credentials, self.wait_for_ready = d.credentials, getattr(d, "wait_for_ready", None)
+        self.compression = getattr(d, "compression", None)
 
 
 def make_request(prompt: str | None = None, *, token_ids: Sequence[int] | None = None,

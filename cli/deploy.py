@@ -3,8 +3,9 @@
 ``check_cluster_file`` runs Ray's own validation (the JSON schema and checks ``ray up`` runs,
 offline), then what pdserve needs on top: per node type ``min_workers <= max_workers`` (Ray
 checks only the global sum), a node type advertising each of the ``prefill`` and ``decode``
-resources, a head node without them, and a head start command that runs
-``pdserve serve --address auto``.
+resources, a head node without them, a head start command that runs
+``pdserve serve --address auto``, Ray's token authentication on in every start command, and
+no dashboard on every interface.
 """
 
 from __future__ import annotations
@@ -40,4 +41,11 @@ def check_cluster_file(path: str | Path) -> dict:
         raise ValueError(f"{path}: the head node type advertises prefill/decode: workers would land on the router")
     if not any("pdserve serve" in c and "--address auto" in c for c in cfg.get("head_start_ray_commands", [])):
         raise ValueError(f"{path}: head_start_ray_commands must start `pdserve serve --address auto`")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for c in cfg.get(key, []):
+            if ("ray start" in c or "pdserve serve" in c) and "RAY_AUTH_MODE=token" not in c:
+                raise ValueError(f"{path}: {key}: `{c.strip()[:60]}...` runs Ray without RAY_AUTH_MODE=token: "
+                                 "anyone who reaches its ports could run code on the cluster")
+            if "--dashboard-host=0.0.0.0" in c:
+                raise ValueError(f"{path}: {key}: the dashboard on 0.0.0.0 serves Ray's job API to anyone")
     return cfg

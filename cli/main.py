@@ -39,6 +39,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="per-step token budget; longer prompts prefill in chunks")
 
 
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=DEFAULT_SERVER, help=f"the pdserve server (default {DEFAULT_SERVER})")
+    g = p.add_argument_group("security (as the server requires)")
+    g.add_argument("--tls-ca", default=None, help="PEM CA that signed the server's certificate: connect with TLS")
+    g.add_argument("--tls-cert", default=None, help="this client's PEM certificate, for servers that want one (mTLS)")
+    g.add_argument("--tls-key", default=None, help="the key of --tls-cert")
+    g.add_argument("--token", default=None, help="bearer token (default: $PDSERVE_TOKEN); prefer the "
+                                                 "variable: a command line is visible to other users")
+
+
+def _connect(args: argparse.Namespace):
+    from cli.client import connect
+    return connect(args.server, tls_ca=args.tls_ca, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help="maximum new tokens")
@@ -86,7 +101,7 @@ def _rpc_error(e, server: str) -> int:
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from cli.client import collect, connect, make_request
+    from cli.client import collect, make_request
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if args.chat:
@@ -95,7 +110,7 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
     else:
         req = make_request(args.prompt, stop=args.stop, ignore_eos=args.ignore_eos, **kw)
     try:
-        out = collect(connect(args.server).Generate(req),
+        out = collect(_connect(args).Generate(req),
                       None if args.json else lambda t: print(t, end="", flush=True))
     except grpc.RpcError as e:
         return _rpc_error(e, args.server)
@@ -113,9 +128,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
     from pdserve.v1 import pdserve_pb2 as pb
-    from cli.client import connect
     try:
-        st = connect(args.server).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=10)
+        st = _connect(args).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=10)
     except grpc.RpcError as e:
         return _rpc_error(e, args.server)
     rows = [(w.worker_id, w.role, w.state, str(w.running), str(w.waiting),
@@ -181,7 +195,10 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
     from router.app import serve
     from router.config import load_config
     overrides = {k: v for k, v in (("router.host", args.host), ("router.port", args.port),
-                                   ("metrics.port", args.metrics_port)) if v is not None}
+                                   ("metrics.port", args.metrics_port), ("security.tls_cert", args.tls_cert),
+                                   ("security.tls_key", args.tls_key), ("security.tls_client_ca", args.tls_client_ca),
+                                   ("security.tokens_file", args.tokens_file), ("security.insecure", args.insecure))
+                 if v is not None}
     cfg = load_config(args.config, overrides)  # a bad key or value stops here, naming it
     return serve(cfg, args.address, cfg.router.host, cfg.router.port)
 
@@ -247,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "is plain text completion (tokenized as tokenizer(prompt)); --chat wraps "
                                    "it in the model's chat template.")
     g.add_argument("prompt", help="the prompt text")
-    g.add_argument("--server", default=DEFAULT_SERVER, help=f"the pdserve server (default {DEFAULT_SERVER})")
+    _client_args(g)
     g.add_argument("--local", action="store_true",
                    help="run the engine in this process instead of asking a server (engine options apply)")
     g.add_argument("--chat", action="store_true", help="format the prompt as one user chat message")
@@ -271,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None, help="gRPC listen port (overrides router.port; default 50051)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="the router's Prometheus /metrics port (overrides metrics.port; 0 = a free port)")
+    sec = s.add_argument_group("security (router.auth; each overrides its security.* key)")
+    sec.add_argument("--tls-cert", default=None, help="PEM server certificate: serve gRPC over TLS")
+    sec.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None, help="PEM CA: accept only clients with a certificate it signed")
+    sec.add_argument("--tokens-file", default=None,
+                     help="bearer tokens, `token` or `token name` per line (also $PDSERVE_TOKENS): every call "
+                          "but health needs one, and a request answers only to its own token")
+    sec.add_argument("--insecure", action="store_true", default=None,
+                     help="serve a non-loopback --host without TLS or authentication (refused otherwise)")
     s.add_argument("--local", action="store_true", help="in-process demo, no cluster (engine options apply)")
     s.add_argument("--prompt", action="append", help="--local: a chat prompt instead of the examples (repeatable)")
     _sampling_args(s, max_tokens=96)
@@ -280,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show the cluster's workers as a table",
                         description="Ask a running server for each worker's role, state, running and "
                                     "waiting requests, KV blocks used/total and tokens/s.")
-    st.add_argument("--server", default=DEFAULT_SERVER, help=f"the pdserve server (default {DEFAULT_SERVER})")
+    _client_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.set_defaults(func=cmd_status)
 

@@ -18,10 +18,10 @@ from worker.protocol import Key, Record
 class DecodeActor(WorkerActor):
     role = "decode"  # "colocated" when it also prefills
 
-    def _make(self, engine, transport, lease_s, options):
+    def _make(self, engine, transport, lease_s, options, auth):
         from decode_worker.worker import DecodeWorker
         self.role = "colocated" if options.colocated else "decode"
-        return DecodeWorker(engine, transport, lease_s)
+        return DecodeWorker(engine, transport, lease_s, auth)
 
     def _records(self, step_result) -> list[Record | None]:
         failed, self.worker.failed = self.worker.failed, {}
@@ -31,16 +31,21 @@ class DecodeActor(WorkerActor):
     def address(self) -> str:
         return self.worker.address
 
-    def reserve(self, key: Key, prompt_ids: list[int], params: SamplingParams) -> bool:
-        """Reserve blocks and expect the KV (and first token) from a prefill worker. False: not now."""
-        def reserve() -> bool:
-            ok = False
+    def reserve(self, key: Key, prompt_ids: list[int], params: SamplingParams) -> bytes | None:
+        """Reserve blocks and expect the KV (and first token) from a prefill worker.
+
+        Returns:
+            The transfer's secret, for the prefill worker's ``submit`` (b"" without a cluster
+            key); None: not now.
+        """
+        def reserve() -> bytes | None:
+            secret = None
             try:
-                ok = self.worker.reserve(self._admit(key), prompt_ids, params)
+                secret = self.worker.reserve(self._admit(key), prompt_ids, params)
             finally:
-                if not ok:  # not now, or bad input (raised to the router)
+                if secret is None:  # not now, or bad input (raised to the router)
                     self.keys.pop(key.engine_id, None)
-            return ok
+            return secret
         return self._call(reserve)
 
     def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
+from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
 from kvtransfer.receiver import KVReceiver
 
@@ -20,22 +21,28 @@ from kvtransfer.receiver import KVReceiver
 class DecodeWorker:
     """Engine + KV receiver. Drive it with :meth:`step`; never blocks."""
 
-    def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = LEASE_S) -> None:
+    def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = LEASE_S,
+                 auth: PlaneAuth | None = None) -> None:
         self.engine = engine
-        self.receiver = KVReceiver(transport, KVLayout.of_engine(engine), engine.runner.kv_caches, lease_s=lease_s)
+        self.receiver = KVReceiver(transport, KVLayout.of_engine(engine), engine.runner.kv_caches, lease_s=lease_s,
+                                   auth=auth)
         self.failed: dict[str, str] = {}
 
     @property
     def address(self) -> str:
         return self.receiver.address
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool:
-        """Reserve blocks for the prompt's KV and expect its transfer. False: not now."""
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bytes | None:
+        """Reserve blocks for the prompt's KV and expect its transfer.
+
+        Returns:
+            The transfer's secret for the prefill side's ``begin`` (b"" without auth); None:
+            not now.
+        """
         blocks = self.engine.add_remote(prompt_ids, params, request_id=request_id)
         if blocks is None:
-            return False
-        self.receiver.expect(request_id, blocks, len(prompt_ids), trailer=True)
-        return True
+            return None
+        return self.receiver.expect(request_id, blocks, len(prompt_ids), trailer=True) or b""
 
     def abort(self, request_id: str) -> None:
         """Fail the transfer first (late frames are then dropped), then free the blocks."""

@@ -91,9 +91,11 @@ class TransferStats:
     failed: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    forged: int = 0  # messages dropped for a missing or wrong MAC (kvtransfer.auth)
 
     def as_dict(self) -> dict:
-        return {"done": self.done, "failed": self.failed, "bytes": self.bytes, "seconds": self.seconds}
+        return {"done": self.done, "failed": self.failed, "bytes": self.bytes, "seconds": self.seconds,
+                "forged": self.forged}
 
 
 class TransferTable:

@@ -19,7 +19,10 @@ Tables (exactly these): ``_transfers`` (id → live transfer, or final but not y
 
 Wire protocol, shared with ``sender.py``. A message of ONE frame is a control message: a small
 msgpack map with a ``"type"`` field; a message of THREE frames is KV data
-``[header, K bytes, V bytes]`` (``format.py``); anything else is dropped.
+``[header, K bytes, V bytes]`` (``format.py``); anything else is dropped. With a ``PlaneAuth``
+(``auth.py``) each message has its MAC as one more frame, and one without a valid MAC is
+dropped and counted (``stats.forged``) before it can change anything: data and ``end`` are
+MAC'd with the transfer's secret (``expect`` returns it), the rest with the cluster key.
 
     hello    {layout}                    sender → receiver; answered by hello_ok {layout}
     begin    {id, num_tokens, token_start}  sender → receiver, before its frames: makes the
@@ -45,6 +48,7 @@ from collections.abc import Callable, Sequence
 import msgpack
 import torch
 
+from kvtransfer.auth import PlaneAuth, new_secret
 from kvtransfer.base import LEASE_S, Buffer, FrameTransport, KVLayout, TransferState, TransferTable
 from kvtransfer.format import FrameError, FrameHeader, decode_frames, scatter_layer
 
@@ -93,6 +97,7 @@ class _Incoming:
     deadline: float
     missing: int  # (layer, head) cells whose whole token range has not arrived yet
     wants_trailer: bool = False
+    secret: bytes | None = None  # MACs its data and trailer (with auth)
     trailer: dict | None = None
     spans: dict[tuple[int, int], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     peers: set[str] = dataclasses.field(default_factory=set)
@@ -132,11 +137,13 @@ class KVReceiver(TransferTable):
         kv_caches: per layer (K, V), each ``[num_blocks * block_size, H_local, D]``.
         lease_s: seconds from ``expect`` after which an unfinished transfer is FAILED.
         clock: monotonic time source (a fake one in tests).
+        auth: MAC every message with the cluster key / transfer secrets (``auth.py``); None:
+            trust whoever reaches the transport (tests, one process).
     """
 
     def __init__(self, transport: FrameTransport, layout: KVLayout,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lease_s: float = LEASE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, auth: PlaneAuth | None = None) -> None:
         h0, h1 = layout.heads
         if len(kv_caches) != layout.num_layers:
             raise ValueError(f"{len(kv_caches)} layer caches for a layout of {layout.num_layers} layers")
@@ -146,6 +153,7 @@ class KVReceiver(TransferTable):
                                  f"x head_dim {layout.head_dim}")
         self.transport, self.layout, self.kv_caches = transport, layout, kv_caches
         self.lease_s, self._clock = lease_s, clock
+        self.auth = auth.for_transport(transport) if auth is not None else None
         self.address = transport.bind()
         self._init_table()  # _transfers: id -> _Incoming
         self.trailers: dict[str, dict] = {}
@@ -154,7 +162,7 @@ class KVReceiver(TransferTable):
 
     # ---- decode's side of the lifecycle -------------------------------------------------
     def expect(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int,
-               token_start: int = 0, trailer: bool = False) -> None:
+               token_start: int = 0, trailer: bool = False) -> bytes | None:
         """Announce a transfer into blocks the caller already reserved; starts its lease.
 
         Args:
@@ -164,6 +172,8 @@ class KVReceiver(TransferTable):
             num_tokens: tokens to receive.
             token_start: sequence position of the first one (e.g. after a local prefix hit).
             trailer: DONE needs the sender's ``end`` trailer too (see ``take_trailer``).
+        Returns:
+            With auth: the transfer's secret, for the sender's ``begin`` only. Else None.
         Raises:
             ValueError: id already live, or blocks too few for the token range.
         """
@@ -175,9 +185,11 @@ class KVReceiver(TransferTable):
                              f"{self.layout.block_size} to cover them and num_tokens >= 1")
         self._ended.pop(transfer_id, None)
         h0, h1 = self.layout.heads
+        secret = new_secret() if self.auth is not None else None
         self._transfers[transfer_id] = _Incoming(
             list(block_ids), token_start, token_end, self._clock() + self.lease_s,
-            missing=self.layout.num_layers * (h1 - h0), wants_trailer=trailer)
+            missing=self.layout.num_layers * (h1 - h0), wants_trailer=trailer, secret=secret)
+        return secret
 
     def take_trailer(self, transfer_id: str) -> dict | None:
         """The trailer of a DONE transfer (once; None if it had none). Take it as you pop it."""
@@ -200,10 +212,19 @@ class KVReceiver(TransferTable):
         """Handle every waiting message, then fail transfers whose lease has passed."""
         while (msg := self.transport.recv()) is not None:
             peer, frames = msg
+            tag = None
+            if self.auth is not None:
+                frames, tag = PlaneAuth.split(frames)
+                if tag is None:
+                    self.stats.forged += 1  # no MAC: not from a worker of this cluster
+                    continue
             if len(frames) == 3:
-                self._on_data(peer, frames)
+                self._on_data(peer, frames, tag)
             elif len(frames) == 1 and (ctl := decode_control(frames[0])) is not None:
-                self._on_control(peer, ctl)
+                if self.auth is not None and ctl["type"] != "end" and not self.auth.valid(frames, tag):
+                    self.stats.forged += 1
+                    continue
+                self._on_control(peer, ctl, frames, tag)
             else:
                 self.dropped_frames += 1
         now = self._clock()
@@ -211,10 +232,14 @@ class KVReceiver(TransferTable):
             if not t.state.is_final and now >= t.deadline:
                 self._fail(tid, t, f"lease of {self.lease_s:g}s expired before all KV arrived")
 
-    def _on_control(self, peer: str, msg: dict) -> None:
+    def _send(self, peer: str, type_: str, **fields: object) -> None:
+        msg = encode_control(type_, **fields)
+        self.transport.send(peer, self.auth.seal(msg) if self.auth is not None else msg)
+
+    def _on_control(self, peer: str, msg: dict, frames: list[Buffer], tag: bytes | None) -> None:
         kind, tid = msg["type"], msg.get("id")
         if kind == "hello":
-            self.transport.send(peer, encode_control("hello_ok", layout=layout_to_wire(self.layout)))
+            self._send(peer, "hello_ok", layout=layout_to_wire(self.layout))
             return
         if not isinstance(tid, str) or kind not in ("begin", "end", "fail", "renew"):
             self.bad_messages += 1
@@ -233,6 +258,8 @@ class KVReceiver(TransferTable):
         if kind == "end":
             if t is None or t.state.is_final:
                 self.bad_messages += 1  # unknown, or late for an ended transfer
+            elif self.auth is not None and not self.auth.valid(frames, tag, t.secret):
+                self.stats.forged += 1  # the first token comes only from the transfer's own sender
             elif not isinstance(msg.get("trailer"), dict) or t.trailer is not None:
                 t.peers.add(peer)
                 self._fail(tid, t, "bad transfer trailer: not a map, or a second one")
@@ -244,13 +271,12 @@ class KVReceiver(TransferTable):
             return
         # begin
         if state is None:
-            self.transport.send(peer, encode_control(
-                "fail", id=tid, reason=f"receiver {self.address} does not expect transfer {tid!r} "
-                                       f"(decode must expect() before prefill begins)"))
+            self._send(peer, "fail", id=tid, reason=f"receiver {self.address} does not expect transfer {tid!r} "
+                                                    f"(decode must expect() before prefill begins)")
         elif state is TransferState.FAILED:
-            self.transport.send(peer, encode_control("fail", id=tid, reason=error))
+            self._send(peer, "fail", id=tid, reason=error)
         elif state is TransferState.DONE:
-            self.transport.send(peer, encode_control("ack", id=tid))
+            self._send(peer, "ack", id=tid)
         elif (msg.get("token_start"), msg.get("num_tokens")) != (t.token_start, t.token_end - t.token_start):
             t.peers.add(peer)
             self._fail(tid, t, f"sender begins tokens [{msg.get('token_start')}, +{msg.get('num_tokens')}) but "
@@ -258,7 +284,7 @@ class KVReceiver(TransferTable):
         else:
             t.peers.add(peer)
 
-    def _on_data(self, peer: str, frames: list[Buffer]) -> None:
+    def _on_data(self, peer: str, frames: list[Buffer], tag: bytes | None) -> None:
         try:
             header = FrameHeader.decode(frames[0])
         except FrameError:
@@ -268,6 +294,9 @@ class KVReceiver(TransferTable):
         t = self._transfers.get(tid)
         if t is None or t.state.is_final:
             self.dropped_frames += 1  # unknown, or late for an ended transfer
+            return
+        if self.auth is not None and not self.auth.valid(frames, tag, t.secret):
+            self.stats.forged += 1  # not from the sender the router chose: it writes nothing
             return
         t.peers.add(peer)
         h0, h1 = self.layout.heads
@@ -302,10 +331,10 @@ class KVReceiver(TransferTable):
             if t.trailer is not None:
                 self.trailers[tid] = t.trailer
             for p in t.peers:
-                self.transport.send(p, encode_control("ack", id=tid))
+                self._send(p, "ack", id=tid)
 
     def _fail(self, tid: str, t: _Incoming, reason: str) -> None:
         t.state, t.error = TransferState.FAILED, reason
         self._finished.append(tid)
         for p in t.peers:
-            self.transport.send(p, encode_control("fail", id=tid, reason=reason))
+            self._send(p, "fail", id=tid, reason=reason)

@@ -19,8 +19,8 @@ Tables (exactly these): ``_peers`` (receiver address → its peer id and layout,
 ``_finished`` (ids that turned final, drained by ``pop_finished``) and ``_ended`` (recently
 popped ids → final state, bounded, so late acks are told from unknown ones).
 
-The wire protocol (control messages hello/hello_ok/begin/end/renew/ack/fail; 3-frame KV data)
-is described in ``receiver.py``.
+The wire protocol (control messages hello/hello_ok/begin/end/renew/ack/fail; 3-frame KV data;
+with a ``PlaneAuth``, a MAC frame after each) is described in ``receiver.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState, TransferTable
+from kvtransfer.auth import PlaneAuth
+from kvtransfer.base import LEASE_S, Buffer, FrameTransport, KVLayout, TransferState, TransferTable
 from kvtransfer.format import encode_frames
 from kvtransfer.receiver import MAX_CONTROL_BYTES, decode_control, encode_control, layout_from_wire, layout_to_wire
 
@@ -47,6 +48,7 @@ class _Outgoing:
     num_tokens: int
     heads: tuple[int, int]  # model heads sent: ours that the receiver also holds
     deadline: float
+    secret: bytes | None = None  # the receiver's, from the router: MACs our data and trailer
     renew_at: float = 0.0  # while WAITING: when to renew the receiver's lease next
     state: TransferState = TransferState.WAITING
     error: str | None = None
@@ -62,11 +64,14 @@ class KVSender(TransferTable):
         clock: monotonic time source (a fake one in tests).
         margin_s: extra wait past ``lease_s`` for an ack already in flight; default
             ``max(0.5, lease_s / 10)``.
+        auth: MAC every message (``auth.py``); then ``begin`` needs the transfer's secret.
     """
 
     def __init__(self, transport: FrameTransport, layout: KVLayout, lease_s: float = LEASE_S,
-                 clock: Callable[[], float] = time.monotonic, margin_s: float | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, margin_s: float | None = None,
+                 auth: PlaneAuth | None = None) -> None:
         self.transport, self.layout, self.lease_s, self._clock = transport, layout, lease_s, clock
+        self.auth = auth.for_transport(transport) if auth is not None else None
         self.margin_s = max(0.5, lease_s / 10) if margin_s is None else margin_s
         self._peers: dict[str, tuple[str, KVLayout]] = {}
         self._hello: dict[str, KVLayout] = {}  # peer id -> layout from its hello_ok
@@ -90,7 +95,7 @@ class KVSender(TransferTable):
             return self._peers[address][1]
         peer = self.transport.connect(address)
         self._hello.pop(peer, None)
-        self.transport.send(peer, encode_control("hello", layout=layout_to_wire(self.layout)))
+        self._send(peer, encode_control("hello", layout=layout_to_wire(self.layout)))
         end = time.monotonic() + timeout_s  # real time: a blocking call, whatever clock tests use
         while (remote := self._hello.get(peer)) is None:
             self.progress()
@@ -116,7 +121,8 @@ class KVSender(TransferTable):
         return (lo, hi) if lo < hi else None
 
     # ---- prefill's side of the lifecycle ------------------------------------------------
-    def begin(self, transfer_id: str, address: str, num_tokens: int, token_start: int = 0) -> None:
+    def begin(self, transfer_id: str, address: str, num_tokens: int, token_start: int = 0,
+              secret: bytes | None = None) -> None:
         """Start a transfer to a connected receiver that already ``expect``-ed it.
 
         Args:
@@ -124,8 +130,9 @@ class KVSender(TransferTable):
             address: the receiver's address (``connect`` first).
             num_tokens: tokens to send; the receiver must expect the same range.
             token_start: sequence position of the first one.
+            secret: with auth, the transfer's secret from the receiver's ``expect``.
         Raises:
-            ValueError: not connected, id already live, or an empty range.
+            ValueError: not connected, id already live, an empty range, or no secret with auth.
         """
         if address not in self._peers:
             raise ValueError(f"not connected to KV receiver {address}: call connect() first")
@@ -133,13 +140,14 @@ class KVSender(TransferTable):
             raise ValueError(f"transfer {transfer_id!r} is already live")
         if num_tokens < 1 or token_start < 0:
             raise ValueError(f"bad token range: start {token_start}, {num_tokens} tokens")
+        if self.auth is not None and not secret:
+            raise ValueError("this sender authenticates its frames: begin() needs the transfer's secret")
         peer, remote = self._peers[address]
         self._ended.pop(transfer_id, None)
         now = self._clock()
         self._transfers[transfer_id] = _Outgoing(peer, token_start, num_tokens, self._common_heads(remote),
-                                                 now + self.lease_s + self.margin_s, now + self.lease_s / 3)
-        self.transport.send(peer, encode_control("begin", id=transfer_id, num_tokens=num_tokens,
-                                                 token_start=token_start))
+                                                 now + self.lease_s + self.margin_s, secret, now + self.lease_s / 3)
+        self._send(peer, encode_control("begin", id=transfer_id, num_tokens=num_tokens, token_start=token_start))
 
     def send_layer(self, transfer_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
                    token_start: int | None = None) -> bool:
@@ -175,7 +183,7 @@ class KVSender(TransferTable):
         frames = encode_frames(transfer_id, self.layout.fingerprint, layer, start, k, v,
                                self.layout.num_kv_heads, head_start=lo,
                                keep_on_device=getattr(self.transport, "device_frames", False))
-        self.transport.send(t.peer, frames)
+        self._send(t.peer, frames, t.secret)
         self._moved(transfer_id, k.numel() * k.element_size() * 2)
         t.deadline = self._clock() + self.lease_s + self.margin_s  # the lease bounds silence, not length
         t.state = TransferState.TRANSFERRING
@@ -203,7 +211,7 @@ class KVSender(TransferTable):
         msg = encode_control("end", id=transfer_id, trailer=trailer) if isinstance(trailer, dict) else None
         if msg is None or len(msg[0]) > MAX_CONTROL_BYTES:
             raise ValueError(f"a trailer is a map of at most {MAX_CONTROL_BYTES} bytes encoded")
-        self.transport.send(t.peer, msg)
+        self._send(t.peer, msg, t.secret)
         t.deadline = self._clock() + self.lease_s + self.margin_s
         return True
 
@@ -220,10 +228,19 @@ class KVSender(TransferTable):
         self.transport.close()
 
     # ---- network -----------------------------------------------------------------------
+    def _send(self, peer: str, frames: list[Buffer], secret: bytes | None = None) -> None:
+        """Send, with the MAC frame under ``secret`` (data, trailer) or the cluster key."""
+        self.transport.send(peer, self.auth.seal(frames, secret) if self.auth is not None else frames)
+
     def progress(self) -> None:
         """Handle every waiting reply, then fail transfers with no ack by their deadline."""
         while (msg := self.transport.recv()) is not None:
             peer, frames = msg
+            if self.auth is not None:
+                frames, tag = PlaneAuth.split(frames)
+                if tag is None or not self.auth.valid(frames, tag):
+                    self.stats.forged += 1  # not from a worker of this cluster: changes nothing
+                    continue
             ctl = decode_control(frames[0]) if len(frames) == 1 else None
             if ctl is None:
                 self.dropped_messages += 1
@@ -249,7 +266,7 @@ class KVSender(TransferTable):
                 t.deadline = now + self.lease_s + self.margin_s
                 if now >= t.renew_at:
                     t.renew_at = now + self.lease_s / 3
-                    self.transport.send(t.peer, encode_control("renew", id=tid))
+                    self._send(t.peer, encode_control("renew", id=tid))
             elif not t.state.is_final and now >= t.deadline:
                 self._end(tid, t, TransferState.FAILED,
                           f"no ack within the lease ({self.lease_s:g}s + {self.margin_s:g}s margin)", notify=True)
@@ -258,4 +275,4 @@ class KVSender(TransferTable):
         t.state, t.error = state, error
         self._finished.append(tid)
         if notify:
-            self.transport.send(t.peer, encode_control("fail", id=tid, reason=error))
+            self._send(t.peer, encode_control("fail", id=tid, reason=error))

@@ -19,9 +19,9 @@ from worker.protocol import Key, Record
 class PrefillActor(WorkerActor):
     role = "prefill"
 
-    def _make(self, engine, transport, lease_s, options):
+    def _make(self, engine, transport, lease_s, options, auth):
         from prefill_worker.worker import PrefillWorker
-        return PrefillWorker(engine, transport, lease_s)
+        return PrefillWorker(engine, transport, lease_s, auth)
 
     def _records(self, step_result) -> list[Record | None]:
         from kvtransfer.base import TransferState
@@ -42,8 +42,11 @@ class PrefillActor(WorkerActor):
     def connect(self, decode_address: str) -> None:
         self._call(lambda: self.worker.connect(decode_address))
 
-    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, decode_address: str) -> None:
-        self._post(lambda: self.worker.submit(self._admit(key), prompt_ids, params, decode_address), key)
+    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, decode_address: str,
+               secret: bytes | None = None) -> None:
+        """Prefill and send the KV to ``decode_address``, MAC'd with the transfer ``secret``
+        its ``reserve`` returned (the router hands it over)."""
+        self._post(lambda: self.worker.submit(self._admit(key), prompt_ids, params, decode_address, secret), key)
 
     def abort(self, key: Key) -> None:
         def abort() -> None:

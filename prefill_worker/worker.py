@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 from engine.scheduler import StepPlan
+from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
 from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
@@ -33,9 +34,10 @@ class _Outgoing:
 class PrefillWorker:
     """Engine + KV sender. Drive it with :meth:`step`; never blocks but in ``connect``."""
 
-    def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = LEASE_S) -> None:
+    def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = LEASE_S,
+                 auth: PlaneAuth | None = None) -> None:
         self.engine = engine
-        self.sender = KVSender(transport, KVLayout.of_engine(engine), lease_s=lease_s)
+        self.sender = KVSender(transport, KVLayout.of_engine(engine), lease_s=lease_s, auth=auth)
         self.transfers: dict[str, _Outgoing] = {}
 
     def connect(self, decode_address: str) -> None:
@@ -43,11 +45,16 @@ class PrefillWorker:
         self.sender.connect(decode_address)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               decode_address: str) -> None:
+               decode_address: str, secret: bytes | None = None) -> None:
         """Queue a prompt whose KV goes to the (connected) decode worker at ``decode_address``,
-        which has already reserved blocks for it (``DecodeWorker.reserve``)."""
+        which has already reserved blocks for it (``DecodeWorker.reserve``, which returned the
+        transfer's ``secret``)."""
         self.engine.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
-        self.sender.begin(request_id, decode_address, len(prompt_ids))
+        try:
+            self.sender.begin(request_id, decode_address, len(prompt_ids), secret=secret or None)
+        except ValueError:
+            self.engine.abort(request_id)  # never half-admitted: its blocks go back at once
+            raise
         self.transfers[request_id] = _Outgoing(decode_address)
 
     def abort(self, request_id: str) -> None:

@@ -20,18 +20,37 @@ def _say(msg: str) -> None:
     print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
 
 
+def local_ray_env() -> dict:
+    """For a private local Ray: set this process's environment (its Ray children inherit it)
+    and return the runtime env for the actors.
+
+    A local cluster talks to no other machine: Ray's own servers (GCS, raylet, each worker's,
+    the agents) then bind loopback as Ray does on macOS, instead of every interface, and so do
+    pdserve's control socket, worker /metrics and KV endpoints, which listen on the node IP;
+    UCX's TCP transport listens on ``lo`` only (``UCX_NET_DEVICES``, unless set). No
+    ``~/.ray/auth_token`` is written: nothing beyond this machine can reach the cluster.
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's children read it at start
+    if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        # ... and Ray reads it once, when first imported: in this process it may already be.
+        from ray._private import ray_constants
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    return {"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n",
+                         "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}}
+
+
 def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | None = None) -> None:
     """Join the Ray cluster at ``address``, or start a private local one sized for ``cfg``.
 
-    The local one: dashboard off, no auth token file, its own temp dir, on loopback, with the
-    ``prefill``/``decode`` resources the pools are placed by.
+    The local one (``local_ray_env``): every listener on loopback, dashboard off, no auth token
+    file, its own temp dir, with the ``prefill``/``decode`` resources the pools are placed by.
     """
     import ray
-    env = {"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n"}}
     if address is not None:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        ray.init(address=address, runtime_env={"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n"}}, log_to_driver=False)
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local: no ~/.ray/auth_token
+    env = local_ray_env()
     colocated = cfg.mode == "colocated"
     auto = cfg.autoscale
     n_prefill = 0 if colocated else max(cfg.prefill.replicas, auto.prefill.max_replicas if auto.enabled else 0)
@@ -43,19 +62,24 @@ def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | Non
              _node_ip_address="127.0.0.1", runtime_env=env)
 
 
-async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Callable[[str], None] = _say):
+async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Callable[[str], None] = _say,
+                        door=None):
     """Resolve the model (the bundled one is converted here once), start the pools, serve.
 
     Returns:
         (router, grpc server, bound port)
     """
     from engine.models.loader import resolve_model_path
+    from router.auth import front_door
     from router.server import Router, start_server
+    door = door or front_door(cfg.security, host)  # a bad file or an open door stops the start here
     model_path = str(await asyncio.to_thread(resolve_model_path, cfg.model, True))
-    router = Router(cfg, model_path)
+    router = Router(cfg, model_path, door)
     await router.start(progress)
     server, bound = await start_server(router, host, port)
-    progress(f"serving pdserve.v1.Generation on {host}:{bound} ({cfg.mode})")
+    how = ", ".join(x for x, on in (("TLS", door.tls), ("client certificates", door.tls and door.tls.client_ca),
+                                    (f"{len(door.auth.tokens)} tokens", door.auth.enabled)) if on)
+    progress(f"serving pdserve.v1.Generation on {host}:{bound} ({cfg.mode}; {how or 'plaintext, no auth'})")
     return router, server, bound
 
 
@@ -70,11 +94,13 @@ def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
     import signal
 
     import ray
+    from router.auth import front_door
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    door = front_door(cfg.security, host)  # before Ray starts: a bad file or an open door stops here
     init_ray(cfg, address)
 
     async def main() -> None:
-        router, server, _ = await start_cluster(cfg, host, port)
+        router, server, _ = await start_cluster(cfg, host, port, door=door)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import DTYPES, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kvtransfer.auth import INTEGRITY
 from kvtransfer.base import BUILTIN_TRANSPORTS, LEASE_S
 from router.autoscale import DecodeTargets, PrefillTargets
 
@@ -80,6 +81,7 @@ class DecodePool:
 class KVTransferConfig:
     transport: str = "ucx"
     lease_s: float = LEASE_S
+    integrity: str = "full"  # what each KV frame's MAC covers: full (header + K/V bytes) | header
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,21 @@ class InputLimits:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """``security``: who may use the front door (router.auth). Paths only: tokens never sit in
+    the config itself (a file, or the PDSERVE_TOKENS environment variable)."""
+
+    tls_cert: str = ""  # PEM server certificate (with tls_key: gRPC over TLS)
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA: clients must show a certificate it signed (mTLS)
+    tokens_file: str = ""  # `token` or `token name` per line: every call but health needs one
+    reflection: bool = True  # gRPC server reflection (behind the tokens like every other call)
+    insecure: bool = False  # serve a non-loopback host without TLS and authentication anyway
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
+    host: str = "127.0.0.1"  # the router's /metrics listens here (it has no authentication)
     port: int | None = 9400  # the router's /metrics; 0 = a free port; null = off
     worker_port: int | None = 0  # each worker's /metrics; 0 = a free port; null = off
 
@@ -131,6 +147,7 @@ class ClusterConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     limits: InputLimits = field(default_factory=InputLimits)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
@@ -147,6 +164,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "dtype": (lambda v: v in DTYPES, _one_of(DTYPES)),
     "device": (lambda v: v in ("cpu", "cuda"), "cpu or cuda"),
     "kv_transfer.transport": (lambda v: v in BUILTIN_TRANSPORTS, _one_of(BUILTIN_TRANSPORTS)),
+    "kv_transfer.integrity": (lambda v: v in INTEGRITY, _one_of(INTEGRITY)),
     "router.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535"),
     "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
@@ -207,6 +225,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if value is None and path in _NULLABLE:
             kwargs[name] = None
             continue
+        if isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {value!r}")
         if isinstance(default, bool) and not isinstance(value, bool):
             raise ConfigError(f"{path}: must be true or false, got {value!r}")
         if isinstance(default, (int, float)) and not isinstance(default, bool):

@@ -59,6 +59,7 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    owner: str = ""  # the token's name that sent it (router.auth); "" with auth off
     arrival: float = field(default_factory=time.monotonic)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
@@ -108,6 +109,19 @@ class Job:
         self.prefill, self.decode = prefill, decode
         self.prefill_id, self.decode_id = prefill.worker_id, decode.worker_id
         self.state = JobState.RUNNING
+
+    def heard_from(self, worker: Any) -> None:
+        """A record of this attempt came from ``worker``. Decode runs only once the KV and the
+        first token are in: its first record ends the prefill's part, so losing that worker
+        from now on must not re-run this request."""
+        if worker is self.decode and self.prefill is not self.decode:
+            self.prefill = None
+
+    def depends_on(self, worker: Any) -> bool:
+        """Whether this attempt still needs ``worker``: its loss or failure re-runs the job only
+        then. The prefill's part ends once decode streams (``prefill`` is cleared), so a lost or
+        failed prefill found in the queue after that point is someone else's concern."""
+        return worker is not None and (worker is self.prefill or worker is self.decode)
 
     def put(self, worker: Any, event: Event) -> None:
         self.events.put_nowait((self.attempt, worker, event))

@@ -54,12 +54,15 @@ class RouterMetrics:
 
     def collect(self):
         """Gauges read at scrape time (called by prometheus_client, from its HTTP thread)."""
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         r = self.router
         yield GaugeMetricFamily("pdserve_admission_queue_requests", "Requests waiting for a decode worker",
                                 value=r.queued)
         yield GaugeMetricFamily("pdserve_router_active_requests", "Requests the router is streaming",
                                 value=len(r.jobs))
+        yield CounterMetricFamily("pdserve_router_bad_reports", "Messages on the report socket dropped: not a report, "
+                                  "no valid MAC (not from this cluster's workers), or replayed",
+                                  value=r.pools.bad_reports)
         workers = list(r.pools.workers.values())
         pools = GaugeMetricFamily("pdserve_pool_workers", "Workers by role and state", labels=["role", "state"])
         counts: dict[tuple[str, str], int] = {}

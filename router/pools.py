@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvtransfer.auth import new_secret
 from router.config import ClusterConfig
 from router.placement import WorkerLoad
 from worker.protocol import MAX_REPORT_BYTES, Failed, ModelInfo, ProtocolError, Record, WorkerStatus, decode_report
@@ -59,6 +60,7 @@ class Worker:
     calls: int = 0  # admitting calls (reserve, submit) made to its current incarnation
     restarts: int = 0
     info: ModelInfo | None = None  # model_info() of its current incarnation
+    seq: int = 0  # the latest report's Report.seq from its current incarnation (older: a replay)
 
     @property
     def reserved_blocks(self) -> int:
@@ -120,6 +122,9 @@ class Pools:
         self.workers: dict[str, Worker] = {}
         self.model_info: ModelInfo | None = None  # the first worker's; every other must match it
         self.bad_reports = 0  # messages on the report socket that were not a Report
+        # The cluster key: the workers' reports and every KV message carry a MAC under it
+        # (kvtransfer.auth). Made here, handed to each actor at creation (Ray's own channel).
+        self.key = new_secret()
         self._changed = asyncio.Event()  # replaced on every notify: waiters wake once each
         self._tasks: list[asyncio.Task] = []
         self._sock = None
@@ -168,7 +173,7 @@ class Pools:
         self._next_index[role] += 1
         metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
         opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
-                             role == "colocated")
+                             role == "colocated", key=self.key, kv_integrity=kt.integrity)
         cls, engine_cfg = (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
         actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=pool.threads,
                             max_restarts=-1, max_task_retries=0,
@@ -286,7 +291,7 @@ class Pools:
                 w.state = "gone"
                 self._notify()
                 return
-        w.info, w.incarnation, w.last_seen = info, info.incarnation, time.monotonic()
+        w.info, w.incarnation, w.last_seen, w.seq = info, info.incarnation, time.monotonic(), 0
         w.state = "ready"
         self._notify()
 
@@ -322,7 +327,7 @@ class Pools:
         while True:
             msg = await self._sock.recv()
             try:
-                report = decode_report(msg)
+                report = decode_report(msg, self.key)
             except ProtocolError as e:  # never from our workers; whatever it is, it ends nothing
                 self.bad_reports += 1
                 log.warning("dropped a message on the report socket: %s", e)
@@ -335,6 +340,10 @@ class Pools:
                 continue
             if report.incarnation != w.incarnation:
                 continue  # starting, or a late message of a lost incarnation
+            if report.seq <= w.seq:  # zmq keeps a sender's order: this one was seen (a replay)
+                self.bad_reports += 1
+                continue
+            w.seq = report.seq
             status = report.status
             freed = w.status is not None and status.kv_blocks_used < w.status.kv_blocks_used
             w.reported(status)

@@ -32,6 +32,7 @@ from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.config import ClusterConfig
+from router.auth import FrontDoor
 from router.autoscale import PoolController
 from router.jobs import Aborted, Job, Lost
 from router.placement import pick_decode, pick_prefill
@@ -61,9 +62,10 @@ class Router(pb_grpc.GenerationServicer):
         model_path: the model folder (already resolved; every worker loads it).
     """
 
-    def __init__(self, cfg: ClusterConfig, model_path: str) -> None:
+    def __init__(self, cfg: ClusterConfig, model_path: str, door: FrontDoor | None = None) -> None:
         from transformers import AutoTokenizer
         self.cfg = cfg
+        self.door = door or FrontDoor()
         from concurrent.futures import ThreadPoolExecutor
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -79,7 +81,7 @@ class Router(pb_grpc.GenerationServicer):
 
     async def start(self, progress=lambda s: None) -> None:
         if self.cfg.metrics.port is not None:
-            progress(f"metrics on http://{self.metrics.serve(self.cfg.router.host, self.cfg.metrics.port)}/metrics")
+            progress(f"metrics on http://{self.metrics.serve(self.cfg.metrics.host, self.cfg.metrics.port)}/metrics")
         await self.pools.start(progress)
         if self.autoscaler is not None:
             self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name="autoscale")
@@ -114,7 +116,8 @@ class Router(pb_grpc.GenerationServicer):
             rid = request_id(request, self.limits)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if rid in self.jobs:
+        owner = await self._caller(context)
+        if rid in self.jobs:  # whoever runs it: ids are the cluster's, and the message names no one
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
         try:
             # Tokenizing a long prompt takes a while: in its own thread, off the event loop that
@@ -124,7 +127,7 @@ class Router(pb_grpc.GenerationServicer):
             params = sampling_params(request.sampling, self.limits, len(ids))
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        job = Job(rid, ids, params)
+        job = Job(rid, ids, params, owner=owner)
         self.jobs[rid] = job
         self.metrics.prompt_tokens.inc(len(ids))
         outcome = "cancelled"
@@ -185,16 +188,19 @@ class Router(pb_grpc.GenerationServicer):
                 self._release(job)
                 yield job.final("abort")
                 return
+            if isinstance(event, (Lost, Failed)) and not job.depends_on(worker):
+                # Queued while the worker still mattered (or a prefill's late transfer error after
+                # decode took over): re-running a healthy stream would only cost it time.
+                log.info("rid=%s event=ignored reason=%r worker=%s", job.request_id,
+                         "lost" if isinstance(event, Lost) else event.error, worker.worker_id)
+                continue
             if isinstance(event, Failed) and event.invalid:  # bad input: retrying cannot help
                 self._release(job)
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, event.error)
             if isinstance(event, (Lost, Failed)):
                 self._rerun(job, "a worker was lost" if isinstance(event, Lost) else event.error)
                 return
-            if worker is job.decode and job.prefill is not job.decode:
-                # Decode runs only once the KV and the first token are in: the prefill's part is
-                # done, and losing that worker now must not re-run this request.
-                job.prefill = None
+            job.heard_from(worker)
             for r in job.in_order(event):
                 response = job.tokens(r)
                 if response is not None:
@@ -257,7 +263,8 @@ class Router(pb_grpc.GenerationServicer):
                         await dw.actor.submit.remote(job.key, ids, params)
                         job.placed(dw, dw)
                         return
-                    if not await dw.actor.reserve.remote(job.key, ids, params):
+                    secret = await dw.actor.reserve.remote(job.key, ids, params)  # the transfer's, or None
+                    if secret is None:
                         self.pools.reserved(dw.worker_id, d.free_blocks, new_call=False)  # full until it reports
                         continue
                 except RayActorError as e:
@@ -271,7 +278,7 @@ class Router(pb_grpc.GenerationServicer):
                 job.placed(pw, dw)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
-                pw.actor.submit.remote(job.key, ids, params, dw.address)
+                pw.actor.submit.remote(job.key, ids, params, dw.address, secret)
                 return
         finally:
             if queued:
@@ -284,9 +291,17 @@ class Router(pb_grpc.GenerationServicer):
             (w for w in loads if w.accepting), key=lambda w: w.queued_prompt_tokens, default=None)
 
     # ---- the other RPCs ----------------------------------------------------------------------
+    async def _caller(self, context) -> str:
+        """The calling token's name ("" with auth off). The interceptor already turned away
+        calls without a valid token; this is the second lock on the door of a request."""
+        owner = self.door.auth.caller(context.invocation_metadata())
+        if owner is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid token")
+        return owner
+
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         job = self.jobs.get(request.request_id)
-        if job is None:
+        if job is None or job.owner != await self._caller(context):  # another's: as if absent
             return pb.AbortResponse(found=False)
         job.put(None, Aborted())
         return pb.AbortResponse(found=True)
@@ -321,15 +336,19 @@ async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.S
     """Serve ``router`` plus grpc.health.v1 and reflection; returns (server, bound port)."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
-    lim = router.cfg.limits
+    lim, door = router.cfg.limits, router.door
     server = grpc.aio.server(maximum_concurrent_rpcs=lim.concurrent_rpcs,
+                             interceptors=[door.auth.interceptor()] if door.auth.enabled else [],
                              options=[("grpc.max_receive_message_length", lim.message_bytes)])
     pb_grpc.add_GenerationServicer_to_server(router, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-    reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if door.reflection:
+        reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, door.tls.server_credentials()) if door.tls else \
+        server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()

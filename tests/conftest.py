@@ -87,14 +87,15 @@ def make_engine(model_path) -> Iterator[Callable[..., LLMEngine]]:
 
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
-    """One private local Ray for the whole test session (dashboard off, no auth token file,
-    its own temp dir), with room for every pool the tests create."""
-    import os
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    """One private local Ray for the whole test session, as `pdserve serve` starts one
+    (router.app.local_ray_env: loopback, dashboard off, no auth token file, its own temp dir),
+    with room for every pool the tests create."""
     import ray
+
+    from router.app import local_ray_env
     ray.init(num_cpus=8, resources={"prefill": 4, "decode": 4}, include_dashboard=False,
              _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False,
-             _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n"}})
+             _node_ip_address="127.0.0.1", runtime_env=local_ray_env())
     yield ray
     ray.shutdown()
 
@@ -121,3 +122,10 @@ def connect_kv():
             stop.set()
             th.join()
     return connect
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """A test CA and the server and client certificates it signed (tests/tls_certs.py)."""
+    from tests.tls_certs import make_certs
+    return make_certs(tmp_path_factory.mktemp("certs"))

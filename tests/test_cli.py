@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import ipaddress
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -13,6 +15,27 @@ import pytest
 from engine.request import SamplingParams
 
 PDSERVE = shutil.which("pdserve", path=os.path.dirname(sys.executable)) or "pdserve"
+
+
+def listeners(pid: int) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket listening and UDP socket bound in the
+    process tree under ``pid``."""
+    import psutil
+    root = psutil.Process(pid)
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and c.laddr):
+                    out.append((p.name(), c.laddr.ip, c.laddr.port))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue  # gone since we listed it
+    return out
+
+
+def _loopback(ip: str) -> bool:
+    a = ipaddress.ip_address(ip)
+    return (getattr(a, "ipv4_mapped", None) or a).is_loopback  # ::ffff:127.0.0.1 is loopback too
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -73,7 +96,6 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
     """`pdserve serve` as `make serve` runs it (1 prefill + 1 decode worker): a client gets an
     answer, `status` shows both workers, Ctrl-C stops everything cleanly."""
     import signal
-    import socket
     import time
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,6 +117,10 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         assert out["prefill_worker"] == "prefill-0" and out["decode_worker"] == "decode-0"
         r = _run("status", "--server", server)
         assert r.returncode == 0 and "prefill-0" in r.stdout and "decode-0" in r.stdout and "ready" in r.stdout
+        # Secure by default: no process of the cluster (Ray's too) listens beyond loopback.
+        listening = listeners(proc.pid)
+        assert len(listening) >= 5, listening  # gRPC, /metrics, control socket, Ray's GCS and raylet at least
+        assert all(_loopback(ip) for _, ip, _ in listening), listening
     finally:
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[1]

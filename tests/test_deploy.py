@@ -41,7 +41,11 @@ def _broken(tmp_path, path, edit):
     (lambda c: c.update(max_workers=1), "max_workers"),
     (lambda c: c["available_node_types"]["prefill_gpu"].update(resources={}), "'prefill' resource"),
     (lambda c: c.update(head_start_ray_commands=["ray start --head"]), "pdserve serve --address auto"),
-], ids=["typo-top", "typo-node", "min-over-max", "sum-min-over-global-max", "no-prefill", "no-serve"])
+    (lambda c: c.update(worker_start_ray_commands=["ray start --address=$RAY_HEAD_IP:6379"]), "RAY_AUTH_MODE=token"),
+    (lambda c: c.update(head_start_ray_commands=[x.replace("127.0.0.1", "0.0.0.0") for x in c["head_start_ray_commands"]]),
+     "dashboard on 0.0.0.0"),
+], ids=["typo-top", "typo-node", "min-over-max", "sum-min-over-global-max", "no-prefill", "no-serve", "ray-no-auth",
+        "open-dashboard"])
 def test_broken_copies_fail(tmp_path, edit, needle):
     for path in CLUSTER_FILES:
         with pytest.raises(Exception, match=needle.replace("(", r"\(")):
@@ -57,5 +61,30 @@ def test_pdserve_configs_load(name):
         assert cfg.autoscale.prefill.max_replicas <= aws["prefill_gpu"]["max_workers"] * aws["prefill_gpu"]["resources"]["prefill"]
         assert cfg.autoscale.decode.max_replicas <= aws["decode_gpu"]["max_workers"] * aws["decode_gpu"]["resources"]["decode"]
         assert cfg.device == "cuda" and cfg.autoscale.enabled
+        # gRPC open to other machines: TLS and tokens, never an open door
+        assert cfg.router.host == "0.0.0.0" and cfg.security.tls_cert and cfg.security.tokens_file
+        assert not cfg.security.insecure
+
+
+def test_make_secrets_writes_what_the_cluster_config_names(tmp_path):
+    """deploy/make-secrets.sh (run on a copy of deploy/) writes every file deploy/cluster.yaml
+    names, and the router accepts them: TLS loads, the tokens parse, the door opens on 0.0.0.0."""
+    import shutil
+    import subprocess
+
+    from router.auth import front_door
+    shutil.copytree(DEPLOY, tmp_path / "deploy", ignore=shutil.ignore_patterns("secrets"))
+    r = subprocess.run(["bash", str(tmp_path / "deploy" / "make-secrets.sh"), "head.example", "10.0.0.5"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    sec = load_config(DEPLOY / "cluster.yaml").security
+    sec = type(sec)(**{k: str(tmp_path / v) if k in ("tls_cert", "tls_key", "tokens_file") else v
+                       for k, v in vars(sec).items()})
+    door = front_door(sec, "0.0.0.0", env={})
+    assert door.tls is not None and len(door.auth.tokens) == 1
+    assert len((tmp_path / "deploy" / "secrets" / "ray_auth_token").read_text().strip()) == 64
+    text = subprocess.run(["openssl", "x509", "-in", sec.tls_cert, "-noout", "-text"], capture_output=True,
+                          text=True, check=True).stdout
+    assert "DNS:head.example" in text and "IP Address:10.0.0.5" in text
 
 

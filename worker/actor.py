@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from engine.config import EngineConfig
+from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport
 from worker.step_loop import StepLoop, WorkerOptions
 
@@ -27,9 +28,11 @@ class WorkerActor(StepLoop):
         if options.metrics is not None and not options.metrics[0]:  # "": this node's address
             options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
         lease_s = LEASE_S if options.lease_s is None else options.lease_s
+        auth = PlaneAuth(options.key, options.kv_integrity) if options.key else None
         self._start(self._make(LLMEngine(config, progress=False), get_transport(options.transport), lease_s,
-                               options), options)
+                               options, auth), options)
 
-    def _make(self, engine: Any, transport: FrameTransport, lease_s: float, options: WorkerOptions) -> Any:
+    def _make(self, engine: Any, transport: FrameTransport, lease_s: float, options: WorkerOptions,
+              auth: PlaneAuth | None) -> Any:
         """The worker core (``PrefillWorker``, ``DecodeWorker``) around a loaded engine."""
         raise NotImplementedError

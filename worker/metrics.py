@@ -40,6 +40,8 @@ _WORKER_SERIES: list[tuple[str, str, str, Callable[[WorkerStatus], Any]]] = [
      lambda s: s.kv_transfer.done if s.kv_transfer else None),
     ("pdserve_kv_transfer_failed", "counter", "KV transfers failed (lease, bad frame, abort, dead peer)",
      lambda s: s.kv_transfer.failed if s.kv_transfer else None),
+    ("pdserve_kv_transfer_forged", "counter", "KV plane messages dropped for a missing or wrong MAC (not from this "
+     "cluster's workers, or replayed)", lambda s: s.kv_transfer.forged if s.kv_transfer else None),
     ("pdserve_kv_transfer_bytes_per_second", "gauge", "Mean KV transfer rate of completed transfers",
      lambda s: s.kv_transfer.bytes / s.kv_transfer.seconds if s.kv_transfer and s.kv_transfer.seconds else None),
     ("pdserve_speculative_acceptance_ratio", "gauge", "Draft tokens accepted / proposed",

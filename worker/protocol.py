@@ -4,9 +4,11 @@ Router → worker calls are Ray actor methods whose arguments are these types (`
 engine's (``SamplingParams``). Worker → router traffic is one message type, :class:`Report`,
 pushed over zmq after every step with outputs and at least every heartbeat::
 
-    Report(worker_id, incarnation, records=[Tokens | Failed, ...], status=WorkerStatus)
+    Report(worker_id, incarnation, records=[Tokens | Failed, ...], status=WorkerStatus, seq)
 
-The status rides along, so the router's view of each worker's load is never older than one
+With the cluster key (``WorkerOptions.key``; the router makes it) each report travels behind
+its MAC: only a worker of this cluster can speak on the report socket, and ``seq`` (per
+process, from 1) lets the router drop a replayed one. The status rides along, so the router's view of each worker's load is never older than one
 step, without polls. ``ModelInfo`` answers the router's ``model_info()`` call.
 
 Why msgspec: typed msgpack structs that validate while they decode (a wrong type, a missing
@@ -20,10 +22,12 @@ the status a map. Ray pickles the same structs for actor calls.
 
 from __future__ import annotations
 
+import hmac
 from typing import Literal
 
 import msgspec
 
+from kvtransfer.auth import MAC_BYTES, mac
 from kvtransfer.base import TransferStats
 
 # None while the request goes on; "prefilled": the prefill side's part is done (first token
@@ -121,12 +125,14 @@ class ModelInfo(msgspec.Struct, frozen=True):
 
 
 class Report(msgspec.Struct, array_like=True):
-    """Worker → router, over zmq: a step's records and the worker's status."""
+    """Worker → router, over zmq: a step's records and the worker's status. ``seq`` counts a
+    process's reports from 1: the router drops one it has seen (a replay)."""
 
     worker_id: str
     incarnation: str
     records: list[Record]
     status: WorkerStatus
+    seq: int = 0
 
 
 MAX_REPORT_BYTES = 64 << 20  # the router's socket drops bigger messages (zmq MAXMSGSIZE)
@@ -135,14 +141,23 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Report)
 
 
-def encode_report(report: Report) -> bytes:
-    return _encoder.encode(report)
+def encode_report(report: Report, key: bytes | None = None) -> bytes:
+    """The wire form: with the cluster ``key``, its MAC (kvtransfer.auth) and then the body."""
+    body = _encoder.encode(report)
+    return mac(key, [body]) + body if key else body
 
 
-def decode_report(data: bytes) -> Report:
+def decode_report(data: bytes, key: bytes | None = None) -> Report:
     """Raises:
-        ProtocolError: not a well-formed Report (garbage, a missing field, a wrong type).
+        ProtocolError: with ``key``, no valid MAC (not from a worker of this cluster: checked
+            before a byte is parsed); not a well-formed Report (garbage, a missing field, a
+            wrong type).
     """
+    if key:
+        body = memoryview(data)[MAC_BYTES:]
+        if len(data) < MAC_BYTES or not hmac.compare_digest(mac(key, [body]), bytes(data[:MAC_BYTES])):
+            raise ProtocolError("report without a valid MAC: not from a worker of this cluster")
+        data = body
     try:
         return _decoder.decode(data)
     except msgspec.DecodeError as e:  # ValidationError is a DecodeError

@@ -52,6 +52,10 @@ class WorkerOptions:
     router: RouterLink | None = None  # None: records wait for poll()
     metrics: tuple[str, int] | None = None  # serve /metrics on (host, port; 0 = a free port)
     colocated: bool = False  # decode workers only: also prefill (mode: colocated)
+    # The cluster key (the router's; at least 16 bytes): MACs reports and every KV message
+    # (kvtransfer.auth). None: trust the network (tests in one process).
+    key: bytes | None = None
+    kv_integrity: str = "full"  # what a KV data frame's MAC covers: full | header
 
 
 class StepLoop:
@@ -81,6 +85,7 @@ class StepLoop:
         self.outbox: list[Record] = []
         self.keys: dict[str, Key] = {}  # engine id -> key, while the request is here
         self.admitted = 0  # calls that brought a request here (WorkerStatus.admitted)
+        self._seq = 0  # reports sent (Report.seq)
         self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
         self.worker_id = options.router.worker_id if options.router else self.incarnation
         self._snapshot: WorkerStatus | None = None  # the last report's status (metrics read it lock-free)
@@ -193,7 +198,9 @@ class StepLoop:
         self._count_tokens(batch, now)
         self._log(batch)
         self._snapshot = self._status()
-        sink.send(encode_report(Report(self.worker_id, self.incarnation, batch, self._snapshot)))
+        self._seq += 1
+        sink.send(encode_report(Report(self.worker_id, self.incarnation, batch, self._snapshot, self._seq),
+                                self.options.key))
 
     def _connect(self) -> Any:
         import zmq

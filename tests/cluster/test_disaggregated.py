@@ -183,6 +183,97 @@ def test_killed_decode_worker_its_streams_complete_identically(stub, cluster, gr
     assert out["token_ids"] == greedy_reference[0][1]
 
 
+def test_forged_kv_messages_change_no_stream(stub, cluster, greedy_reference, wait_idle):
+    """A stranger on the KV plane (a UCX endpoint of its own) floods every decode worker with
+    forged frames, fails, renewals, trailers and handshakes naming the running transfers: they
+    are dropped and counted; every stream equals HF, none re-runs, nothing restarts or leaks."""
+    import torch
+
+    from kvtransfer.base import get_transport
+    from kvtransfer.format import encode_frames
+    from kvtransfer.receiver import encode_control
+    router = cluster.router
+    reruns = router.metrics.retries._value.get()
+    decoders = [w for w in router.pools.workers.values() if w.role == "decode"]
+    forged_before = sum(w.status.kv_transfer.forged for w in decoders)
+    restarts = {w.worker_id: w.restarts for w in decoders}
+    evil = get_transport("ucx")
+    peers = [evil.connect(w.address) for w in decoders]
+    tids = [f"fk{i}#0" for i in range(len(greedy_reference))]
+    zeros = torch.zeros(4, 3, 64)
+    attacks = [m for tid in tids for m in (
+        encode_frames(tid, router.pools.model_info.fingerprint, 0, 0, zeros, zeros, 3),
+        encode_control("fail", id=tid, reason="forged"), encode_control("renew", id=tid),
+        encode_control("end", id=tid, trailer={"first_token": 0}))] + [encode_control("hello", layout={}), [b"junk"]]
+    stop = threading.Event()
+    sent = [0]
+
+    def flood():
+        while not stop.is_set():
+            for p in peers:
+                for a in attacks:
+                    evil.send(p, a)
+                    sent[0] += 1
+            time.sleep(0.002)
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        outs = run_all(stub, [make_request(p, max_tokens=64, temperature=0, request_id=f"fk{i}")
+                              for i, (p, _) in enumerate(greedy_reference)])
+    finally:
+        stop.set()
+        flooder.join(timeout=60)
+    assert [o["token_ids"] for o in outs] == [ref for _, ref in greedy_reference]
+    assert router.metrics.retries._value.get() == reruns and sent[0] > 0
+    workers = wait_idle(stub, cluster)
+    assert {w.worker_id: w.restarts for w in workers if w.role == "decode"} == restarts
+    deadline = time.monotonic() + 60  # hang guard: the counts ride on the next heartbeat
+    while sum(w.status.kv_transfer.forged for w in decoders) == forged_before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    evil.close()
+
+
+def test_killed_prefill_worker_leaves_decoding_streams_alone(stub, cluster, greedy_reference, wait_idle):
+    """Once decode has the KV and the first token, the prefill's part is done: SIGKILL the
+    prefill worker that served the running streams and none of them re-runs; each still equals
+    HF; Ray restarts the actor and it serves again."""
+    router = cluster.router
+    reruns = router.metrics.retries._value.get()
+    progress: dict[int, int] = {}
+    results: dict[int, list[int]] = {}
+
+    def one(i, prompt):
+        ids = []
+        for r in stub.Generate(make_request(prompt, max_tokens=64, temperature=0, request_id=f"pk{i}")):
+            ids += list(r.token_ids)
+            progress[i] = len(ids)
+        results[i] = ids
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, (p, _) in enumerate(greedy_reference)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 240  # hang guard only
+    while any(progress.get(i, 0) < min(4, len(ref)) for i, (_, ref) in enumerate(greedy_reference)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    served = [j.prefill_id for j in list(router.jobs.values()) if j.request_id.startswith("pk")]
+    assert served  # some streams still decoding
+    victim = router.pools.workers[max(set(served), key=served.count)]
+    os.kill(victim.status.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=600)  # hang guard only
+    assert [results[i] for i in range(len(greedy_reference))] == [ref for _, ref in greedy_reference]
+    assert router.metrics.retries._value.get() == reruns  # no stream was re-run
+    deadline = time.monotonic() + 240
+    while victim.restarts != 1 or victim.state != "ready":  # noticed (heartbeat, Ray), restarted, reconnected
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    wait_idle(stub, cluster, timeout=240)
+    out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=64, temperature=0)))
+    assert out["token_ids"] == greedy_reference[0][1]
+
+
 def _scrape(address: str) -> dict[tuple[str, tuple], float]:
     import urllib.request
 

@@ -39,3 +39,31 @@ def test_a_token_already_streamed_is_dropped_and_a_rerun_counts_from_its_own_sta
     k1 = job.key
     assert _stream(job, [Tokens(k1, 1, [13], "d"), Tokens(k1, 0, [12], "c", "prefilled")]) == [12, 13]
     assert job.generated == [10, 11, 12, 13]
+
+
+def test_the_prefill_stops_mattering_once_decode_streams():
+    """Blame: a lost or failed worker re-runs the job only while the job depends on it."""
+    p, d = _W("p"), _W("d")
+    job = Job("r", [1, 2], SamplingParams(max_tokens=8))
+    job.placed(p, d)
+    assert job.depends_on(p) and job.depends_on(d) and not job.depends_on(_W("o"))
+    assert not job.depends_on(None)  # Abort and shutdown carry no worker
+    job.heard_from(p)  # the prefill's first token: still needed until decode runs
+    assert job.depends_on(p)
+    job.heard_from(d)
+    assert not job.depends_on(p) and job.depends_on(d) and job.prefill_id == "p"
+
+
+def test_a_colocated_worker_stays_needed():
+    job = Job("r", [1, 2], SamplingParams(max_tokens=8))
+    w = _W("c")
+    job.placed(w, w)
+    job.heard_from(w)
+    assert job.depends_on(w) and job.prefill is w
+
+
+class _W:
+    """A worker as a job sees one: compared by identity, named by its id."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id

@@ -20,14 +20,14 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.
 STATUS = decode_report(encode_report(Report("decode-0", "i", [], WorkerStatus(
     role="decode", incarnation="i", pid=1, running=2, waiting=1, queued_prompt_tokens=0, kv_blocks_used=10,
     kv_blocks_total=100, block_size=16, generated_tokens=50, tokens_per_s=3.0, prefix_query_tokens=64,
-    prefix_hit_tokens=16, kv_transfer=TransferStats(done=3, failed=1, bytes=3000, seconds=0.5),
+    prefix_hit_tokens=16, kv_transfer=TransferStats(done=3, failed=1, bytes=3000, seconds=0.5, forged=2),
     speculative={"acceptance_rate": 0.5})))).status
 INFO = ModelInfo(model="m", fingerprint="f", incarnation="i", context_length=2048, vocab_size=100, dtype="float32",
                  block_size=16, speculative="ngram-k4", quantization="int8")
 
 
 def exported(workers) -> dict[str, list]:
-    router = SimpleNamespace(queued=1, jobs={}, pools=SimpleNamespace(workers=workers))
+    router = SimpleNamespace(queued=1, jobs={}, pools=SimpleNamespace(workers=workers, bad_reports=3))
     m = RouterMetrics(router)
     m.requests.labels("stop").inc()
     for h in (m.ttft, m.tpot, m.itl, m.e2e):
@@ -44,6 +44,8 @@ def test_worker_series_carry_labels_and_values():
     assert samples["pdserve_worker_prefix_cache_hit_ratio"].value == 0.25
     assert samples["pdserve_kv_transfer_bytes_per_second"].value == 6000
     assert samples["pdserve_kv_transfer_failed_total"].value == 1
+    assert samples["pdserve_kv_transfer_forged_total"].value == 2
+    assert samples["pdserve_router_bad_reports_total"].value == 3
     assert samples["pdserve_pool_workers"].labels == {"role": "decode", "state": "ready"}
     assert samples["pdserve_admission_queue_requests"].value == 1
     assert samples["pdserve_worker_info"].labels == {"worker": "decode-0", "role": "decode", "quantization": "int8",

@@ -34,7 +34,7 @@ def _run_pair(model_path, tokenizer, decode: LLMEngine, connect) -> tuple[list[l
         finished: set[str] = set()
         for i, p in enumerate(PROMPTS):
             rid, ids = f"r{i}", tokenizer(p)["input_ids"]
-            assert dw.reserve(rid, ids, SP)
+            assert dw.reserve(rid, ids, SP) is not None
             pw.submit(rid, ids, SP, dw.address)
         deadline = time.monotonic() + 120
         while len(finished) < len(PROMPTS) or pw.transfers:

@@ -19,8 +19,8 @@ def _status(**kw) -> WorkerStatus:
                            "kv_blocks_total": 10, "block_size": 16, **kw})
 
 
-def _report(records=(), **kw) -> Report:
-    return Report("decode-0", "inc", list(records), _status(**kw))
+def _report(records=(), seq: int = 0, **kw) -> Report:
+    return Report("decode-0", "inc", list(records), _status(**kw), seq)
 
 
 def test_records_and_status_round_trip_with_their_types():
@@ -52,11 +52,21 @@ def test_malformed_reports_are_protocol_errors(bad):
 
 
 def test_the_router_drops_a_bad_report_and_takes_the_next():
+    """Only a worker of this cluster speaks on the report socket: without the cluster key's MAC
+    (garbage, a stranger's report, a report MAC'd with another key) or replayed (a seq already
+    seen), a message is dropped and counted; the next good one is taken."""
+    from kvtransfer.auth import new_secret
     from router.pools import Pools, Worker
 
     seen = []
-    good = _report([Tokens(Key("r"), 0, [1], "a", "length")])
-    messages = [b"\x00garbage", msgspec.msgpack.encode(["decode-0"]), encode_report(good)]
+    pools = Pools(SimpleNamespace(), "model", on_records=lambda w, rs: seen.extend(rs), on_lost=lambda w: None)
+    first = _report([Tokens(Key("r"), 0, [1], "a", None)], seq=1)
+    good = _report([Tokens(Key("r"), 1, [2], "b", "length")], seq=2)
+    messages = [b"\x00garbage", msgspec.msgpack.encode(["decode-0"]), encode_report(first, pools.key),
+                encode_report(good),  # no MAC: what anyone on the network could send
+                encode_report(good, new_secret()),  # another cluster's key
+                encode_report(first, pools.key),  # a replay
+                encode_report(good, pools.key)]
 
     class Socket:
         async def recv(self):
@@ -64,7 +74,6 @@ def test_the_router_drops_a_bad_report_and_takes_the_next():
                 raise asyncio.CancelledError
             return messages.pop(0)
 
-    pools = Pools(SimpleNamespace(), "model", on_records=lambda w, rs: seen.extend(rs), on_lost=lambda w: None)
     pools._sock = Socket()
     pools.workers["decode-0"] = Worker("decode-0", "decode", actor=None, state="ready", incarnation="inc")
 
@@ -72,8 +81,21 @@ def test_the_router_drops_a_bad_report_and_takes_the_next():
         with pytest.raises(asyncio.CancelledError):
             await pools._receive()
     asyncio.run(run())
-    assert pools.bad_reports == 2 and seen == good.records
-    assert pools.workers["decode-0"].status == good.status
+    assert pools.bad_reports == 5 and seen == first.records + good.records
+    assert pools.workers["decode-0"].status == good.status and pools.workers["decode-0"].seq == 2
+
+
+def test_a_report_with_the_key_round_trips_and_any_flipped_bit_is_refused():
+    key = bytes(range(32))
+    wire = encode_report(_report(seq=3), key)
+    assert decode_report(wire, key).seq == 3
+    for i in (0, 20, len(wire) - 1):  # the MAC, then the body
+        bad = bytearray(wire)
+        bad[i] ^= 1
+        with pytest.raises(ProtocolError, match="MAC"):
+            decode_report(bytes(bad), key)
+    with pytest.raises(ProtocolError, match="MAC"):
+        decode_report(wire[:10], key)
 
 
 def test_a_report_sent_before_a_reserve_keeps_its_reservation():

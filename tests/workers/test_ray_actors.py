@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.request import SamplingParams
+from kvtransfer.auth import new_secret
 from worker.protocol import Key, Tokens
 from worker.step_loop import WorkerOptions
 
@@ -25,16 +26,18 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
     want = {f"r{i}": o.token_ids for i, o in enumerate(make_engine().generate(PROMPTS, sp))}
     cfg = EngineConfig(model=str(model_path), cache=CacheConfig(memory_gb=0.05),
                        scheduler=SchedulerConfig(max_num_batched_tokens=512))
-    decode = DecodeActor.options(resources={"decode": 1}, num_cpus=0).remote(cfg, WorkerOptions(transport="zmq"))
-    prefill = PrefillActor.options(resources={"prefill": 1}, num_cpus=0).remote(cfg, WorkerOptions(transport="zmq"))
+    opts = WorkerOptions(transport="zmq", key=new_secret())  # the KV plane authenticated, as in a cluster
+    decode = DecodeActor.options(resources={"decode": 1}, num_cpus=0).remote(cfg, opts)
+    prefill = PrefillActor.options(resources={"prefill": 1}, num_cpus=0).remote(cfg, opts)
     try:
         address = ray.get(decode.address.remote())
         ray.get(prefill.connect.remote(address))
         for rid, text in zip(want, PROMPTS):
             ids = tokenizer(text)["input_ids"]
             key = Key(rid, attempt=1)
-            assert ray.get(decode.reserve.remote(key, ids, sp))
-            prefill.submit.remote(key, ids, sp, address)
+            secret = ray.get(decode.reserve.remote(key, ids, sp))
+            assert secret
+            prefill.submit.remote(key, ids, sp, address, secret)
         first: dict[str, list[int]] = {}
         rest: dict[str, list[int]] = {rid: [] for rid in want}
         done: set[str] = set()

@@ -13,6 +13,7 @@ from decode_worker.worker import DecodeWorker
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
+from kvtransfer.auth import PlaneAuth, new_secret
 from kvtransfer.base import TransferState, get_transport
 from prefill_worker.worker import PrefillWorker
 
@@ -32,16 +33,19 @@ def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport
     ref_engine = _engine(model_path, 16, 2048)
     want = [o.token_ids for o in ref_engine.generate(PROMPTS, sp)]
     # Small prefill budget: prompts prefill in several chunks, each streamed as it is computed.
-    pw = PrefillWorker(_engine(model_path, 4, 6), get_transport(transport))
-    dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport(transport))
+    # Authenticated as in the cluster: every message MAC'd, data with each transfer's secret.
+    auth = PlaneAuth(new_secret())
+    pw = PrefillWorker(_engine(model_path, 4, 6), get_transport(transport), auth=auth)
+    dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport(transport), auth=auth)
     try:
         connect_kv(pw.sender, dw.receiver)
         ids = {f"r{i}": tokenizer(p)["input_ids"] for i, p in enumerate(PROMPTS)}
         tokens: dict[str, list[int]] = {}
         finished: set[str] = set()
         for rid, prompt in ids.items():
-            assert dw.reserve(rid, prompt, sp)
-            pw.submit(rid, prompt, sp, dw.address)
+            secret = dw.reserve(rid, prompt, sp)
+            assert secret
+            pw.submit(rid, prompt, sp, dw.address, secret)
             if rid == "r0":  # finish r0 first so r3's shared prefix hits the prefill cache
                 while "r0" not in tokens:  # the first token reaches decode as the transfer's trailer
                     for o in pw.step()[0]:
@@ -64,6 +68,7 @@ def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport
         assert pw.engine.block_manager.num_used_blocks == 0
         assert dw.engine.block_manager.num_used_blocks == 0
         assert not dw.failed
+        assert pw.sender.stats.forged == dw.receiver.stats.forged == 0
     finally:
         pw.close()
         dw.close()
@@ -72,14 +77,14 @@ def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport
 def test_decode_worker_frees_blocks_when_the_transfer_fails(model_path):
     dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport("zmq"), lease_s=0.2)
     try:
-        assert dw.reserve("x", [5, 6, 7, 8], SamplingParams(max_tokens=4))
+        assert dw.reserve("x", [5, 6, 7, 8], SamplingParams(max_tokens=4)) is not None
         assert dw.engine.block_manager.num_used_blocks > 0
         end = time.monotonic() + 60  # hang guard only: the lease is 0.2 s
         while "x" not in dw.failed:  # no prefill worker ever sends: the lease expires
             dw.step()
             assert time.monotonic() < end
         assert dw.engine.block_manager.num_used_blocks == 0 and not dw.engine.has_unfinished()
-        assert dw.reserve("y", [5, 6], SamplingParams(max_tokens=4))
+        assert dw.reserve("y", [5, 6], SamplingParams(max_tokens=4)) is not None
         dw.abort("y")
         assert dw.engine.block_manager.num_used_blocks == 0
     finally:
@@ -98,7 +103,7 @@ def test_a_transfer_that_cannot_be_sent_fails_its_request_only(model_path, token
         ids = tokenizer(PROMPTS[0])["input_ids"]
         bad, good = "r" * 300, "ok"
         for rid in (bad, good):
-            assert dw.reserve(rid, ids, sp)
+            assert dw.reserve(rid, ids, sp) is not None
             pw.submit(rid, ids, sp, dw.address)
         ended: dict[str, object] = {}
         done = False

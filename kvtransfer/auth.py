@@ -1,0 +1,91 @@
+"""Who may speak on the KV plane: message authentication codes (MACs) on every message.
+
+Without it, anyone who reaches a decode worker's KV endpoint can write into reserved blocks
+(a wrong answer served with OK), fail or renew transfers, or answer a handshake. With a
+:class:`PlaneAuth` on both sides (pdserve's workers always have one) every message carries a
+MAC as its last frame, and one without a valid MAC is dropped and counted
+(``TransferStats.forged``); it changes nothing. Two keys:
+
+- the **cluster key** (the router makes it at start and hands it to each worker actor; every
+  worker of one cluster holds it) signs the lifecycle: hello/hello_ok, begin, renew, ack, fail.
+- a **transfer secret** (made by the receiver in ``expect``, carried to the chosen sender by the
+  router through Ray calls, never on the KV wire) signs what becomes output: every KV data
+  frame and the ``end`` trailer (decode's first token). Only the sender the router chose can
+  write into a transfer's blocks, and no frame of an earlier transfer (the same id again, with
+  another secret) can be replayed into it. A replayed lifecycle message can at worst fail a
+  transfer, and the request then runs again: never a wrong token.
+
+Framing with a key: a control message is ``[body, mac]``, a data message ``[header, K, V, mac]``;
+``mac = HMAC-SHA256(key, frames)[:16]``. ``integrity`` says what a data frame's MAC covers:
+``"full"`` the header and the K and V bytes (a forger who races a genuine frame cannot swap
+its bytes), ``"header"`` the header only (cheaper: K/V bytes are then trusted to the transport,
+as TCP's checksum is trusted with bit errors). A transport that moves KV straight from GPU
+memory (``device_frames``) gets ``"header"`` (``for_transport``): hashing would mean a copy to
+the host. ``bench/kv_transfer.py`` measures what each costs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtransfer.base import Buffer
+
+MAC_BYTES = 16  # 128 bits of HMAC-SHA256: forging one is a 2^-128 guess per message
+SECRET_BYTES = 32
+INTEGRITY = ("full", "header")
+
+
+def new_secret() -> bytes:
+    return os.urandom(SECRET_BYTES)
+
+
+def mac(key: bytes, frames: Sequence[Buffer]) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for f in frames:
+        h.update(f)
+    return h.digest()[:MAC_BYTES]
+
+
+@dataclass(frozen=True)
+class PlaneAuth:
+    """The cluster key and what data MACs cover; one per sender or receiver."""
+
+    key: bytes
+    integrity: str = "full"
+
+    def __post_init__(self) -> None:
+        if len(self.key) < 16:
+            raise ValueError("a KV plane key needs at least 16 bytes")
+        if self.integrity not in INTEGRITY:
+            raise ValueError(f"kv integrity {self.integrity!r}; valid: {', '.join(INTEGRITY)}")
+
+    def for_transport(self, transport) -> PlaneAuth:
+        """This, or ``"header"`` integrity for a transport whose frames may stay on the GPU."""
+        if getattr(transport, "device_frames", False) and self.integrity == "full":
+            return PlaneAuth(self.key, "header")
+        return self
+
+    def _covered(self, frames: Sequence[Buffer]) -> Sequence[Buffer]:
+        if len(frames) == 3 and self.integrity == "header":
+            return frames[:1]
+        return frames
+
+    def seal(self, frames: Sequence[Buffer], secret: bytes | None = None) -> list[Buffer]:
+        """``frames`` plus their MAC: under ``secret`` (data, ``end``), else the cluster key."""
+        return [*frames, mac(secret or self.key, self._covered(frames))]
+
+    @staticmethod
+    def split(frames: Sequence[Buffer]) -> tuple[list[Buffer], bytes | None]:
+        """(the message without its MAC frame, the MAC); a MAC of the wrong size is None."""
+        if len(frames) < 2:
+            return list(frames), None
+        tag = bytes(frames[-1])
+        return list(frames[:-1]), tag if len(tag) == MAC_BYTES else None
+
+    def valid(self, frames: Sequence[Buffer], tag: bytes | None, secret: bytes | None = None) -> bool:
+        """Whether ``tag`` is the MAC of ``frames`` under ``secret`` (else the cluster key)."""
+        return tag is not None and hmac.compare_digest(mac(secret or self.key, self._covered(frames)), tag)
