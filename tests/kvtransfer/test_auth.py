@@ -71,30 +71,11 @@ def test_a_sender_without_the_key_cannot_even_handshake(net):
     rx = net("receiver", dec, auth=PlaneAuth(KEY))
     stranger = net("sender", pre, auth=PlaneAuth(new_secret()))
     with pytest.raises(TimeoutError):
-        handshake_timeout(stranger, rx, 0.5)
+        handshake(stranger, rx, timeout_s=0.5)
     plain = net("sender", pre)
     with pytest.raises(TimeoutError):
-        handshake_timeout(plain, rx, 0.5)
+        handshake(plain, rx, timeout_s=0.5)
     assert rx.stats.forged >= 2
-
-
-def handshake_timeout(sender, receiver, timeout_s: float):
-    import threading
-    import time
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            receiver.progress()
-            time.sleep(0.0005)
-
-    th = threading.Thread(target=loop, daemon=True)
-    th.start()
-    try:
-        return sender.connect(receiver.address, timeout_s=timeout_s)
-    finally:
-        stop.set()
-        th.join()
 
 
 def test_an_authenticated_sender_needs_the_transfer_secret(net):

@@ -81,7 +81,7 @@ def net(request) -> Iterator[Callable[..., object]]:
         obj.close()
 
 
-def handshake(sender: KVSender, receiver: KVReceiver) -> KVLayout:
+def handshake(sender: KVSender, receiver: KVReceiver, timeout_s: float = 10) -> KVLayout:
     """``connect`` blocks until the receiver answers, so run the receiver's loop meanwhile."""
     stop = threading.Event()
 
@@ -93,7 +93,7 @@ def handshake(sender: KVSender, receiver: KVReceiver) -> KVLayout:
     th = threading.Thread(target=loop, daemon=True)
     th.start()
     try:
-        return sender.connect(receiver.address, timeout_s=10)
+        return sender.connect(receiver.address, timeout_s=timeout_s)
     finally:
         stop.set()
         th.join()
