@@ -10,7 +10,7 @@ is unchanged on the wire. The sender's address is in the first message to each p
 receiver can make the endpoint its replies use. The receiver probes for kind-1 tags from any
 sender, so the peer id it reports is the sender's uid -- the same id the sender got from
 ``connect``. Lengths are checked against
-``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
+``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_MESSAGE_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
 peer that announces more is logged and ignored from then on.
 """
 
@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 
 MAX_FRAME_BYTES = 4 << 30  # announced frame lengths above this are refused
+MAX_MESSAGE_BYTES = 4 << 30  # ... and so are messages announcing more in all (a layer's KV is far less)
 MAX_FRAMES = 1 << 16
 MAX_HEADER_BYTES = 1 << 20
 WIRE_VERSION = 1
@@ -82,6 +83,7 @@ def parse_header(buf) -> tuple[int, list[int], bytes | None, str]:
     if (version != WIRE_VERSION or not isinstance(seq, int) or not isinstance(lengths, list)
             or len(lengths) > MAX_FRAMES
             or not all(isinstance(n, int) and 0 <= n <= MAX_FRAME_BYTES for n in lengths)
+            or sum(lengths) > MAX_MESSAGE_BYTES
             or not (hello is None or isinstance(hello, bytes))
             or not isinstance(kinds, str) or len(kinds) != len(lengths) or kinds.strip("hd")):
         raise ValueError(f"bad header fields {version!r}, {seq!r}, {str(lengths)[:80]}, {str(rest)[:40]}")

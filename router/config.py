@@ -81,7 +81,7 @@ class DecodePool:
 class KVTransferConfig:
     transport: str = "ucx"
     lease_s: float = LEASE_S
-    integrity: str = "full"  # what each KV frame's MAC covers: full (header + K/V bytes) | header
+    integrity: str = "header"  # what each KV frame's MAC covers (kvtransfer.auth): header | full (+ K/V bytes)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ class WorkerOptions:
     # The cluster key (the router's; at least 16 bytes): MACs reports and every KV message
     # (kvtransfer.auth). None: trust the network (tests in one process).
     key: bytes | None = None
-    kv_integrity: str = "full"  # what a KV data frame's MAC covers: full | header
+    kv_integrity: str = "header"  # what a KV data frame's MAC covers: header | full (kvtransfer.auth)
 
 
 class StepLoop:

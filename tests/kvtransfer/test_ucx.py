@@ -181,8 +181,11 @@ def test_received_buffers_are_reused_only_once_released(make):
     assert np.frombuffer(fourth, np.uint8).ctypes.data == held_addr  # released: reused
 
 
-def test_oversized_announcement_is_refused(make):
-    """A peer announcing a frame above MAX_FRAME_BYTES is ignored; others are unaffected."""
+@pytest.mark.parametrize("lengths", [[ucx_wire.MAX_FRAME_BYTES + 1], [ucx_wire.MAX_FRAME_BYTES] * 1024],
+                         ids=["one-huge-frame", "huge-in-all"])
+def test_oversized_announcement_is_refused(make, lengths):
+    """A peer announcing a frame above MAX_FRAME_BYTES, or more than MAX_MESSAGE_BYTES in all,
+    is ignored before anything is allocated; others are unaffected."""
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib.arr import Array
 
@@ -194,7 +197,7 @@ def test_oversized_announcement_is_refused(make):
     ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr),
                                                     endpoint_error_handling=False)
     bogus_uid = 0x0BAD0BAD
-    header = np.frombuffer(msgpack.packb([1, 0, [ucx_wire.MAX_FRAME_BYTES + 1], worker.address.tobytes()]), np.uint8)
+    header = np.frombuffer(msgpack.packb([1, 0, lengths, worker.address.tobytes()]), np.uint8)
     req = ep.tag_send(Array(header), ucx_api.UCXXTag(ucx_wire.tag(ucx_wire.HEADER, bogus_uid, 0)))
     while not req.completed:
         worker.progress()
