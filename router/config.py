@@ -90,6 +90,9 @@ class RouterConfig:
     port: int = 50051
     max_queue: int = 256
     default_max_tokens: int = 256
+    # A worker silent this long (no report; Ray still says ALIVE) is stalled: its requests
+    # re-run elsewhere and its process is replaced. Longer than any one engine step.
+    stall_s: float = 120.0
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ Lifecycle of a worker here (``Worker.state``)::
 ``up`` means: its model info answered (same model as the others) and, for a decode worker,
 every ready prefill worker has connected to its KV receiver (a prefill worker coming up
 connects to every ready decode worker). ``lost`` is any of: Ray reports the actor RESTARTING
-or DEAD after its heartbeat went quiet, a heartbeat arrives from a new incarnation, or a call
-to it failed with a Ray actor error. The router then re-runs that worker's requests elsewhere
+or DEAD after its heartbeat went quiet, a heartbeat arrives from a new incarnation, a call
+to it failed with a Ray actor error, or it *stalled*: no report for ``router.stall_s`` while
+Ray still says ALIVE (stopped, stuck in a kernel, swapping); the router then also kills the
+process so that Ray starts a fresh one. The router then re-runs that worker's requests elsewhere
 (``on_lost``) and this module brings the restarted actor back.
 
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
@@ -322,6 +324,11 @@ class Pools:
                     state = await asyncio.to_thread(_actor_state, w.actor)
                     if state in ("RESTARTING", "DEAD"):
                         self.lost(w, f"Ray reports it {state}")
+                    elif now - w.last_seen > self.cfg.router.stall_s and w.state in ("ready", "draining"):
+                        # Alive to Ray but silent (a step never takes this long): its requests
+                        # move now; a fresh process replaces it (a SIGSTOPped one cannot exit).
+                        self.lost(w, f"stalled: no report for {now - w.last_seen:.0f}s (router.stall_s)")
+                        await asyncio.to_thread(_kill, w.actor)
 
     async def _receive(self) -> None:
         while True:
@@ -352,6 +359,15 @@ class Pools:
                 self.on_records(w, report.records)
             if freed or any(isinstance(r, Failed) or r.finish for r in report.records):
                 self._notify()
+
+
+def _kill(actor: Any) -> None:
+    """Kill the actor's process; Ray restarts it (max_restarts=-1)."""
+    import ray
+    try:
+        ray.kill(actor, no_restart=False)
+    except Exception as e:  # already gone: Ray restarts it or reports it dead either way
+        log.warning("could not kill a stalled worker: %s", e)
 
 
 def _actor_state(actor: Any) -> str:

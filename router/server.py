@@ -267,6 +267,13 @@ class Router(pb_grpc.GenerationServicer):
                     if secret is None:
                         self.pools.reserved(dw.worker_id, d.free_blocks, new_call=False)  # full until it reports
                         continue
+                except asyncio.CancelledError:
+                    # The client gave up while the worker takes the call: it would hold the
+                    # blocks (for the lease, or a whole generation) with nobody left to free
+                    # them. The abort queues behind the call on the worker (calls run in order).
+                    if dw.state in ("ready", "draining"):
+                        dw.actor.abort.remote(job.key)
+                    raise
                 except RayActorError as e:
                     self.pools.lost(dw, f"reserve failed: {e}")
                     continue

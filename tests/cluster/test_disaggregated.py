@@ -19,7 +19,8 @@ from pdserve.v1 import pdserve_pb2 as pb
 @pytest.fixture(scope="module")
 def cluster(make_cluster):
     return make_cluster(prefill__replicas=2, decode__replicas=2, prefill__kv_cache_gb=0.1,
-                        decode__kv_cache_gb=0.1, kv_transfer__transport="ucx", kv_transfer__lease_s=10.0)
+                        decode__kv_cache_gb=0.1, kv_transfer__transport="ucx", kv_transfer__lease_s=10.0,
+                        router__stall_s=15.0)
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +273,62 @@ def test_killed_prefill_worker_leaves_decoding_streams_alone(stub, cluster, gree
     wait_idle(stub, cluster, timeout=240)
     out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=64, temperature=0)))
     assert out["token_ids"] == greedy_reference[0][1]
+
+
+def test_clients_giving_up_at_any_point_strand_no_block(stub, cluster, wait_idle, tokenizer):
+    """Clients with deadlines from 5 to 300 ms give up at every stage (queued, during the
+    decode reserve, mid-transfer, mid-stream): every block comes back at once, not after the
+    KV lease (10 s in this module: the 8 s guard below would fail on a block held until then)."""
+    import random
+    rng = random.Random(3)
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 70)  # ~700 tokens
+    outcomes = []
+
+    def one(i):
+        try:
+            collect(stub.Generate(make_request(prompt, max_tokens=64, request_id=f"dl{i}"),
+                                  timeout=rng.uniform(0.005, 0.3)))
+            outcomes.append("ok")
+        except grpc.RpcError as e:
+            outcomes.append(e.code())
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(32)))
+    assert grpc.StatusCode.DEADLINE_EXCEEDED in outcomes
+    wait_idle(stub, cluster, timeout=8)
+
+
+def test_a_stopped_decode_worker_is_noticed_replaced_and_its_streams_complete(stub, cluster, greedy_reference,
+                                                                               wait_idle):
+    """SIGSTOP a decode worker mid-stream: Ray still says ALIVE, but after router.stall_s (15 s
+    here) without a report the router re-runs its streams elsewhere and replaces the process;
+    every stream equals HF."""
+    progress: dict[int, int] = {}
+    results: dict[int, list[int]] = {}
+
+    def one(i, prompt):
+        ids = []
+        for r in stub.Generate(make_request(prompt, max_tokens=64, temperature=0, request_id=f"st{i}")):
+            ids += list(r.token_ids)
+            progress[i] = len(ids)
+        results[i] = ids
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, (p, _) in enumerate(greedy_reference)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 240  # hang guard only
+    while sum(1 for n in progress.values() if n >= 4) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pools = cluster.router.pools
+    victim = max((w for w in pools.workers.values() if w.role == "decode"), key=lambda w: w.status.running)
+    restarts = victim.restarts
+    os.kill(victim.status.pid, signal.SIGSTOP)
+    for t in threads:
+        t.join(timeout=600)  # hang guard only
+    assert [results[i] for i in range(len(greedy_reference))] == [ref for _, ref in greedy_reference]
+    assert victim.restarts == restarts + 1
+    workers = wait_idle(stub, cluster, timeout=240)  # the replacement is up, nothing leaked
+    assert {w.worker_id: w.state for w in workers}[victim.worker_id] == "ready"
 
 
 def _scrape(address: str) -> dict[tuple[str, tuple], float]:
