@@ -55,6 +55,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # A re-run (the router, after a lost worker): the last ``resumed`` prompt tokens are this
+    # request's own earlier output. They keep counting as output (presence/frequency
+    # penalties) and the seed's draws go on after them, so a seeded request re-run mid-stream
+    # gives the tokens it would have given undisturbed.
+    resumed: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +94,8 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not isinstance(self.resumed, int) or self.resumed < 0:
+            bad(f"resumed must be an integer >= 0, got {self.resumed!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.stop is None:

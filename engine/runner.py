@@ -54,6 +54,7 @@ class ModelRunner:
         seed = req.sampling_params.seed
         if seed is None:
             return self.sampler.default_generator(self.device) if stream else None
+        index += req.sampling_params.resumed  # a re-run continues its seed's sequence
         gen = self._generators.get(req.request_id)
         if gen is None:
             gen = self._generators[req.request_id] = make_generator(seed, self.device)

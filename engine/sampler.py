@@ -105,8 +105,10 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],
         out[row, col] = torch.where(seen > 0, seen / penalty, seen * penalty)
 
     if pf_rows:
-        flat, counts = torch.unique(_flat_ids(pf_rows, [output_ids[i] for i in pf_rows], vocab),
-                                    return_counts=True)
+        # A re-run's earlier output sits at the end of its prompt (SamplingParams.resumed).
+        outs = [[*prompt_ids[i][len(prompt_ids[i]) - params[i].resumed:], *output_ids[i]] if params[i].resumed
+                else output_ids[i] for i in pf_rows]
+        flat, counts = torch.unique(_flat_ids(pf_rows, outs, vocab), return_counts=True)
         row, col = flat // vocab, flat % vocab
         delta = per_row("frequency_penalty", row) * counts.to(dev, torch.float32)
         delta += per_row("presence_penalty", row)

@@ -89,11 +89,13 @@ class Job:
 
     def inputs(self) -> tuple[list[int], SamplingParams]:
         """What the next attempt runs: the prompt plus every token already streamed, for what
-        is left of ``max_tokens`` (so the client never sees a token twice)."""
+        is left of ``max_tokens`` (so the client never sees a token twice), ``resumed`` after
+        them (a seeded request then goes on as it would have)."""
         if not self.generated:
             return self.prompt_ids, self.params
         left = self.params.max_tokens - len(self.generated)
-        return self.prompt_ids + self.generated, dataclasses.replace(self.params, max_tokens=left)
+        return self.prompt_ids + self.generated, dataclasses.replace(self.params, max_tokens=left,
+                                                                     resumed=len(self.generated))
 
     def rerun(self, tokenizer: Any) -> None:
         """A new attempt follows: from now on the text is made here, continuing from the

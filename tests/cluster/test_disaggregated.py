@@ -299,33 +299,39 @@ def test_clients_giving_up_at_any_point_strand_no_block(stub, cluster, wait_idle
 
 def test_a_stopped_decode_worker_is_noticed_replaced_and_its_streams_complete(stub, cluster, greedy_reference,
                                                                                wait_idle):
-    """SIGSTOP a decode worker mid-stream: Ray still says ALIVE, but after router.stall_s (15 s
-    here) without a report the router re-runs its streams elsewhere and replaces the process;
-    every stream equals HF."""
+    """SIGSTOP the decode worker of a seeded sampled stream mid-stream: Ray still says ALIVE,
+    but after router.stall_s (15 s here) without a report the router re-runs its streams
+    elsewhere and replaces the process. Every greedy stream equals HF, and the seeded one
+    equals its undisturbed run: the re-run goes on with the seed's draws where they were."""
+    seeded = dict(max_tokens=64, temperature=0.9, top_k=40, seed=11, ignore_eos=True)
+    prompts = [(p, dict(max_tokens=64, temperature=0)) for p, _ in greedy_reference]
+    prompts.append(("Write a short poem about the sea.", seeded))
+    want = [ref for _, ref in greedy_reference]
+    want.append(collect(stub.Generate(make_request(prompts[-1][0], **seeded)))["token_ids"])  # undisturbed
     progress: dict[int, int] = {}
     results: dict[int, list[int]] = {}
 
-    def one(i, prompt):
+    def one(i, prompt, kw):
         ids = []
-        for r in stub.Generate(make_request(prompt, max_tokens=64, temperature=0, request_id=f"st{i}")):
+        for r in stub.Generate(make_request(prompt, request_id=f"st{i}", **kw)):
             ids += list(r.token_ids)
             progress[i] = len(ids)
         results[i] = ids
 
-    threads = [threading.Thread(target=one, args=(i, p)) for i, (p, _) in enumerate(greedy_reference)]
+    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(prompts)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 240  # hang guard only
-    while sum(1 for n in progress.values() if n >= 4) < 3:
+    last = len(prompts) - 1
+    while progress.get(last, 0) < 4:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    pools = cluster.router.pools
-    victim = max((w for w in pools.workers.values() if w.role == "decode"), key=lambda w: w.status.running)
+    victim = cluster.router.jobs[f"st{last}"].decode  # the seeded stream's worker
     restarts = victim.restarts
     os.kill(victim.status.pid, signal.SIGSTOP)
     for t in threads:
         t.join(timeout=600)  # hang guard only
-    assert [results[i] for i in range(len(greedy_reference))] == [ref for _, ref in greedy_reference]
+    assert [results[i] for i in range(len(prompts))] == want
     assert victim.restarts == restarts + 1
     workers = wait_idle(stub, cluster, timeout=240)  # the replacement is up, nothing leaked
     assert {w.worker_id: w.state for w in workers}[victim.worker_id] == "ready"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -143,6 +145,24 @@ def test_seeded_sampling_reproducible_and_batched(make_engine):
          SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)])
     assert mixed[0].token_ids == first  # same seed, same output, whatever shares the batch
     assert mixed[1].token_ids != first
+
+
+@pytest.mark.parametrize("penalties", [{}, {"frequency_penalty": 0.7, "presence_penalty": 0.4}],
+                         ids=["plain", "penalties"])
+def test_a_seeded_request_resumed_mid_stream_gives_the_undisturbed_tokens(make_engine, tokenizer, penalties):
+    """What the router does after a lost worker: the tokens streamed so far become prompt and
+    the rest runs as a new request with ``resumed``; a seeded request then goes on exactly as
+    it would have (its draws follow the output index; its earlier output still counts for the
+    penalties). Without ``resumed`` it does not."""
+    eng = make_engine()
+    ids = tokenizer("Tell me a story about a lighthouse")["input_ids"]
+    sp = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=4321, ignore_eos=True, **penalties)
+    whole = eng.generate([ids], sp)[0].token_ids
+    k = 9
+    rest = eng.generate([ids + whole[:k]], dataclasses.replace(sp, max_tokens=24 - k, resumed=k))[0].token_ids
+    assert whole[:k] + rest == whole
+    fresh = eng.generate([ids + whole[:k]], dataclasses.replace(sp, max_tokens=24 - k))[0].token_ids
+    assert fresh != whole[k:]  # the test can tell: a restart from index 0 draws other tokens
 
 
 def test_stop_strings_and_stop_tokens(make_engine, tokenizer):
