@@ -31,9 +31,9 @@ import grpc
 from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from router.config import ClusterConfig
 from router.auth import FrontDoor
 from router.autoscale import PoolController
+from router.config import ClusterConfig
 from router.jobs import Aborted, Job, Lost
 from router.placement import pick_decode, pick_prefill
 from router.pools import Pools, Worker
