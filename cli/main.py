@@ -129,9 +129,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from pdserve.v1 import pdserve_pb2 as pb
     try:
-        st = _connect(args).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=10)
+        st = _connect(args).GetClusterStatus(pb.GetClusterStatusRequest(check_blocks=args.check_blocks), timeout=30)
     except grpc.RpcError as e:
         return _rpc_error(e, args.server)
+    stranded = {w.worker_id: w.stranded_blocks for w in st.workers if w.stranded_blocks}
+    # --check-blocks: exit 3 when blocks are held by no live request (or the check could not run)
+    leak_rc = 3 if args.check_blocks and (stranded or not st.blocks_checked) else 0
     rows = [(w.worker_id, w.role, w.state, str(w.running), str(w.waiting),
              f"{w.kv_blocks_used}/{w.kv_blocks_total}", f"{w.tokens_per_s:.1f}", str(w.restarts),
              w.metrics_address or "-") for w in st.workers]
@@ -141,8 +144,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"mode": st.mode, "queued_requests": st.queued_requests,
                           "autoscale_events": list(st.autoscale_events),
                           "active_requests": st.active_requests, "metrics_address": st.metrics_address,
-                          "workers": [dict(zip(keys, r)) for r in rows]}))
-        return 0
+                          "workers": [dict(zip(keys, r)) for r in rows],
+                          **({"blocks_checked": st.blocks_checked, "stranded_blocks": stranded}
+                             if args.check_blocks else {})}))
+        return leak_rc
     head = ("WORKER", "ROLE", "STATE", "RUNNING", "WAITING", "KV BLOCKS", "TOK/S", "RESTARTS", "METRICS")
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     print(f"mode: {st.mode}; {st.active_requests} active requests, {st.queued_requests} queued for admission; "
@@ -157,7 +162,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("autoscaling (latest last):")
         for e in st.autoscale_events[-10:]:
             print(f"  {e}")
-    return 0
+    if args.check_blocks:
+        if not st.blocks_checked:
+            print("block check: a worker did not answer; no verdict")
+        elif stranded:
+            print("block check: KV blocks held by no live request: "
+                  + ", ".join(f"{w} {n}" for w, n in stranded.items()))
+        else:
+            print("block check: every KV block held belongs to a live request")
+    return leak_rc
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -308,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "waiting requests, KV blocks used/total and tokens/s.")
     _client_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--check-blocks", action="store_true",
+                    help="also ask every worker which requests hold KV blocks and report those held by no live "
+                         "request (a leak); exit 3 if any (or if a worker did not answer)")
     st.set_defaults(func=cmd_status)
 
     sub.add_parser("bench", help="serving benchmark: TTFT/TPOT/goodput over gRPC (see `pdserve bench --help`)",

@@ -321,10 +321,25 @@ class Router(pb_grpc.GenerationServicer):
                             vocab_size=info.vocab_size, dtype=info.dtype, quantization=dec.quantization,
                             speculative=dec.speculative, block_size=info.block_size, kernels=dec.kernels)
 
+    async def stranded_blocks(self) -> dict[str, int] | None:
+        """Per ready worker, KV blocks held by requests the router has no live attempt of
+        (a leak: nothing would ever free them but the lease, or nothing at all). None if a
+        worker did not answer within 10 s."""
+        ready = [w for w in self.pools.workers.values() if w.state in ("ready", "draining")]
+        try:
+            held = await asyncio.wait_for(asyncio.gather(*(w.actor.held.remote() for w in ready)), timeout=10)
+        except Exception:  # a worker died or stalled meanwhile: no verdict this time
+            return None
+        live = {j.key.engine_id for j in self.jobs.values()}  # read after the answers: a job that
+        # started meanwhile is live; one that ended meanwhile may count once (see the proto)
+        return {w.worker_id: sum(b for eid, b in h.items() if eid not in live) for w, h in zip(ready, held)}
+
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
+        stranded = await self.stranded_blocks() if request.check_blocks else None
         workers = []
         for w in self.pools.workers.values():
-            ws = pb.WorkerStatus(worker_id=w.worker_id, role=w.role, state=w.state, restarts=w.restarts)
+            ws = pb.WorkerStatus(worker_id=w.worker_id, role=w.role, state=w.state, restarts=w.restarts,
+                                 stranded_blocks=(stranded or {}).get(w.worker_id, 0))
             if (s := w.status) is not None:
                 spec = s.speculative or {}
                 ws.MergeFrom(pb.WorkerStatus(
@@ -336,6 +351,7 @@ class Router(pb_grpc.GenerationServicer):
             workers.append(ws)
         return pb.ClusterStatus(mode=self.cfg.mode, workers=workers, metrics_address=self.metrics.address or "",
                                 queued_requests=self.queued, active_requests=len(self.jobs),
+                                blocks_checked=stranded is not None,
                                 autoscale_events=list(self.autoscaler.events) if self.autoscaler else [])
 
 

@@ -239,6 +239,11 @@ class StepLoop:
     def status(self) -> WorkerStatus:
         return self._call(self._status)
 
+    def held(self) -> dict[str, int]:
+        """KV blocks held per request here, by engine id (the router's leak check)."""
+        return self._call(lambda: {rid: len(r.block_ids) for rid, r in self.worker.engine.scheduler.requests.items()
+                                   if r.block_ids})
+
     def _metrics_status(self) -> WorkerStatus | None:
         return self._snapshot if self.options.router is not None else self.status()
 

@@ -295,6 +295,37 @@ def test_clients_giving_up_at_any_point_strand_no_block(stub, cluster, wait_idle
         list(pool.map(one, range(32)))
     assert grpc.StatusCode.DEADLINE_EXCEEDED in outcomes
     wait_idle(stub, cluster, timeout=8)
+    st = stub.GetClusterStatus(pb.GetClusterStatusRequest(check_blocks=True))
+    assert st.blocks_checked and all(w.stranded_blocks == 0 for w in st.workers)
+
+
+def test_the_block_check_finds_a_reservation_no_request_owns(stub, cluster, wait_idle):
+    """`pdserve status --check-blocks` (GetClusterStatus check_blocks): blocks a worker holds
+    for no live request of the router show up, by worker, with exit status 3; gone once freed."""
+    import json
+    import subprocess
+    import sys
+
+    import ray
+
+    from engine.request import SamplingParams
+    from worker.protocol import Key
+    wait_idle(stub, cluster)
+    pdserve = os.path.join(os.path.dirname(sys.executable), "pdserve")
+    server = f"127.0.0.1:{cluster.port}"
+    dw = next(w for w in cluster.router.pools.workers.values() if w.role == "decode")
+    key = Key("orphan")  # reserved behind the router's back: no request of it owns the blocks
+    assert ray.get(dw.actor.reserve.remote(key, list(range(100, 140)), SamplingParams(max_tokens=8))) is not None
+    r = subprocess.run([pdserve, "status", "--server", server, "--check-blocks", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    out = json.loads(r.stdout)
+    assert r.returncode == 3 and out["blocks_checked"] and out["stranded_blocks"][dw.worker_id] >= 3, r.stdout
+    assert set(out["stranded_blocks"]) == {dw.worker_id}
+    ray.get(dw.actor.abort.remote(key))
+    wait_idle(stub, cluster)
+    r = subprocess.run([pdserve, "status", "--server", server, "--check-blocks"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "every KV block held belongs to a live request" in r.stdout, r.stdout
 
 
 def test_a_stopped_decode_worker_is_noticed_replaced_and_its_streams_complete(stub, cluster, greedy_reference,

@@ -149,11 +149,13 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class GetClusterStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_blocks",)
+    CHECK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    check_blocks: bool
+    def __init__(self, check_blocks: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "metrics_address", "restarts", "speculative_acceptance", "speculative_tokens_per_verify")
+    __slots__ = ("worker_id", "role", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "metrics_address", "restarts", "speculative_acceptance", "speculative_tokens_per_verify", "stranded_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,7 @@ class WorkerStatus(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_TOKENS_PER_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    STRANDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     state: str
@@ -178,20 +181,23 @@ class WorkerStatus(_message.Message):
     restarts: int
     speculative_acceptance: float
     speculative_tokens_per_verify: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., metrics_address: _Optional[str] = ..., restarts: _Optional[int] = ..., speculative_acceptance: _Optional[float] = ..., speculative_tokens_per_verify: _Optional[float] = ...) -> None: ...
+    stranded_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., metrics_address: _Optional[str] = ..., restarts: _Optional[int] = ..., speculative_acceptance: _Optional[float] = ..., speculative_tokens_per_verify: _Optional[float] = ..., stranded_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("mode", "workers", "metrics_address", "queued_requests", "active_requests", "autoscale_events")
+    __slots__ = ("mode", "workers", "metrics_address", "queued_requests", "active_requests", "autoscale_events", "blocks_checked")
     MODE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
     mode: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     metrics_address: str
     queued_requests: int
     active_requests: int
     autoscale_events: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, mode: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., queued_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., autoscale_events: _Optional[_Iterable[str]] = ...) -> None: ...
+    blocks_checked: bool
+    def __init__(self, mode: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., queued_requests: _Optional[int] = ..., active_requests: _Optional[int] = ..., autoscale_events: _Optional[_Iterable[str]] = ..., blocks_checked: _Optional[bool] = ...) -> None: ...
