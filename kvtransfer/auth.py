@@ -24,9 +24,9 @@ flight as xxh3 (not a cryptographic hash) makes them. ``"full"`` MACs the K and 
 cryptographic integrity against such an attacker, for most of the KV throughput (measured:
 ``bench/kv_transfer.py``, rows ``machdr`` and ``mac``: 5.2 vs 1.4 GB/s over UCX for 8,192
 tokens on the 2-core dev box). Such an attacker also reads the KV (nothing is encrypted): the
-cluster's network is meant to be private, so the default is ``header``. A transport that moves KV straight from GPU
-memory (``device_frames``) gets ``"header"`` (``for_transport``): hashing would mean a copy to
-the host. ``bench/kv_transfer.py`` measures what each costs.
+cluster's network is meant to be private, so the default is ``header``. A transport that
+moves KV straight from GPU memory (``device_frames``) gets ``"header"`` (``for_transport``):
+hashing would mean a copy to the host.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ def mac(key: bytes, frames: Sequence[Buffer]) -> bytes:
     for f in frames:
         h.update(f)
     return h.digest()[:MAC_BYTES]
+
+
+def verify(key: bytes, frames: Sequence[Buffer], tag: bytes | None) -> bool:
+    """Whether ``tag`` is the MAC of ``frames`` under ``key`` (compared in constant time)."""
+    return tag is not None and hmac.compare_digest(mac(key, frames), tag)
 
 
 @dataclass(frozen=True)
@@ -93,4 +98,4 @@ class PlaneAuth:
 
     def valid(self, frames: Sequence[Buffer], tag: bytes | None, secret: bytes | None = None) -> bool:
         """Whether ``tag`` is the MAC of ``frames`` under ``secret`` (else the cluster key)."""
-        return tag is not None and hmac.compare_digest(mac(secret or self.key, self._covered(frames)), tag)
+        return verify(secret or self.key, self._covered(frames), tag)

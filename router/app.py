@@ -20,6 +20,9 @@ def _say(msg: str) -> None:
     print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
 
 
+ACTOR_ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n"}  # every actor's, on any cluster
+
+
 def local_ray_env() -> dict:
     """For a private local Ray: set this process's environment (its Ray children inherit it)
     and return the runtime env for the actors.
@@ -36,8 +39,7 @@ def local_ray_env() -> dict:
         # ... and Ray reads it once, when first imported: in this process it may already be.
         from ray._private import ray_constants
         ray_constants.ENABLE_RAY_CLUSTER = False
-    return {"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n",
-                         "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}}
+    return {"env_vars": {**ACTOR_ENV, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}}
 
 
 def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | None = None) -> None:
@@ -48,7 +50,7 @@ def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | Non
     """
     import ray
     if address is not None:
-        ray.init(address=address, runtime_env={"env_vars": {"UCX_WARN_UNUSED_ENV_VARS": "n"}}, log_to_driver=False)
+        ray.init(address=address, runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
         return
     env = local_ray_env()
     colocated = cfg.mode == "colocated"

@@ -54,11 +54,11 @@ def parse_tokens(text: str, source: str) -> dict[bytes, str]:
         if not line:
             continue
         token, _, name = line.partition(" ")
-        name = name.strip() or "token-" + hashlib.sha256(token.encode()).hexdigest()[:8]
         if len(token) < MIN_TOKEN_CHARS or not all(33 <= ord(c) < 127 for c in token):
             raise SecurityError(f"{source} line {n}: a token must be at least {MIN_TOKEN_CHARS} printable "
                                 "ASCII characters without spaces (e.g. `openssl rand -hex 32`)")
         d = _digest(token)
+        name = name.strip() or "token-" + d.hex()[:8]
         if d in out:
             raise SecurityError(f"{source} line {n}: the same token twice")
         out[d] = name

@@ -12,8 +12,8 @@ every ready prefill worker has connected to its KV receiver (a prefill worker co
 connects to every ready decode worker). ``lost`` is any of: Ray reports the actor RESTARTING
 or DEAD after its heartbeat went quiet, a heartbeat arrives from a new incarnation, a call
 to it failed with a Ray actor error, or it *stalled*: no report for ``router.stall_s`` while
-Ray still says ALIVE (stopped, stuck in a kernel, swapping); the router then also kills the
-process so that Ray starts a fresh one. The router then re-runs that worker's requests elsewhere
+Ray still says ALIVE (stopped, stuck in a kernel, swapping), and then the router also kills
+the process so that Ray starts a fresh one. The router re-runs that worker's requests elsewhere
 (``on_lost``) and this module brings the restarted actor back.
 
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
@@ -327,6 +327,8 @@ class Pools:
                     elif now - w.last_seen > self.cfg.router.stall_s and w.state in ("ready", "draining"):
                         # Alive to Ray but silent (a step never takes this long): its requests
                         # move now; a fresh process replaces it (a SIGSTOPped one cannot exit).
+                        # The state is read again: another path may have marked it lost while
+                        # Ray answered, and a process already restarted must not be killed.
                         self.lost(w, f"stalled: no report for {now - w.last_seen:.0f}s (router.stall_s)")
                         await asyncio.to_thread(_kill, w.actor)
 

@@ -8,7 +8,8 @@ pushed over zmq after every step with outputs and at least every heartbeat::
 
 With the cluster key (``WorkerOptions.key``; the router makes it) each report travels behind
 its MAC: only a worker of this cluster can speak on the report socket, and ``seq`` (per
-process, from 1) lets the router drop a replayed one. The status rides along, so the router's view of each worker's load is never older than one
+process, from 1) lets the router drop a replayed one. The status rides along, so the
+router's view of each worker's load is never older than one
 step, without polls. ``ModelInfo`` answers the router's ``model_info()`` call.
 
 Why msgspec: typed msgpack structs that validate while they decode (a wrong type, a missing
@@ -22,12 +23,11 @@ the status a map. Ray pickles the same structs for actor calls.
 
 from __future__ import annotations
 
-import hmac
 from typing import Literal
 
 import msgspec
 
-from kvtransfer.auth import MAC_BYTES, mac
+from kvtransfer.auth import MAC_BYTES, mac, verify
 from kvtransfer.base import TransferStats
 
 # None while the request goes on; "prefilled": the prefill side's part is done (first token
@@ -155,7 +155,7 @@ def decode_report(data: bytes, key: bytes | None = None) -> Report:
     """
     if key:
         body = memoryview(data)[MAC_BYTES:]
-        if len(data) < MAC_BYTES or not hmac.compare_digest(mac(key, [body]), bytes(data[:MAC_BYTES])):
+        if len(data) < MAC_BYTES or not verify(key, [body], bytes(data[:MAC_BYTES])):
             raise ProtocolError("report without a valid MAC: not from a worker of this cluster")
         data = body
     try:
