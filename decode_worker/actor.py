@@ -31,8 +31,10 @@ class DecodeActor(WorkerActor):
     def address(self) -> str:
         return self.worker.address
 
-    def reserve(self, key: Key, prompt_ids: list[int], params: SamplingParams) -> bytes | None:
-        """Reserve blocks and expect the KV (and first token) from a prefill worker.
+    def reserve(self, key: Key, prompt_ids: list[int], params: SamplingParams,
+                timeout_s: float | None = None) -> bytes | None:
+        """Reserve blocks and expect the KV (and first token) from a prefill worker; dropped
+        here after ``timeout_s`` (the client's deadline).
 
         Returns:
             The transfer's secret, for the prefill worker's ``submit`` (b"" without a cluster
@@ -41,19 +43,18 @@ class DecodeActor(WorkerActor):
         def reserve() -> bytes | None:
             secret = None
             try:
-                secret = self.worker.reserve(self._admit(key), prompt_ids, params)
+                secret = self.worker.reserve(self._admit(key, timeout_s), prompt_ids, params)
             finally:
                 if secret is None:  # not now, or bad input (raised to the router)
                     self.keys.pop(key.engine_id, None)
             return secret
         return self._call(reserve)
 
-    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams) -> None:
+    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> None:
         """Colocated mode: prefill and decode here."""
-        self._post(lambda: self.worker.engine.add_request(prompt_ids, params, request_id=self._admit(key)), key)
+        self._post(lambda: self.worker.engine.add_request(prompt_ids, params,
+                                                          request_id=self._admit(key, timeout_s)), key)
 
-    def abort(self, key: Key) -> None:
-        def abort() -> None:
-            self.worker.abort(key.engine_id)
-            self.keys.pop(key.engine_id, None)
-        self._post(abort, key)
+    def _drop(self, engine_id: str) -> None:
+        self.worker.abort(engine_id)
+        self.keys.pop(engine_id, None)

@@ -61,6 +61,10 @@ class DecodeWorker:
             self.failed[rid] = f"bad first token from the prefill worker: {e}"
             self.engine.abort(rid)
             return []
+        except KeyError:  # no longer waiting for its KV (a bug if ever seen): never end the step
+            self.failed[rid] = "its KV arrived for a request not waiting for it"
+            self.engine.abort(rid)
+            return []
         return [out] if out is not None else []
 
     def step(self) -> list[RequestOutput]:

@@ -42,15 +42,18 @@ class PrefillActor(WorkerActor):
     def connect(self, decode_address: str) -> None:
         self._call(lambda: self.worker.connect(decode_address))
 
-    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, decode_address: str,
-               secret: bytes | None = None) -> None:
-        """Prefill and send the KV to ``decode_address``, MAC'd with the transfer ``secret``
-        its ``reserve`` returned (the router hands it over)."""
-        self._post(lambda: self.worker.submit(self._admit(key), prompt_ids, params, decode_address, secret), key)
+    def disconnect(self, decode_address: str) -> None:
+        """Forget a decode worker that is gone (its transfers fail; its tables go)."""
+        self._call(lambda: self.worker.sender.disconnect(decode_address))
 
-    def abort(self, key: Key) -> None:
-        def abort() -> None:
-            self.worker.abort(key.engine_id)
-            if key.engine_id not in self.worker.transfers:  # else it leaves when the transfer ends
-                self.keys.pop(key.engine_id, None)
-        self._post(abort, key)
+    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, decode_address: str,
+               secret: bytes | None = None, timeout_s: float | None = None) -> None:
+        """Prefill and send the KV to ``decode_address``, MAC'd with the transfer ``secret``
+        its ``reserve`` returned (the router hands it over); dropped after ``timeout_s``."""
+        self._post(lambda: self.worker.submit(self._admit(key, timeout_s), prompt_ids, params, decode_address,
+                                              secret), key)
+
+    def _drop(self, engine_id: str) -> None:
+        self.worker.abort(engine_id)
+        if engine_id not in self.worker.transfers:  # else it leaves when the transfer ends
+            self.keys.pop(engine_id, None)

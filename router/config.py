@@ -82,6 +82,9 @@ class KVTransferConfig:
     transport: str = "ucx"
     lease_s: float = LEASE_S
     integrity: str = "header"  # what each KV frame's MAC covers (kvtransfer.auth): header | full (+ K/V bytes)
+    # Chaos testing only (bench/chaos.py): prefill workers take inject() calls that corrupt,
+    # drop or cut their next KV message. Never on in production.
+    fault_injection: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,15 @@ class RouterConfig:
     port: int = 50051
     max_queue: int = 256
     default_max_tokens: int = 256
-    # A worker silent this long (no report; Ray still says ALIVE) is stalled: its requests
-    # re-run elsewhere and its process is replaced. Longer than any one engine step.
+    # A worker silent this long (no report; Ray still says ALIVE), or a call to it unanswered
+    # this long, is stalled: its requests re-run elsewhere and its process is replaced. Longer
+    # than any one engine step (a call waits for the step in progress).
     stall_s: float = 120.0
+    # The longest a request waits for KV capacity (admission) before RESOURCE_EXHAUSTED.
+    queue_timeout_s: float = 60.0
+    # How often the router asks every worker which requests hold KV blocks and frees those of
+    # no live request (a leak any other path missed; counted in pdserve_router_swept_blocks).
+    sweep_s: float = 30.0
 
 
 @dataclass(frozen=True)

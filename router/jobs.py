@@ -61,6 +61,7 @@ class Job:
     params: SamplingParams
     owner: str = ""  # the token's name that sent it (router.auth); "" with auth off
     arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic time the client stops waiting (its gRPC deadline)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
     prefill: Any = None  # pools.Worker, while placed
@@ -124,6 +125,11 @@ class Job:
         then. The prefill's part ends once decode streams (``prefill`` is cleared), so a lost or
         failed prefill found in the queue after that point is someone else's concern."""
         return worker is not None and (worker is self.prefill or worker is self.decode)
+
+    def time_left(self) -> float | None:
+        """Seconds until the client's deadline (None: it set none); workers get it with the
+        request and drop it then, even if no abort reaches them."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def put(self, worker: Any, event: Event) -> None:
         self.events.put_nowait((self.attempt, worker, event))

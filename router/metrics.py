@@ -30,6 +30,8 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients", registry=reg)
         self.retries = Counter("pdserve_request_reruns", "Re-runs after a lost worker or failed transfer",
                                registry=reg)
+        self.swept_blocks = Counter("pdserve_router_swept_blocks", "KV blocks the periodic sweep freed: held by "
+                                    "no live request (a path that should have freed them did not)", registry=reg)
         self.ttft = Histogram("pdserve_request_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
                               registry=reg)
         self.tpot = Histogram("pdserve_request_tpot_seconds", "Mean time per output token after the first",

@@ -12,8 +12,9 @@ every ready prefill worker has connected to its KV receiver (a prefill worker co
 connects to every ready decode worker). ``lost`` is any of: Ray reports the actor RESTARTING
 or DEAD after its heartbeat went quiet, a heartbeat arrives from a new incarnation, a call
 to it failed with a Ray actor error, or it *stalled*: no report for ``router.stall_s`` while
-Ray still says ALIVE (stopped, stuck in a kernel, swapping), and then the router also kills
-the process so that Ray starts a fresh one. The router re-runs that worker's requests elsewhere
+Ray still says ALIVE (stopped, stuck in a kernel, swapping), or a call to it unanswered that
+long (every call has that deadline), and then the router also kills the process so that Ray
+starts a fresh one. A lost decode worker's KV address is forgotten by every prefill worker. The router re-runs that worker's requests elsewhere
 (``on_lost``) and this module brings the restarted actor back.
 
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
@@ -41,6 +42,8 @@ log = logging.getLogger("pdserve.router")
 
 HEALTH_PERIOD_S = 0.25
 QUIET_S = 1.0  # a heartbeat older than this makes the router ask Ray whether the actor lives
+LOAD_TIMEOUT_S = 1800.0  # a worker whose model has not loaded in this long is stuck: replaced
+MAX_GONE = 16  # workers Ray cannot bring back, kept for `pdserve status`; older ones are forgotten
 
 
 @dataclass
@@ -128,7 +131,7 @@ class Pools:
         # (kvtransfer.auth). Made here, handed to each actor at creation (Ray's own channel).
         self.key = new_secret()
         self._changed = asyncio.Event()  # replaced on every notify: waiters wake once each
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # running background tasks (each removes itself)
         self._sock = None
         self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
 
@@ -144,7 +147,7 @@ class Pools:
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPORT_BYTES)
         port = self._sock.bind_to_random_port(f"tcp://{ray.util.get_node_ip_address()}")
         address = f"tcp://{ray.util.get_node_ip_address()}:{port}"
-        self._tasks.append(asyncio.create_task(self._receive(), name="pools-receive"))
+        self._spawn(self._receive(), "pools-receive")
         self._address = address
         cfg = self.cfg
         colocated = cfg.mode == "colocated"
@@ -161,7 +164,7 @@ class Pools:
         if bad:
             raise RuntimeError(f"workers failed to start: {', '.join(bad)}")
         progress(f"{len(self.workers)} workers ready")
-        self._tasks.append(asyncio.create_task(self._health(), name="pools-health"))
+        self._spawn(self._health(), "pools-health")
 
     def _create(self, role: str) -> Worker:
         """Create one worker actor (not yet up). Ray places it by its resources; on a cluster
@@ -175,7 +178,8 @@ class Pools:
         self._next_index[role] += 1
         metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
         opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
-                             role == "colocated", key=self.key, kv_integrity=kt.integrity)
+                             role == "colocated", key=self.key, kv_integrity=kt.integrity,
+                             faults=kt.fault_injection)
         cls, engine_cfg = (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
         actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=pool.threads,
                             max_restarts=-1, max_task_retries=0,
@@ -186,7 +190,7 @@ class Pools:
     def grow(self, role: str) -> Worker:
         """Add a worker to a pool; it takes requests once up (model loaded, connected)."""
         w = self._create(role)
-        self._tasks.append(asyncio.create_task(self._bring_up(w), name=f"up-{w.worker_id}"))
+        self._spawn(self._bring_up(w), f"up-{w.worker_id}")
         return w
 
     def drain(self, role: str, holds: Callable[[Worker], bool]) -> Worker | None:
@@ -199,7 +203,7 @@ class Pools:
         w = min(ready, key=lambda w: (w.status.kv_blocks_used, w.status.running, w.worker_id) if w.status
                 else (0, 0, w.worker_id))
         w.state = "draining"
-        self._tasks.append(asyncio.create_task(self._retire(w, holds), name=f"retire-{w.worker_id}"))
+        self._spawn(self._retire(w, holds), f"retire-{w.worker_id}")
         return w
 
     async def _retire(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
@@ -219,12 +223,47 @@ class Pools:
             pass
         ray.kill(w.actor, no_restart=True)
         self.workers.pop(w.worker_id, None)
+        self._forget_address(w)
         self._notify()
 
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+        """Run ``coro`` in the background until it ends or :meth:`stop` (which cancels it)."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _forget_address(self, w: Worker) -> None:
+        """A decode worker's KV receiver address is dead (lost, retired): every prefill worker
+        forgets it, so their per-peer tables do not grow with restarts."""
+        if w.role != "decode" or w.address is None:
+            return
+        for p in self.workers.values():
+            if p.role == "prefill" and p.state in ("ready", "draining"):
+                p.actor.disconnect.remote(w.address)
+        w.address = None
+
+    async def call(self, w: Worker, ref: Any) -> Any:
+        """Await one call to ``w`` with the stall deadline: unanswered in ``router.stall_s``, the
+        worker is stalled (lost, its process replaced) and TimeoutError is raised."""
+        try:
+            return await asyncio.wait_for(ref, self.cfg.router.stall_s)
+        except TimeoutError:
+            self.stalled(w, f"a call did not answer in {self.cfg.router.stall_s:g}s (router.stall_s)")
+            raise
+
+    def stalled(self, w: Worker, why: str) -> None:
+        """Alive to Ray but not answering (stopped, stuck in a kernel, swapping): its requests
+        move now, and a fresh process replaces it (a SIGSTOPped one cannot exit by itself)."""
+        if w.state in ("ready", "draining"):
+            self.lost(w, f"stalled: {why}")
+            self._spawn(asyncio.to_thread(_kill, w.actor), f"kill-{w.worker_id}")
+
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         import ray
         for w in self.workers.values():
             try:
@@ -276,42 +315,72 @@ class Pools:
         w.reported(None)
         w.restarts += 1
         self.on_lost(w)
+        self._forget_address(w)
         self._notify()
         if back:
-            self._tasks.append(asyncio.create_task(self._bring_up(w), name=f"up-{w.worker_id}"))
+            self._spawn(self._bring_up(w), f"up-{w.worker_id}")
 
     async def _bring_up(self, w: Worker) -> None:
         from ray.exceptions import ActorUnavailableError, RayActorError
         while True:
             try:
                 info = await self._connect(w)
+                if info.incarnation == w.incarnation:
+                    # The process outlived being lost (its kill failed): every request it holds
+                    # was moved elsewhere, so its blocks are nobody's. Free them all now.
+                    held = await self._ask(w, w.actor.held.remote())
+                    freed = await self._ask(w, w.actor.release.remote(list(held)))
+                    log.warning("worker %s came back as the same process; freed %d blocks of %d requests "
+                                "it no longer runs", w.worker_id, freed, len(held))
                 break
-            except ActorUnavailableError:  # Ray is restarting it: ask again shortly
+            except (ActorUnavailableError, TimeoutError):  # Ray is restarting it, or it stalled
                 await asyncio.sleep(0.2)
             except RayActorError as e:  # dead for good (restarts exhausted, node gone)
                 log.error("worker %s is gone: %s", w.worker_id, e)
-                w.state = "gone"
-                self._notify()
+                self._gone(w)
                 return
         w.info, w.incarnation, w.last_seen, w.seq = info, info.incarnation, time.monotonic(), 0
         w.state = "ready"
         self._notify()
 
+    def _gone(self, w: Worker) -> None:
+        w.state = "gone"
+        gone = [x for x in self.workers.values() if x.state == "gone"]
+        for x in gone[:max(0, len(gone) - MAX_GONE)]:  # the oldest first (insertion order)
+            del self.workers[x.worker_id]
+        self._notify()
+
+    async def _ask(self, w: Worker, ref: Any, timeout_s: float | None = None) -> Any:
+        """A bring-up call with a deadline (``router.stall_s`` by default); a stalled worker is
+        killed so that Ray starts a fresh one, and TimeoutError raised."""
+        try:
+            return await asyncio.wait_for(ref, timeout_s or self.cfg.router.stall_s)
+        except TimeoutError:
+            log.warning("worker %s did not answer while coming up; replacing its process", w.worker_id)
+            await asyncio.to_thread(_kill, w.actor)
+            raise
+
     async def _connect(self, w: Worker) -> ModelInfo:
         """Check the worker's model and wire its KV connections; returns its model info."""
-        info = await w.actor.model_info.remote()  # waits while its model loads
+        info = await self._ask(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
         if self.model_info and info.fingerprint != self.model_info.fingerprint:
             raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
         self.model_info = self.model_info or info
         if w.role != "prefill":
-            w.address = await w.actor.address.remote()
-            await asyncio.gather(*(p.actor.connect.remote(w.address) for p in self.workers.values()
-                                   if p.role == "prefill" and p.state == "ready"))
+            w.address = await self._ask(w, w.actor.address.remote())
+            prefills = [p for p in self.workers.values() if p.role == "prefill" and p.state == "ready"]
+            answers = await asyncio.gather(*(asyncio.wait_for(p.actor.connect.remote(w.address), self.cfg.router.stall_s)
+                                             for p in prefills), return_exceptions=True)
+            for p, a in zip(prefills, answers):
+                if isinstance(a, TimeoutError):  # that prefill worker stalled, not this one; coming
+                    self.stalled(p, "it did not connect to a new decode worker")  # back, it connects
+                elif isinstance(a, BaseException):
+                    raise a
         else:
-            await asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
-                                   if d.role == "decode" and d.state == "ready"))
+            await self._ask(w, asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
+                                                if d.role == "decode" and d.state == "ready")))
         w.reported(None)
-        w.reported(await w.actor.status.remote())  # placement needs a load now
+        w.reported(await self._ask(w, w.actor.status.remote()))  # placement needs a load now
         return info
 
     async def _health(self) -> None:
@@ -324,13 +393,11 @@ class Pools:
                     state = await asyncio.to_thread(_actor_state, w.actor)
                     if state in ("RESTARTING", "DEAD"):
                         self.lost(w, f"Ray reports it {state}")
-                    elif now - w.last_seen > self.cfg.router.stall_s and w.state in ("ready", "draining"):
-                        # Alive to Ray but silent (a step never takes this long): its requests
-                        # move now; a fresh process replaces it (a SIGSTOPped one cannot exit).
-                        # The state is read again: another path may have marked it lost while
-                        # Ray answered, and a process already restarted must not be killed.
-                        self.lost(w, f"stalled: no report for {now - w.last_seen:.0f}s (router.stall_s)")
-                        await asyncio.to_thread(_kill, w.actor)
+                    elif now - w.last_seen > self.cfg.router.stall_s:
+                        # Alive to Ray but silent (a step never takes this long). ``stalled``
+                        # reads the state again: another path may have marked it lost while Ray
+                        # answered, and a process already restarted must not be killed.
+                        self.stalled(w, f"no report for {now - w.last_seen:.0f}s (router.stall_s)")
 
     async def _receive(self) -> None:
         while True:

@@ -72,6 +72,7 @@ class Router(pb_grpc.GenerationServicer):
         self.pools = Pools(cfg, model_path, self._on_records, self._on_lost)
         self.jobs: dict[str, Job] = {}
         self.queued = 0  # jobs waiting for a decode worker
+        self._stranded_before: dict[str, set[str]] = {}  # the last sweep's finds (worker → engine ids)
         self.limits: Limits | None = None
         self.colocated = cfg.mode == "colocated"
         from router.metrics import RouterMetrics
@@ -85,6 +86,7 @@ class Router(pb_grpc.GenerationServicer):
         await self.pools.start(progress)
         if self.autoscaler is not None:
             self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name="autoscale")
+        self._sweep_task = asyncio.create_task(self._sweep(), name="sweep")
         self.limits = Limits(context_length=min(w.info.context_length for w in self.pools.workers.values()),
                              vocab_size=self.pools.model_info.vocab_size,
                              default_max_tokens=self.cfg.router.default_max_tokens, input=self.cfg.limits)
@@ -92,6 +94,7 @@ class Router(pb_grpc.GenerationServicer):
     async def stop(self) -> None:
         if self.autoscaler is not None:
             self._autoscale_task.cancel()
+        self._sweep_task.cancel()
         for job in list(self.jobs.values()):
             job.put(None, Aborted())
         await self.pools.stop()
@@ -127,7 +130,8 @@ class Router(pb_grpc.GenerationServicer):
             params = sampling_params(request.sampling, self.limits, len(ids))
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        job = Job(rid, ids, params, owner=owner)
+        left = context.time_remaining()
+        job = Job(rid, ids, params, owner=owner, deadline=None if left is None else time.monotonic() + left)
         self.jobs[rid] = job
         self.metrics.prompt_tokens.inc(len(ids))
         outcome = "cancelled"
@@ -239,7 +243,7 @@ class Router(pb_grpc.GenerationServicer):
         ids, params = job.inputs()
         roles = ("colocated",) if self.colocated else ("decode",)
         frac = self.cfg.decode.reserve_fraction
-        queued = False
+        queued, since = False, time.monotonic()
         try:
             while True:
                 if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
@@ -253,6 +257,10 @@ class Router(pb_grpc.GenerationServicer):
                                          f"all decode workers are full and {self.queued} requests are "
                                          "already waiting; retry later")
                         queued, self.queued = True, self.queued + 1
+                    if time.monotonic() - since > self.cfg.router.queue_timeout_s:
+                        raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"no KV capacity for {self.cfg.router.queue_timeout_s:g}s "
+                                     "(router.queue_timeout_s); retry later")
                     await self.pools.wait_change(RETRY_WAIT_S)
                     continue
                 dw = self.pools.workers[d.worker_id]
@@ -260,10 +268,11 @@ class Router(pb_grpc.GenerationServicer):
                 self.pools.reserved(dw.worker_id, need)
                 try:
                     if self.colocated:
-                        await dw.actor.submit.remote(job.key, ids, params)
+                        await self.pools.call(dw, dw.actor.submit.remote(job.key, ids, params, job.time_left()))
                         job.placed(dw, dw)
                         return
-                    secret = await dw.actor.reserve.remote(job.key, ids, params)  # the transfer's, or None
+                    # the transfer's secret, or None: not now
+                    secret = await self.pools.call(dw, dw.actor.reserve.remote(job.key, ids, params, job.time_left()))
                     if secret is None:
                         self.pools.reserved(dw.worker_id, d.free_blocks, new_call=False)  # full until it reports
                         continue
@@ -277,6 +286,8 @@ class Router(pb_grpc.GenerationServicer):
                 except RayActorError as e:
                     self.pools.lost(dw, f"reserve failed: {e}")
                     continue
+                except TimeoutError:  # stalled (pools.call): it is being replaced; try the others
+                    continue
                 except RayTaskError as e:
                     if isinstance(e.cause, InvalidRequestError):
                         raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e.cause)) from None
@@ -285,7 +296,7 @@ class Router(pb_grpc.GenerationServicer):
                 job.placed(pw, dw)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
-                pw.actor.submit.remote(job.key, ids, params, dw.address, secret)
+                pw.actor.submit.remote(job.key, ids, params, dw.address, secret, job.time_left())
                 return
         finally:
             if queued:
@@ -321,10 +332,10 @@ class Router(pb_grpc.GenerationServicer):
                             vocab_size=info.vocab_size, dtype=info.dtype, quantization=dec.quantization,
                             speculative=dec.speculative, block_size=info.block_size, kernels=dec.kernels)
 
-    async def stranded_blocks(self) -> dict[str, int] | None:
-        """Per ready worker, KV blocks held by requests the router has no live attempt of
-        (a leak: nothing would ever free them but the lease, or nothing at all). None if a
-        worker did not answer within 10 s."""
+    async def stranded(self) -> dict[str, dict[str, int]] | None:
+        """Per ready worker (by id), the requests that hold KV blocks there (engine id → blocks) but
+        are no live attempt of the router's: a leak, that nothing would free but the lease,
+        or nothing at all. None if a worker did not answer within 10 s."""
         ready = [w for w in self.pools.workers.values() if w.state in ("ready", "draining")]
         try:
             held = await asyncio.wait_for(asyncio.gather(*(w.actor.held.remote() for w in ready)), timeout=10)
@@ -332,7 +343,45 @@ class Router(pb_grpc.GenerationServicer):
             return None
         live = {j.key.engine_id for j in self.jobs.values()}  # read after the answers: a job that
         # started meanwhile is live; one that ended meanwhile may count once (see the proto)
-        return {w.worker_id: sum(b for eid, b in h.items() if eid not in live) for w, h in zip(ready, held)}
+        return {w.worker_id: {eid: b for eid, b in h.items() if eid not in live} for w, h in zip(ready, held)}
+
+    async def stranded_blocks(self) -> dict[str, int] | None:
+        """Per ready worker, the KV blocks :meth:`stranded` finds (None: no verdict)."""
+        found = await self.stranded()
+        return None if found is None else {wid: sum(h.values()) for wid, h in found.items()}
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.router.sweep_s)
+            await self.sweep()
+
+    async def sweep(self) -> int:
+        """Free KV blocks that no live request owns (every ``router.sweep_s``); returns the
+        blocks freed. A request found stranded by two sweeps in a row is dropped: once could
+        be a request that ended while the workers answered (its own abort is on the way);
+        twice cannot. Nothing here is expected to fire: every path that reserves has its own
+        path that frees; each sweep that frees is logged and counted
+        (pdserve_router_swept_blocks), so that a missed path shows."""
+        found = await self.stranded()
+        if found is None:
+            return 0
+        total = 0
+        for wid, held in found.items():
+            ids = sorted(set(held) & self._stranded_before.get(wid, set()))
+            w = self.pools.workers.get(wid)
+            if not ids or w is None:
+                continue
+            try:
+                freed = await self.pools.call(w, w.actor.release.remote(ids))
+            except Exception as e:  # lost meanwhile: its blocks went with it
+                log.warning("sweep of %s failed: %r", w.worker_id, e)
+                continue
+            log.warning("sweep freed %d KV blocks of %d requests no live request owns on %s: %s",
+                        freed, len(ids), w.worker_id, ", ".join(ids[:8]))
+            self.metrics.swept_blocks.inc(freed)
+            total += freed
+        self._stranded_before = {wid: set(h) for wid, h in found.items()}
+        return total
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
         stranded = await self.stranded_blocks() if request.check_blocks else None

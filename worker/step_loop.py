@@ -7,7 +7,9 @@ the router named at start (else kept for :meth:`StepLoop.poll`), never one call 
 
 The loop knows each live request by its :class:`~worker.protocol.Key` (``keys``: engine id →
 key, from the call that brought it here until it leaves), so records carry the attempt as a
-field and nothing parses ids.
+field and nothing parses ids. A request that came with the client's deadline (``timeout_s`` of
+the admitting call) is dropped here when it passes, even if the router's abort never arrives
+(``deadlines``: engine id → monotonic time, pruned as requests leave).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ log = logging.getLogger("pdserve.worker")
 
 TOKEN_RATE_WINDOW_S = 5.0
 HEARTBEAT_S = 0.05  # an idle worker's load report interval
+EXPIRY_CHECK_S = 0.05  # how often client deadlines are checked (a deadline is met this late at most)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class WorkerOptions:
     # (kvtransfer.auth). None: trust the network (tests in one process).
     key: bytes | None = None
     kv_integrity: str = "header"  # what a KV data frame's MAC covers: header | full (kvtransfer.auth)
+    faults: bool = False  # chaos testing only: accept inject() (kv_transfer.fault_injection)
 
 
 class StepLoop:
@@ -84,6 +88,8 @@ class StepLoop:
         self.inbox: collections.deque[tuple[Any, Future | Key]] = collections.deque()  # (fn, waiter or key)
         self.outbox: list[Record] = []
         self.keys: dict[str, Key] = {}  # engine id -> key, while the request is here
+        self.deadlines: dict[str, float] = {}  # engine id -> when the client stops waiting
+        self._next_expiry = 0.0
         self.admitted = 0  # calls that brought a request here (WorkerStatus.admitted)
         self._seq = 0  # reports sent (Report.seq)
         self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
@@ -105,12 +111,49 @@ class StepLoop:
         self.loop.start()
 
     # ---- records -----------------------------------------------------------------------------
-    def _admit(self, key: Key) -> str:
+    def _admit(self, key: Key, timeout_s: float | None = None) -> str:
         """A request arrives here under ``key`` (counted: the router holds its reservation until
-        a status shows it); returns its engine id."""
+        a status shows it), to be dropped ``timeout_s`` from now (the client's deadline; None:
+        none); returns its engine id."""
         self.admitted += 1
         self.keys[key.engine_id] = key
+        if timeout_s is not None:
+            self.deadlines[key.engine_id] = time.monotonic() + timeout_s
         return key.engine_id
+
+    def _drop(self, engine_id: str) -> None:
+        """Stop a request here and free its blocks (the role's abort; idempotent). Runs on the
+        loop thread."""
+        raise NotImplementedError
+
+    def abort(self, key: Key) -> None:
+        """The router's abort of one attempt (queued behind the calls before it)."""
+        self._post(lambda: self._drop(key.engine_id), key)
+
+    def release(self, engine_ids: list[str]) -> int:
+        """Drop these requests (the router's sweep: they hold blocks but no live request owns
+        them); returns the blocks that freed."""
+        def release() -> int:
+            before = self.worker.engine.block_manager.num_used_blocks
+            for eid in engine_ids:
+                self._drop(eid)
+            return before - self.worker.engine.block_manager.num_used_blocks
+        return self._call(release)
+
+    def _expire(self, now: float) -> None:
+        """Drop requests whose client deadline passed (checked every ``EXPIRY_CHECK_S``)."""
+        if now < self._next_expiry or not self.deadlines:
+            return
+        self._next_expiry = now + EXPIRY_CHECK_S
+        for eid, at in list(self.deadlines.items()):
+            key = self.keys.get(eid)
+            if key is None:  # it left
+                del self.deadlines[eid]
+            elif now >= at:
+                del self.deadlines[eid]
+                log.info("rid=%s attempt=%d event=deadline worker=%s", key.request_id, key.attempt, self.worker_id)
+                # No record: the router, which passed the deadline on, gave up on it first.
+                self._drop(eid)
 
     def _tokens(self, o: RequestOutput, leaves: bool) -> Tokens | None:
         """The record of one step's output; ``leaves``: the request is done here. None for a
@@ -182,6 +225,7 @@ class StepLoop:
                     if sink is not None:  # new work: show it before a step that may take seconds
                         self._send(sink, time.monotonic())
                         last_beat = time.monotonic()
+                self._expire(time.monotonic())
                 busy = self._busy()
                 self.outbox.extend(r for r in self._records(self.worker.step()) if r is not None)
                 now = time.monotonic()
@@ -238,6 +282,16 @@ class StepLoop:
 
     def status(self) -> WorkerStatus:
         return self._call(self._status)
+
+    def inject(self, kind: str) -> None:
+        """Chaos testing: a fault in this worker's next KV message (kvtransfer's
+        ``KVSender.inject``). Refused unless the cluster enabled ``kv_transfer.fault_injection``."""
+        if not self.options.faults:
+            raise PermissionError("fault injection is off (kv_transfer.fault_injection)")
+        sender = getattr(self.worker, "sender", None)
+        if sender is None:
+            raise ValueError(f"a {self.role} worker sends no KV: inject faults on a prefill worker")
+        self._call(lambda: sender.inject(kind))
 
     def held(self) -> dict[str, int]:
         """KV blocks held per request here, by engine id (the router's leak check)."""

@@ -328,6 +328,70 @@ def test_the_block_check_finds_a_reservation_no_request_owns(stub, cluster, wait
     assert r.returncode == 0 and "every KV block held belongs to a live request" in r.stdout, r.stdout
 
 
+def _fill(ray, actor, tag: str) -> list:
+    """Reserve behind the router's back until the worker has no block left; returns the keys."""
+    from engine.request import SamplingParams
+    from worker.protocol import Key
+    keys = []
+    for n in (1024, 128, 16, 1):
+        while ray.get(actor.reserve.remote(k := Key(f"{tag}{len(keys)}"), list(range(100, 100 + n)),
+                                           SamplingParams(max_tokens=1))) is not None:
+            keys.append(k)
+    return keys
+
+
+def test_the_sweep_frees_blocks_no_request_owns_and_a_lost_worker_that_lives_on_is_cleared(stub, cluster, wait_idle):
+    """The last line of "no stranded block, ever": blocks held for no live request are found
+    by the periodic sweep and freed the second time it sees them (router.sweep_s; called
+    directly here), and counted. And a worker marked lost whose process lives on (its kill
+    failed) comes back holding nothing: whatever it held was moved elsewhere."""
+    import ray
+
+    from engine.request import SamplingParams
+    from worker.protocol import Key
+    wait_idle(stub, cluster)
+    router = cluster.router
+    dw = next(w for w in router.pools.workers.values() if w.role == "decode")
+    assert ray.get(dw.actor.reserve.remote(Key("orphan2"), list(range(100, 140)), SamplingParams(max_tokens=8)))
+    swept = router.metrics.swept_blocks._value.get()
+    assert cluster.call(router.sweep) == 0  # first sighting: it may be a request ending right now
+    assert cluster.call(router.sweep) >= 3  # second: nobody's
+    assert ray.get(dw.actor.held.remote()) == {}
+    assert router.metrics.swept_blocks._value.get() >= swept + 3
+    # Lost, but the same process answers again (as when killing it failed): it holds nothing.
+    assert ray.get(dw.actor.reserve.remote(Key("orphan3"), list(range(100, 140)), SamplingParams(max_tokens=8)))
+    incarnation = dw.incarnation
+    cluster.loop.call_soon_threadsafe(router.pools.lost, dw, "test: marked lost, never killed")
+    wait_idle(stub, cluster, timeout=60)
+    assert dw.incarnation == incarnation and dw.state == "ready" and ray.get(dw.actor.held.remote()) == {}
+
+
+def test_a_request_waits_for_kv_capacity_at_most_queue_timeout(stub, cluster, wait_idle):
+    """Admission has a deadline: while no decode worker has a free block, a request waits in
+    the queue for router.queue_timeout_s (2 s here), then fails RESOURCE_EXHAUSTED naming it."""
+    import dataclasses
+
+    import ray
+    wait_idle(stub, cluster)
+    router = cluster.router
+    decode = [w for w in router.pools.workers.values() if w.role == "decode"]
+    held = {w.worker_id: _fill(ray, w.actor, f"full-{w.worker_id}-") for w in decode}
+    cfg = router.cfg
+    router.cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, queue_timeout_s=2.0))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            collect(stub.Generate(make_request("The capital of France is", max_tokens=8), timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "router.queue_timeout_s" in e.value.details()
+        assert time.monotonic() - t0 >= 2.0  # it did wait (the bound is only from below)
+    finally:
+        router.cfg = cfg
+        for w in decode:
+            ray.get(w.actor.release.remote([k.engine_id for k in held[w.worker_id]]))
+    wait_idle(stub, cluster)
+
+
 def test_a_stopped_decode_worker_is_noticed_replaced_and_its_streams_complete(stub, cluster, greedy_reference,
                                                                                wait_idle):
     """SIGSTOP the decode worker of a seeded sampled stream mid-stream: Ray still says ALIVE,

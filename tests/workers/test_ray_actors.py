@@ -65,3 +65,39 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
         for a in (prefill, decode):
             ray.get(a.shutdown.remote())
             ray.kill(a)
+
+
+def _wait(fn, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout  # hang guard only
+    while not fn():
+        assert time.monotonic() < end, what
+        time.sleep(0.02)
+
+
+def test_the_clients_deadline_drops_a_request_on_the_worker_without_the_router(ray_session, model_path):
+    """A reservation made with the client's deadline (timeout_s) is dropped by the worker when
+    it passes, even though no abort ever comes (the router died, or its abort was lost); one
+    without a deadline stays until released; release() answers how many blocks freed; and a
+    worker whose cluster did not enable fault injection refuses inject()."""
+    ray = ray_session
+    from decode_worker.actor import DecodeActor
+    cfg = EngineConfig(model=str(model_path), cache=CacheConfig(memory_gb=0.05),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    decode = DecodeActor.options(resources={"decode": 1}, num_cpus=0).remote(cfg, WorkerOptions(transport="zmq"))
+    try:
+        sp = SamplingParams(max_tokens=8)
+        ids = list(range(100, 140))
+        assert ray.get(decode.reserve.remote(Key("soon"), ids, sp, 0.3)) is not None
+        assert ray.get(decode.reserve.remote(Key("never"), ids, sp)) is not None
+        held = ray.get(decode.held.remote())
+        assert set(held) == {Key("soon").engine_id, Key("never").engine_id}
+        _wait(lambda: set(ray.get(decode.held.remote())) == {Key("never").engine_id}, "deadline not applied")
+        time.sleep(0.5)  # the other one has no deadline: it stays
+        assert set(ray.get(decode.held.remote())) == {Key("never").engine_id}
+        assert ray.get(decode.release.remote([Key("never").engine_id, "unknown#0"])) == held[Key("never").engine_id]
+        assert ray.get(decode.held.remote()) == {} and ray.get(decode.status.remote()).kv_blocks_used == 0
+        with pytest.raises(ray.exceptions.RayTaskError, match="fault injection is off"):
+            ray.get(decode.inject.remote("drop"))
+    finally:
+        ray.get(decode.shutdown.remote())
+        ray.kill(decode)
