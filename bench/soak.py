@@ -1,0 +1,155 @@
+"""Soak run: mixed streaming load for a long time with a fault every few minutes, memory watched.
+
+``python -m bench.soak`` runs bench/chaos.py's cluster, load and faults (one fault every
+``--fault-every-s``, the kinds in turn) for ``--duration-s`` (default 30 min), sampling the
+resident memory (RSS, /proc) of the router process and of every worker process. Growth per
+hour is the least-squares slope of each process's RSS after a warm-up (``--warmup-s``; a
+process replaced by a fault starts its own series), given with its standard error so that
+"flat within noise" can be read off: a slope within two standard errors of 0, or one too small
+to matter (``--flat-mb-per-h``). The router's process also runs the load generator's clients
+(one process, so both are covered). Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+# First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
+import bench  # noqa: F401
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from bench.chaos import FAULT_KINDS, Chaos, cluster_config, log, run_chaos
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def slope_per_h(series: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares slope of (seconds, MB) in MB/h, and its standard error."""
+    import numpy as np
+    t = np.array([s for s, _ in series]) / 3600
+    y = np.array([m for _, m in series])
+    if len(t) < 3 or np.ptp(t) == 0:
+        return 0.0, float("inf")
+    a, b = np.polyfit(t, y, 1)
+    resid = y - (a * t + b)
+    se = float(np.sqrt(resid @ resid / (len(t) - 2) / ((t - t.mean()) @ (t - t.mean()))))
+    return float(a), se
+
+
+class Soak(Chaos):
+    """Chaos's load and faults, spread over a duration, with RSS sampling."""
+
+    def __init__(self, cluster, args) -> None:
+        super().__init__(cluster, args)
+        self.samples: dict[str, list[tuple[float, float]]] = {}  # "name pid" -> (t, MB)
+        self.t0 = time.monotonic()
+
+    def sample(self) -> None:
+        now = time.monotonic() - self.t0
+        procs = {f"router {os.getpid()}": os.getpid()}
+        procs.update({f"{w['id']} {w['pid']}": w["pid"] for w in self.workers() if w["pid"]})
+        for name, pid in procs.items():
+            if (mb := rss_mb(pid)) is not None:
+                self.samples.setdefault(name, []).append((now, mb))
+
+    def _sampler(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.sample()
+            except Exception as e:  # a worker between incarnations: the next sample sees it
+                log(f"sample failed: {e!r}")
+            self.done.wait(self.args.sample_s)
+
+    def drive(self) -> None:
+        threading.Thread(target=self._sampler, daemon=True).start()
+        end = self.t0 + self.args.duration_s
+        i = 0
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, self.args.fault_every_s))
+            if time.monotonic() >= end:
+                break
+            kind = self.args.kinds[i % len(self.args.kinds)]
+            i += 1
+            if (f := self.inject(kind)) is not None:
+                with self.run.lock:
+                    self.run.faults.append(f)
+                log(f"{(time.monotonic() - self.t0) / 60:.1f} min: fault {kind} {f.worker}")
+        self.sample()
+
+    def growth(self) -> dict[str, dict]:
+        out = {}
+        for name, series in self.samples.items():
+            kept = [(t, m) for t, m in series if t >= self.args.warmup_s]
+            if len(kept) < 3 or kept[-1][0] - kept[0][0] < self.args.fault_every_s / 2:
+                continue  # too short-lived (replaced by a fault) to say anything
+            slope, se = slope_per_h(kept)
+            out[name] = {"rss_mb_first": round(kept[0][1], 1), "rss_mb_last": round(kept[-1][1], 1),
+                         "minutes": round((kept[-1][0] - kept[0][0]) / 60, 1), "growth_mb_per_h": round(slope, 2),
+                         "stderr_mb_per_h": round(se, 2),
+                         "flat": abs(slope) <= max(2 * se, self.args.flat_mb_per_h)}
+        return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench.chaos import build_parser as chaos_parser
+    p = argparse.ArgumentParser(prog="python -m bench.soak", parents=[chaos_parser()], add_help=False,
+                                conflict_handler="resolve", description=(
+                                    "Soak run: chaos's load with a fault every few minutes for a long time, RSS of "
+                                    "the router and every worker sampled; reports growth per hour. Table, then JSON."))
+    p.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    p.add_argument("--duration-s", type=float, default=1800.0, help="length of the run (default 1800 = 30 min)")
+    p.add_argument("--fault-every-s", type=float, default=180.0, help="one fault this often (default 180)")
+    p.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling interval (default 10)")
+    p.add_argument("--warmup-s", type=float, default=120.0, help="RSS before this is not fitted (default 120)")
+    p.add_argument("--flat-mb-per-h", type=float, default=5.0,
+                   help="growth this small counts as flat whatever the noise (default 5 MB/h)")
+    p.set_defaults(requests=0, faults_per_kind=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k in FAULT_KINDS]
+    from router.app import BackgroundCluster, init_ray
+    cfg = cluster_config(args)
+    init_ray(cfg)
+    log(f"soak: {args.duration_s / 60:g} min, a fault every {args.fault_every_s:g}s")
+    soak = None
+
+    def make(cluster, a):
+        nonlocal soak
+        soak = Soak(cluster, a)
+        return soak
+    try:
+        out = run_chaos(BackgroundCluster(cfg), args, make=make)
+    finally:
+        import ray
+        ray.shutdown()
+    growth = soak.growth()
+    out.update(rss=growth, max_growth_mb_per_h=max((g["growth_mb_per_h"] for g in growth.values()), default=None),
+               all_flat=all(g["flat"] for g in growth.values()), duration_s=args.duration_s)
+    for name, g in sorted(growth.items()):
+        print(f"{name:<24}{g['rss_mb_first']:>9.1f} MB -> {g['rss_mb_last']:>7.1f} MB over {g['minutes']:>5.1f} min: "
+              f"{g['growth_mb_per_h']:+8.2f} ± {g['stderr_mb_per_h']:.2f} MB/h {'flat' if g['flat'] else 'GROWS'}")
+    print(f"requests {out['requests']} (identical {out['completed_identical']}, errored {out['errored']}, wrong "
+          f"{out['wrong']}, hung {out['hung']}), faults {out['faults']}, leaked blocks {out['leaked_blocks']}")
+    print(json.dumps(out))
+    return 0 if out["all_flat"] and not (out["wrong"] or out["hung"] or out["leaked_blocks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
