@@ -120,6 +120,7 @@ class Chaos:
         self.specs = make_specs(args.specs, args.seed, args.max_tokens, args.long_words)
         self.run = Run()
         self.done = threading.Event()
+        self.recovering: list[threading.Thread] = []
 
     # ---- the cluster as the router sees it (read on its event loop) --------------------------
     def workers(self) -> list[dict]:
@@ -184,7 +185,9 @@ class Chaos:
             except Exception as e:  # it died meanwhile (another fault): no fault of this kind now
                 log(f"inject {kind} into {w['id']} failed: {e!r}")
                 return None
-        threading.Thread(target=self._recover, args=(f, w), daemon=True).start()
+        t = threading.Thread(target=self._recover, args=(f, w), daemon=True)
+        t.start()
+        self.recovering.append(t)
         return f
 
     def _recover(self, f: Fault, victim: dict) -> None:
@@ -231,9 +234,8 @@ class Chaos:
             c.start()
         self.drive()
         self.done.set()
-        for c in clients:
-            c.join(a.hang_s + 60)
-        time.sleep(0.5)
+        for t in clients + self.recovering:  # every request answered, every fault recovered (or hung)
+            t.join(a.hang_s + 60)
         leaked, stranded = self.leaked_blocks()
         return self.summary(leaked, stranded, time.monotonic() - t0)
 
@@ -249,6 +251,9 @@ class Chaos:
             if (all(w.state == "ready" for w in st.workers) and not used and not st.active_requests) \
                     or time.monotonic() > end:
                 self.workers()
+                # Asked again now that all is quiet: the check above may have seen a request
+                # ending between the workers' answers and the router's list (see the proto).
+                st = self.stub.GetClusterStatus(pb.GetClusterStatusRequest(check_blocks=True), timeout=60)
                 stranded = sum(w.stranded_blocks for w in st.workers) if st.blocks_checked else None
                 return used, stranded
             time.sleep(0.25)

@@ -4,7 +4,10 @@ Without it, anyone who reaches a decode worker's KV endpoint can write into rese
 (a wrong answer served with OK), fail or renew transfers, or answer a handshake. With a
 :class:`PlaneAuth` on both sides (pdserve's workers always have one) every message carries a
 MAC as its last frame, and one without a valid MAC is dropped and counted
-(``TransferStats.forged``); it changes nothing. Two keys:
+(``TransferStats.forged``); it changes nothing. One exception: a KV data message whose MAC
+fails, sent by a transport peer that already began that transfer (its ``begin`` carried a
+valid cluster MAC), fails the transfer at once (``receiver.py``): it was damaged in transit,
+and such a peer could fail the transfer anyway with a ``fail`` message. Two keys:
 
 - the **cluster key** (the router makes it at start and hands it to each worker actor; every
   worker of one cluster holds it) signs the lifecycle: hello/hello_ok, begin, renew, ack, fail.

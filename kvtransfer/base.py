@@ -11,6 +11,9 @@ one sequence, layer by layer, from a sender's paged cache into blocks a receiver
     (if expected) keep the trailer      ◄────  end(transfer_id, trailer): a small map after
                                                the last layer (decode: the first token)
     all layers (+ trailer) in: DONE, ack ───►  DONE: free own blocks
+    corrupt frame, or end in with KV missing,
+    or the connection dropped: FAILED, fail ─► FAILED at once (a dropped connection: both
+                                               sides notice it, where the transport can tell)
     lease deadline passed: FAILED, free        ack lost / receiver dead: FAILED after the lease
 
 Transports only move messages (lists of buffers) between endpoints; the lifecycle above is
@@ -77,6 +80,9 @@ class KVLayout:
 
 
 MAX_ENDED = 4096  # popped transfer ids remembered to recognise late messages
+# Drop reports kept for a caller that does not drain ``FrameTransport.dropped`` (a benchmark
+# loop): far more than one loop iteration can produce, and never unbounded memory.
+MAX_DROP_REPORTS = 1024
 # The default lease, on both sides: seconds of silence (no frame, no renewal) after which a
 # transfer fails and its blocks are freed. Long: a live sender renews it while its prompt
 # waits, and the router frees a lost worker's blocks itself; the lease is the last resort.
@@ -166,6 +172,14 @@ class FrameTransport(ABC):
     ``device_frames`` says whether ``send`` also takes GPU buffers (``__cuda_array_interface__``
     objects) and ``recv`` may return frames as CUDA tensors; only then do senders keep KV on
     the GPU (``encode_frames(keep_on_device=True)``).
+
+    Connections. A transport that can tell when its connection with a peer dropped (closed or
+    reset by the other side, a failed request, a queue over its bound) forgets that peer's
+    connection and reports it by :meth:`dropped`; ``recv`` returns None before any message
+    that follows a drop, so a caller that calls ``dropped`` whenever ``recv`` returns None
+    handles each drop before what came after it. A later ``connect`` opens a fresh connection.
+    What each transport notices is in its module docstring; what none notices (a peer that
+    died silently), the lifecycle's lease does.
     """
 
     name = "base"
@@ -186,6 +200,17 @@ class FrameTransport(ABC):
     @abstractmethod
     def recv(self) -> tuple[str, list[Buffer]] | None:
         """Next complete message as (peer id, frames), or None if none is waiting."""
+
+    @abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Close this side's connection with ``peer`` and forget every table entry kept for it
+        (messages still queued to it are dropped); the peer may notice it as a drop. No-op for
+        a peer this side does not know. A later ``connect`` to its address starts afresh."""
+
+    @abstractmethod
+    def dropped(self) -> list[tuple[str, str]]:
+        """Peers whose connection dropped since the last call, in order, as (peer id, why).
+        Their connection state is already forgotten, as after :meth:`disconnect`."""
 
     @abstractmethod
     def close(self) -> None:

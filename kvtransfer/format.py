@@ -165,6 +165,29 @@ class FrameHeader:
         return cls(*obj)
 
 
+def peek_transfer_id(data: object) -> str | None:
+    """Best effort, for a header that does not decode: its ``transfer_id`` field, if the
+    msgpack array unpacks that far and it is a str (the receiver then knows whom to blame).
+
+    Returns:
+        The id, or None (not a buffer, too big, not an array, or cut before the field).
+    """
+    try:
+        raw = bytes(memoryview(data).cast("B"))
+        if len(raw) > MAX_HEADER_BYTES:
+            return None
+        # an id has at most _MAX_ID_CHARS characters of up to 4 UTF-8 bytes each
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_HEADER_BYTES, max_str_len=_MAX_ID_CHARS * 4)
+        unpacker.feed(raw)
+        if unpacker.read_array_header() < 2:
+            return None
+        unpacker.skip()  # version
+        tid = unpacker.unpack()
+    except Exception:  # msgpack raises several types for garbage; any of them: no id
+        return None
+    return tid if isinstance(tid, str) and 0 < len(tid) <= _MAX_ID_CHARS else None
+
+
 def _as_bytes_view(buf: object, what: str) -> memoryview:
     """A flat unsigned-byte view of any buffer (bytes, bytearray, memoryview, zmq frame...)."""
     try:

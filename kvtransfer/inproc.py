@@ -10,6 +10,12 @@ replies need no extra bookkeeping.
 Buffers are copied at ``send`` (as a network would), so the sender may reuse its memory at
 once and the receiver owns what it gets. Messages to a closed or unknown endpoint are dropped
 silently, like packets to a dead host; the lifecycle's leases deal with that.
+
+Connections are virtual: ``_connected`` holds the addresses this endpoint ``connect``-ed to
+(and nothing else per peer). ``disconnect(peer)`` of one acts as if a connection had been cut:
+it puts a drop mark in the peer's inbox, after what was already sent to it, and the peer's
+``recv`` turns the mark into a ``dropped`` report (as a socket reset would reach it). A closed
+endpoint tells nobody.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from kvtransfer.base import Buffer, FrameTransport, register_transport
+from kvtransfer.base import MAX_DROP_REPORTS, Buffer, FrameTransport, register_transport
 
 _REGISTRY: dict[str, InprocTransport] = {}
 _LOCK = threading.Lock()
@@ -33,7 +39,9 @@ class InprocTransport(FrameTransport):
 
     def __init__(self) -> None:
         self.address = f"inproc://{next(_IDS)}"
-        self._inbox: deque[tuple[str, list[Buffer]]] = deque()
+        self._inbox: deque[tuple[str, list[Buffer] | None]] = deque()  # None: a drop mark
+        self._dropped: deque[tuple[str, str]] = deque(maxlen=MAX_DROP_REPORTS)
+        self._connected: set[str] = set()
         self._closed = False
         with _LOCK:
             _REGISTRY[self.address] = self
@@ -56,6 +64,7 @@ class InprocTransport(FrameTransport):
         self._check_open()
         if address not in _REGISTRY:
             raise ConnectionError(f"no inproc endpoint at {address!r}")
+        self._connected.add(address)
         return address
 
     def send(self, peer: str, frames: Sequence[Buffer]) -> None:
@@ -67,11 +76,29 @@ class InprocTransport(FrameTransport):
 
     def recv(self) -> tuple[str, list[Buffer]] | None:
         """Returns:
-            The oldest waiting (sender address, frames), or None.
+            The oldest waiting (sender address, frames), or None (also at a drop mark).
         """
         if self._closed or not self._inbox:
             return None
-        return self._inbox.popleft()
+        peer, frames = self._inbox.popleft()
+        if frames is None:
+            self._dropped.append((peer, "the peer disconnected"))
+            return None
+        return peer, frames
+
+    def disconnect(self, peer: str) -> None:
+        """Cut the (virtual) connection: ``peer`` gets a drop mark after what it has already."""
+        if peer not in self._connected:
+            return
+        self._connected.discard(peer)
+        dest = _REGISTRY.get(peer)
+        if dest is not None and not self._closed:
+            dest._inbox.append((self.address, None))
+
+    def dropped(self) -> list[tuple[str, str]]:
+        out = list(self._dropped)
+        self._dropped.clear()
+        return out
 
     def close(self) -> None:
         """Unregister; messages still queued here are discarded. Safe to call twice."""
@@ -81,6 +108,7 @@ class InprocTransport(FrameTransport):
         with _LOCK:
             _REGISTRY.pop(self.address, None)
         self._inbox.clear()
+        self._connected.clear()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -4,13 +4,28 @@ Lifecycle of one transfer here (``TransferState``)::
 
     expect() ─► WAITING ──first valid frame──► TRANSFERRING ──every layer x head x token in──► DONE
                    │                                │              (and the trailer, if expected) (ack → senders)
-                   └── bad frame | sender's fail | abort() | lease deadline passed ──► FAILED
-                                                                                      (fail → senders)
+                   └── bad or corrupt frame | KV lost in transit | a sender's connection dropped
+                       | sender's fail | abort() | lease deadline passed ──► FAILED (fail → senders)
 
 ``expect`` starts the lease: ``lease_s`` of silence and the transfer is FAILED unless DONE, so
 decode can always free the reserved blocks, even when the sender died silently. Each frame and
 each ``renew`` (sent while the prompt is still queued at the sender) starts it over. Once a
 transfer is final nothing more is written into its blocks: later frames for it are dropped.
+
+Failing fast instead of at the lease. A transfer's *peers* are the transport peers that sent
+its ``begin`` (MAC-checked with auth), a data frame or its ``end`` for it. It FAILS at once when:
+
+- a data message names it (its header's transfer id, read as far as the header decodes) but
+  cannot be accepted: a header that does not decode or a MAC that does not match ("corrupt
+  KV frame"), if it comes from one of its peers; from any other peer such a message is only
+  dropped and counted (``dropped_frames``, ``stats.forged``), so a stranger cannot fail others'
+  transfers. A frame whose header decodes but does not fit (range, fingerprint, checksum)
+  fails it as before, whoever sent it: with auth only its sender can MAC one;
+- ``end`` has come from every peer sending a head while KV cells (layer x head) of that head
+  are still missing: transports deliver each peer's messages in order, so those frames were
+  lost ("N KV cells never arrived"). ``begin`` names the heads each peer sends; cells of heads
+  whose sender has not begun yet (tensor-parallel shards) are not judged;
+- the transport reports the connection of one of its peers dropped (the others are told).
 
 Tables (exactly these): ``_transfers`` (id → live transfer, or final but not yet popped),
 ``_finished`` (ids that turned final, in order, drained by ``pop_finished``), ``_ended``
@@ -25,10 +40,10 @@ dropped and counted (``stats.forged``) before it can change anything: data and `
 MAC'd with the transfer's secret (``expect`` returns it), the rest with the cluster key.
 
     hello    {layout}                    sender → receiver; answered by hello_ok {layout}
-    begin    {id, num_tokens, token_start}  sender → receiver, before its frames: makes the
-             sender a peer of the transfer (acked/failed with it). A begin for a transfer this
-             side does not expect is answered by fail: decode must ``expect`` before prefill
-             begins.
+    begin    {id, num_tokens, token_start, heads}  sender → receiver, before its frames: makes
+             the sender a peer of the transfer (acked/failed with it); ``heads`` [lo, hi): the
+             model heads it sends (absent: all). A begin for a transfer this side does not
+             expect is answered by fail: decode must ``expect`` before prefill begins.
     end      {id, trailer}               sender → receiver after its last frame: a small map the
              receiver hands over with DONE (``take_trailer``; decode: the first token). A
              transfer expected with ``trailer=True`` is DONE only once every frame and it are in.
@@ -36,7 +51,7 @@ MAC'd with the transfer's secret (``expect`` returns it), the rest with the clus
     renew    {id}                        sender → receiver while the prompt still waits in the
              sender's queue: the lease starts over (a live sender never lets it expire)
     fail     {id, reason}                either way: the transfer is FAILED (bad frame, abort,
-                                         lease), the other side stops too
+                                         lease, dropped connection), the other side stops too
 """
 
 from __future__ import annotations
@@ -50,7 +65,7 @@ import torch
 
 from kvtransfer.auth import PlaneAuth, new_secret
 from kvtransfer.base import LEASE_S, Buffer, FrameTransport, KVLayout, TransferState, TransferTable
-from kvtransfer.format import FrameError, FrameHeader, decode_frames, scatter_layer
+from kvtransfer.format import FrameError, FrameHeader, decode_frames, peek_transfer_id, scatter_layer
 
 MAX_CONTROL_BYTES = 1 << 16  # a control message is ~200 bytes; refuse to unpack more
 
@@ -101,6 +116,8 @@ class _Incoming:
     trailer: dict | None = None
     spans: dict[tuple[int, int], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     peers: set[str] = dataclasses.field(default_factory=set)
+    heads: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # peer -> heads its begin named
+    ended: set[str] = dataclasses.field(default_factory=set)  # peers whose end is in
     state: TransferState = TransferState.WAITING
     error: str | None = None
 
@@ -119,12 +136,13 @@ class _Incoming:
                     merged.append((s, e))
                 else:
                     a, b = min(a, s), max(b, e)
-            was_full = self._full(layer, h)
+            was_full = self.full(layer, h)
             self.spans[(layer, h)] = sorted([*merged, (a, b)])
-            if not was_full and self._full(layer, h):
+            if not was_full and self.full(layer, h):
                 self.missing -= 1
 
-    def _full(self, layer: int, h: int) -> bool:
+    def full(self, layer: int, h: int) -> bool:
+        """Whether every token of head ``h`` of ``layer`` has arrived."""
         return self.spans.get((layer, h)) == [(self.token_start, self.token_end)]
 
 
@@ -210,12 +228,20 @@ class KVReceiver(TransferTable):
     # ---- network -----------------------------------------------------------------------
     def progress(self) -> None:
         """Handle every waiting message, then fail transfers whose lease has passed."""
-        while (msg := self.transport.recv()) is not None:
+        while True:
+            msg = self.transport.recv()
+            if msg is None:
+                drops = self.transport.dropped()  # handled before the messages that follow them
+                if not drops:
+                    break
+                for peer, why in drops:
+                    self._on_dropped(peer, why)
+                continue
             peer, frames = msg
             tag = None
             if self.auth is not None:
                 frames, tag = PlaneAuth.split(frames)
-                if tag is None:
+                if tag is None and len(frames) != 3:  # data: a missing MAC is judged with its transfer
                     self.stats.forged += 1  # no MAC: not from a worker of this cluster
                     continue
             if len(frames) == 3:
@@ -231,6 +257,13 @@ class KVReceiver(TransferTable):
         for tid, t in self._transfers.items():
             if not t.state.is_final and now >= t.deadline:
                 self._fail(tid, t, f"lease of {self.lease_s:g}s expired before all KV arrived")
+
+    def _on_dropped(self, peer: str, why: str) -> None:
+        """A peer's connection dropped: its transfers FAIL (their other peers are told)."""
+        for tid, t in self._transfers.items():
+            if not t.state.is_final and peer in t.peers:
+                t.peers.discard(peer)  # unreachable on that connection
+                self._fail(tid, t, f"connection to KV sender dropped: {why}")
 
     def _send(self, peer: str, type_: str, **fields: object) -> None:
         msg = encode_control(type_, **fields)
@@ -265,9 +298,13 @@ class KVReceiver(TransferTable):
                 self._fail(tid, t, "bad transfer trailer: not a map, or a second one")
             else:
                 t.peers.add(peer)
+                t.ended.add(peer)
                 t.trailer = msg["trailer"]
                 t.deadline = max(t.deadline, self._clock() + self.lease_s)
                 self._done_if_complete(tid, t)
+                if not t.state.is_final and (lost := self._lost_cells(t)):
+                    self._fail(tid, t, f"{lost} KV cells never arrived: every sender's end is in, so their "
+                                       f"frames were lost in transit")
             return
         # begin
         if state is None:
@@ -283,12 +320,27 @@ class KVReceiver(TransferTable):
                                f"the receiver expects [{t.token_start}, {t.token_end})")
         else:
             t.peers.add(peer)
+            heads = msg.get("heads")
+            if (isinstance(heads, list) and len(heads) == 2 and all(type(h) is int for h in heads)
+                    and 0 <= heads[0] < heads[1] <= self.layout.num_kv_heads):
+                t.heads[peer] = (heads[0], heads[1])
+
+    def _lost_cells(self, t: _Incoming) -> int:
+        """Cells (layer x head) still missing whose every sender has sent its end: in-order
+        delivery per peer means they can no longer arrive."""
+        h0, h1 = self.layout.heads
+        ended: set[int] = set()
+        pending: set[int] = set()  # heads a peer without its end in may still send
+        for p in t.peers:
+            lo, hi = t.heads.get(p, (0, self.layout.num_kv_heads))
+            (ended if p in t.ended else pending).update(range(max(lo, h0), min(hi, h1)))
+        return sum(not t.full(layer, h) for layer in range(self.layout.num_layers) for h in ended - pending)
 
     def _on_data(self, peer: str, frames: list[Buffer], tag: bytes | None) -> None:
         try:
             header = FrameHeader.decode(frames[0])
-        except FrameError:
-            self.dropped_frames += 1  # no trustworthy transfer id to blame
+        except FrameError as e:
+            self._refuse(peer, peek_transfer_id(frames[0]), f"corrupt KV frame: {e}", forged=False)
             return
         tid = header.transfer_id
         t = self._transfers.get(tid)
@@ -296,7 +348,7 @@ class KVReceiver(TransferTable):
             self.dropped_frames += 1  # unknown, or late for an ended transfer
             return
         if self.auth is not None and not self.auth.valid(frames, tag, t.secret):
-            self.stats.forged += 1  # not from the sender the router chose: it writes nothing
+            self._refuse(peer, tid, "corrupt KV frame: its MAC does not match", forged=True)
             return
         t.peers.add(peer)
         h0, h1 = self.layout.heads
@@ -323,6 +375,18 @@ class KVReceiver(TransferTable):
         t.deadline = max(t.deadline, self._clock() + self.lease_s)  # the lease bounds silence
         t.state = TransferState.TRANSFERRING
         self._done_if_complete(tid, t)
+
+    def _refuse(self, peer: str, tid: str | None, reason: str, forged: bool) -> None:
+        """A data message that cannot be accepted. Sent by a peer of the live transfer it names,
+        that transfer FAILS now (damaged in transit, or a bug: the lease would only wait);
+        from anyone else it is counted and changes nothing."""
+        t = self._transfers.get(tid) if tid is not None else None
+        if t is not None and not t.state.is_final and peer in t.peers:
+            self._fail(tid, t, reason)
+        elif forged:
+            self.stats.forged += 1  # not from the sender the router chose: it writes nothing
+        else:
+            self.dropped_frames += 1  # no transfer of this peer's to blame
 
     def _done_if_complete(self, tid: str, t: _Incoming) -> None:
         if t.missing == 0 and (t.trailer is not None or not t.wants_trailer):

@@ -4,20 +4,30 @@ Lifecycle of one transfer here (``TransferState``)::
 
     begin() ─► WAITING ──first send_layer()──► TRANSFERRING ──(end()) receiver's ack──► DONE
                   │                                 │
-                  └── receiver's fail | abort() | no ack by lease_s + margin_s ──► FAILED
+                  └── receiver's fail | abort() | disconnect() | connection dropped
+                      | no ack by lease_s + margin_s ──► FAILED
 
 Prefill frees its own blocks when ``pop_finished`` reports the transfer, DONE or FAILED: DONE
 means the receiver holds all KV; FAILED means it never will (no ack within ``lease_s`` +
 ``margin_s`` of our last frame: the receiver's lease, which our frames renew, has surely
-passed). While a transfer is WAITING (its prompt queued here) we renew the receiver's lease
-every ``lease_s / 3`` and never time it out ourselves.
+passed; or the connection it went on dropped, or this side disconnected the receiver).
+While a transfer is WAITING (its prompt queued here) we renew the receiver's lease every
+``lease_s / 3`` and never time it out ourselves.
 Frames are copied out of the cache by ``gather_layer`` before ``send_layer``, so freeing never
 races an in-flight send (on a GPU transport the gathered copy itself is sent, from the GPU).
 
-Tables (exactly these): ``_peers`` (receiver address → its peer id and layout, set by the
-``connect`` handshake), ``_transfers`` (id → live transfer, or final but not yet popped),
-``_finished`` (ids that turned final, drained by ``pop_finished``) and ``_ended`` (recently
-popped ids → final state, bounded, so late acks are told from unknown ones).
+Connections (one per receiver address, ``links.py``): ``connect`` handshakes (blocking); when
+the transport reports the connection dropped, the transfers on it FAIL at once and the next
+``begin`` to that address dials again without blocking: hello, begin and frames go out
+together, in order, and the hello_ok that comes back is checked when it arrives (no answer
+within ``RECONNECT_TIMEOUT_S``, or another model: the transfers on it FAIL). ``disconnect``
+forgets a receiver (the router calls it when a decode worker is lost or retired).
+
+Tables (exactly these): ``links`` (receiver address → its connection and layout; peer id →
+its hello_ok while a handshake waits, ``links.py``), ``_transfers`` (id → live transfer, or
+final but not yet popped), ``_finished`` (ids that turned final, drained by ``pop_finished``),
+``_ended`` (recently popped ids → final state, bounded, so late acks are told from unknown
+ones) and ``_fault`` (one armed chaos fault, :meth:`inject`).
 
 The wire protocol (control messages hello/hello_ok/begin/end/renew/ack/fail; 3-frame KV data;
 with a ``PlaneAuth``, a MAC frame after each) is described in ``receiver.py``.
@@ -34,11 +44,13 @@ import torch
 from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, Buffer, FrameTransport, KVLayout, TransferState, TransferTable
 from kvtransfer.format import encode_frames
-from kvtransfer.receiver import MAX_CONTROL_BYTES, decode_control, encode_control, layout_from_wire, layout_to_wire
+from kvtransfer.links import RECONNECT_TIMEOUT_S, LayoutMismatch, Links
+from kvtransfer.receiver import MAX_CONTROL_BYTES, decode_control, encode_control
 
+__all__ = ["CHAOS_FAULTS", "KVSender", "LayoutMismatch", "RECONNECT_TIMEOUT_S"]
 
-class LayoutMismatch(ValueError):
-    """The receiver's KV layout cannot take this sender's KV (other model, or no common heads)."""
+# What inject() can do to the next KV data message (chaos benchmark, tests).
+CHAOS_FAULTS = ("corrupt", "drop", "sever")
 
 
 @dataclasses.dataclass
@@ -55,7 +67,7 @@ class _Outgoing:
 
 
 class KVSender(TransferTable):
-    """Pushes KV transfers to receivers; never blocks except in the one-time :meth:`connect`.
+    """Pushes KV transfers to receivers; never blocks except in :meth:`connect`.
 
     Args:
         transport: this side's transport (closed by :meth:`close`).
@@ -73,14 +85,15 @@ class KVSender(TransferTable):
         self.transport, self.layout, self.lease_s, self._clock = transport, layout, lease_s, clock
         self.auth = auth.for_transport(transport) if auth is not None else None
         self.margin_s = max(0.5, lease_s / 10) if margin_s is None else margin_s
-        self._peers: dict[str, tuple[str, KVLayout]] = {}
-        self._hello: dict[str, KVLayout] = {}  # peer id -> layout from its hello_ok
+        self.links = Links(transport, layout, self._send, clock, self._fail_on)
         self._init_table()  # _transfers: id -> _Outgoing
+        self._fault: str | None = None
         self.dropped_messages = 0  # late acks/fails for ended transfers, and garbage
 
-    # ---- handshake ---------------------------------------------------------------------
+    # ---- connections ----------------------------------------------------------------------
     def connect(self, address: str, timeout_s: float = 10.0) -> KVLayout:
-        """Handshake with the receiver at ``address`` (blocks until it replies; once per peer).
+        """Handshake with the receiver at ``address`` (blocks until it replies; once per
+        connection: again only after it dropped or was disconnected).
 
         Args:
             address: the receiver's ``KVReceiver.address``.
@@ -90,40 +103,35 @@ class KVSender(TransferTable):
         Raises:
             LayoutMismatch: different model fingerprint or shape, or no heads in common.
             TimeoutError: no reply (receiver not running its ``progress`` loop, or gone).
+            ConnectionError: the connection dropped during the handshake.
         """
-        if address in self._peers:
-            return self._peers[address][1]
-        peer = self.transport.connect(address)
-        self._hello.pop(peer, None)
-        self._send(peer, encode_control("hello", layout=layout_to_wire(self.layout)))
+        self._take_drops()
+        link = self.links.dial(address)
         end = time.monotonic() + timeout_s  # real time: a blocking call, whatever clock tests use
-        while (remote := self._hello.get(peer)) is None:
+        while link.state == "connecting":
             self.progress()
             if time.monotonic() > end:
-                raise TimeoutError(f"KV receiver at {address} did not answer the handshake within {timeout_s:g}s")
+                why = f"KV receiver at {address} did not answer the handshake within {timeout_s:g}s"
+                self.links.close(address, why, forget=True)
+                raise TimeoutError(why)
             time.sleep(0.0005)
-        mine = self.layout
-        if remote.fingerprint != mine.fingerprint:
-            raise LayoutMismatch(f"KV receiver at {address} has model fingerprint {remote.fingerprint!r}, "
-                                 f"this sender {mine.fingerprint!r}: different model or architecture")
-        shape = ("num_layers", "num_kv_heads", "head_dim")
-        if any(getattr(remote, f) != getattr(mine, f) for f in shape):
-            raise LayoutMismatch(f"KV receiver at {address} has layers/heads/head_dim "
-                                 f"{[getattr(remote, f) for f in shape]}, this sender {[getattr(mine, f) for f in shape]}")
-        if self._common_heads(remote) is None:
-            raise LayoutMismatch(f"KV receiver at {address} holds heads {remote.heads}, this sender "
-                                 f"{mine.heads}: nothing to send")
-        self._peers[address] = (peer, remote)
-        return remote
+        if link.state == "refused":
+            raise LayoutMismatch(link.why)
+        if link.state != "ready":
+            raise ConnectionError(f"connection to KV receiver at {address} dropped during the handshake: {link.why}")
+        return link.layout
 
-    def _common_heads(self, remote: KVLayout) -> tuple[int, int] | None:
-        lo, hi = max(self.layout.heads[0], remote.heads[0]), min(self.layout.heads[1], remote.heads[1])
-        return (lo, hi) if lo < hi else None
+    def disconnect(self, address: str) -> None:
+        """Forget the receiver at ``address`` (its connection and every table entry for it);
+        its live transfers FAIL at once. No-op for an unknown address. Call it when that
+        receiver is lost or retired, so tables do not grow as workers come and go."""
+        self.links.close(address, f"KV receiver {address} was disconnected by this sender", forget=True)
 
     # ---- prefill's side of the lifecycle ------------------------------------------------
     def begin(self, transfer_id: str, address: str, num_tokens: int, token_start: int = 0,
               secret: bytes | None = None) -> None:
-        """Start a transfer to a connected receiver that already ``expect``-ed it.
+        """Start a transfer to a connected receiver that already ``expect``-ed it. If the
+        connection to it dropped since, dial again first (without blocking: see the module doc).
 
         Args:
             transfer_id: id the receiver expects.
@@ -132,9 +140,12 @@ class KVSender(TransferTable):
             token_start: sequence position of the first one.
             secret: with auth, the transfer's secret from the receiver's ``expect``.
         Raises:
-            ValueError: not connected, id already live, an empty range, or no secret with auth.
+            ValueError: not connected (or the connection dropped and the address is known to be
+                gone), id already live, an empty range, or no secret with auth.
         """
-        if address not in self._peers:
+        self._take_drops()
+        link = self.links.get(address)
+        if link is None or link.layout is None:
             raise ValueError(f"not connected to KV receiver {address}: call connect() first")
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id!r} is already live")
@@ -142,12 +153,19 @@ class KVSender(TransferTable):
             raise ValueError(f"bad token range: start {token_start}, {num_tokens} tokens")
         if self.auth is not None and not secret:
             raise ValueError("this sender authenticates its frames: begin() needs the transfer's secret")
-        peer, remote = self._peers[address]
+        if link.state == "dropped":
+            try:
+                link = self.links.dial(address, deadline=self._clock() + RECONNECT_TIMEOUT_S)
+            except ConnectionError as e:  # a transport that knows at once the address is gone
+                raise ValueError(f"KV receiver {address} is unreachable ({e}): call connect() again "
+                                 f"once it is back") from e
         self._ended.pop(transfer_id, None)
         now = self._clock()
-        self._transfers[transfer_id] = _Outgoing(peer, token_start, num_tokens, self._common_heads(remote),
+        heads = self.links.common_heads(link.layout)
+        self._transfers[transfer_id] = _Outgoing(link.peer, token_start, num_tokens, heads,
                                                  now + self.lease_s + self.margin_s, secret, now + self.lease_s / 3)
-        self._send(peer, encode_control("begin", id=transfer_id, num_tokens=num_tokens, token_start=token_start))
+        self._send(link.peer, encode_control("begin", id=transfer_id, num_tokens=num_tokens,
+                                             token_start=token_start, heads=list(heads)))
 
     def send_layer(self, transfer_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
                    token_start: int | None = None) -> bool:
@@ -183,8 +201,14 @@ class KVSender(TransferTable):
         frames = encode_frames(transfer_id, self.layout.fingerprint, layer, start, k, v,
                                self.layout.num_kv_heads, head_start=lo,
                                keep_on_device=getattr(self.transport, "device_frames", False))
-        self._send(t.peer, frames, t.secret)
-        self._moved(transfer_id, k.numel() * k.element_size() * 2)
+        fault, self._fault = self._fault, None
+        if fault == "sever":  # chaos: cut the connection as a reset would; the message is lost with it
+            self.transport.disconnect(t.peer)
+            self.links.dropped(t.peer, "severed by inject('sever')")
+            return False
+        if fault != "drop":  # chaos "drop": the message is lost in transit
+            self._send(t.peer, frames, t.secret, corrupt=fault == "corrupt")
+            self._moved(transfer_id, k.numel() * k.element_size() * 2)
         t.deadline = self._clock() + self.lease_s + self.margin_s  # the lease bounds silence, not length
         t.state = TransferState.TRANSFERRING
         return True
@@ -227,14 +251,43 @@ class KVSender(TransferTable):
         """Close the transport. Safe to call twice."""
         self.transport.close()
 
+    # ---- chaos hook: tests and the chaos benchmark only, never the serving path ------------
+    def inject(self, kind: str) -> None:
+        """TEST/CHAOS HOOK. Fault the next KV data message this sender sends (one armed at a
+        time; a second call replaces the first):
+
+        - ``"corrupt"``: its header goes out cut short, so it does not decode (a MAC, if any,
+          no longer matches either): the receiver fails the transfer at once;
+        - ``"drop"``: it is not sent, as if lost in transit: the receiver fails the transfer
+          at once when the transfer's ``end`` shows KV missing;
+        - ``"sever"``: instead of sending it, the connection to that transfer's receiver is cut
+          as a reset would cut it: the transfers on it FAIL at once, and the next ``begin``
+          to that address dials again.
+
+        Raises:
+            ValueError: an unknown kind (the message lists the valid ones).
+        """
+        if kind not in CHAOS_FAULTS:
+            raise ValueError(f"unknown KV fault {kind!r}; valid: {', '.join(CHAOS_FAULTS)}")
+        self._fault = kind
+
     # ---- network -----------------------------------------------------------------------
-    def _send(self, peer: str, frames: list[Buffer], secret: bytes | None = None) -> None:
+    def _send(self, peer: str, frames: list[Buffer], secret: bytes | None = None, corrupt: bool = False) -> None:
         """Send, with the MAC frame under ``secret`` (data, trailer) or the cluster key."""
-        self.transport.send(peer, self.auth.seal(frames, secret) if self.auth is not None else frames)
+        frames = self.auth.seal(frames, secret) if self.auth is not None else frames
+        if corrupt:  # chaos: damaged in transit, after the MAC was computed
+            frames = [bytes(frames[0])[:-1], *frames[1:]]
+        self.transport.send(peer, frames)
 
     def progress(self) -> None:
-        """Handle every waiting reply, then fail transfers with no ack by their deadline."""
-        while (msg := self.transport.recv()) is not None:
+        """Handle dropped connections and every waiting reply, then fail transfers with no ack
+        by their deadline or on a re-handshake that failed."""
+        while True:
+            msg = self.transport.recv()
+            if msg is None:
+                if not self._take_drops():  # a drop is handled before what came after it
+                    break
+                continue
             peer, frames = msg
             if self.auth is not None:
                 frames, tag = PlaneAuth.split(frames)
@@ -246,9 +299,7 @@ class KVSender(TransferTable):
                 self.dropped_messages += 1
                 continue
             if ctl["type"] == "hello_ok":
-                layout = layout_from_wire(ctl.get("layout"))
-                if layout is not None:
-                    self._hello[peer] = layout
+                self.links.answered(peer, ctl.get("layout"))
                 continue
             tid = ctl.get("id")
             t = self._transfers.get(tid) if isinstance(tid, str) else None
@@ -258,6 +309,7 @@ class KVSender(TransferTable):
                 self._end(tid, t, TransferState.DONE, None, notify=False)
             else:
                 self._end(tid, t, TransferState.FAILED, f"receiver: {ctl.get('reason')}", notify=False)
+        self.links.settle()
         now = self._clock()
         for tid, t in self._transfers.items():
             if t.state == TransferState.WAITING:
@@ -270,6 +322,20 @@ class KVSender(TransferTable):
             elif not t.state.is_final and now >= t.deadline:
                 self._end(tid, t, TransferState.FAILED,
                           f"no ack within the lease ({self.lease_s:g}s + {self.margin_s:g}s margin)", notify=True)
+
+    def _take_drops(self) -> bool:
+        """Handle the connections the transport reports dropped; True if there were any."""
+        drops = self.transport.dropped()
+        for peer, why in drops:
+            self.links.dropped(peer, why)
+        return bool(drops)
+
+    def _fail_on(self, peer: str, reason: str, notify: bool) -> list[str]:
+        """FAIL every live transfer on ``peer``; returns their ids."""
+        failed = [tid for tid, t in self._transfers.items() if t.peer == peer and not t.state.is_final]
+        for tid in failed:
+            self._end(tid, self._transfers[tid], TransferState.FAILED, reason, notify=notify)
+        return failed
 
     def _end(self, tid: str, t: _Outgoing, state: TransferState, error: str | None, notify: bool) -> None:
         t.state, t.error = state, error

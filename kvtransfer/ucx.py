@@ -9,12 +9,14 @@ One background thread ("ucx-progress") owns the UCX worker; the caller never tou
 never blocks::
 
     caller                            progress thread
-    connect(addr): _addrs[uid] = worker address       (endpoint made on first send)
+    connect(addr) ─────────► _outbox ──► record the peer (ucx_peers.py; endpoint made on first send)
     send(peer, frames) ──► _outbox ──► post header + one tagged send per non-empty frame;
                                        keep the caller's buffers until each send completes
+    disconnect(peer) ──────► _outbox ──► close our endpoint, forget the peer
                                        probe headers from any peer ─► post one tagged recv per
                                        frame into a pooled buffer of the announced length
-    recv() ◄────────────── _inbox ◄── message complete and first in its sender's order
+    recv() ◄────────────── _inbox ◄── message complete and first in its sender's order,
+      (dropped() ◄── a drop mark)        or a drop mark in that order
 
 The thread spins on ``worker.progress()`` while requests are in flight (a shared-memory
 rendezvous raises no wake-up event), yielding the GIL each round; when idle, or after 1 s
@@ -37,11 +39,17 @@ returns that tensor itself, not a memoryview. A side without CUDA drops messages
 frames before allocating anything, logs an error and counts them in ``refused_device``; the
 sender's sends of them stay in flight until its ``close``. Stream details: ``ucx_device.py``.
 
-Failures. Endpoint error handling is off (it would disable shared memory), so UCX reports no
-dead peer: a peer unreachable at endpoint creation has its messages dropped and counted in
-``unroutable``; sends to one that dies later stay in flight until ``close`` cancels them after
-``linger_s``. The lifecycle's lease is what notices either. There is no flow control: a
-receiver that stops calling ``recv`` accumulates messages.
+Dropped connections. Endpoint error handling is off (it would disable shared memory), so UCX
+itself reports no dead peer. This side reports a peer dropped (``dropped``; its endpoint is
+closed and the peer forgotten, or for a peer that reconnected, its earlier endpoint's state)
+when: an endpoint to it cannot be made (its process is gone); a send to it or a receive from
+it fails; a message goes to a peer this side does not know (never connected, disconnected, or
+forgotten: ``ucx_peers.py``); or it made a new endpoint to us (its first message carries its
+address again) while messages of its earlier one are still incomplete: those are cut, left to
+finish in the background, never delivered. Sends to a peer that died silently stay in flight
+until ``close`` cancels them after ``linger_s`` (UCX cannot cancel them one by one): a peer
+that just stops is noticed by the lifecycle's lease, or by whoever calls ``disconnect``.
+There is no flow control: a receiver that stops calling ``recv`` accumulates messages.
 
 Environment. ``UCX_TLS`` and other ``UCX_*`` variables pass through unchanged unless the
 ``tls`` argument is given. ``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` here (ucxx sets
@@ -54,44 +62,30 @@ import logging
 import os
 import secrets
 import select
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before ucxx loads UCX
 
-import numpy as np  # noqa: E402
 import ucxx._lib.libucxx as ucx_api  # noqa: E402  (ImportError here: "ucx" stays unregistered)
 from ucxx._lib.arr import Array  # noqa: E402
 
 from kvtransfer import ucx_device, ucx_wire as wire  # noqa: E402
-from kvtransfer.base import Buffer, FrameTransport, register_transport  # noqa: E402
+from kvtransfer.base import MAX_DROP_REPORTS, Buffer, FrameTransport, register_transport  # noqa: E402
+from kvtransfer.ucx_peers import PeerTable  # noqa: E402
+from kvtransfer.ucx_recv import ReceiveSide, _check  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.002  # sleep bound when idle: shared-memory traffic may raise no event
 _SPIN_S = 1.0  # stop spinning after this long without any completion (e.g. a dead peer)
 _GRACE_S = 0.002  # keep spinning this long after the last completion: the next message is near
+_SEND, _CONNECT, _DISCONNECT = range(3)  # what an _outbox entry asks the progress thread to do
 
 
-@dataclass
-class _Incoming:
-    """One message being received from one sender: header first, then its frames."""
-
-    header_req: object
-    header_buf: np.ndarray
-    frame_reqs: list = field(default_factory=list)
-    frames: list | None = None  # memoryviews / CUDA tensors; set once the header is parsed
-    dropped: bool = False  # bad header or failed receive: never delivered
-
-    def done(self) -> bool:
-        return self.frames is not None and all(r.completed for r in self.frame_reqs)
-
-
-class UcxTransport(FrameTransport):
+class UcxTransport(ReceiveSide, FrameTransport):
     """A FrameTransport over UCX tagged messages (registered as ``"ucx"``).
 
     Args:
@@ -127,19 +121,15 @@ class UcxTransport(FrameTransport):
         self._addr_bytes = self._worker.address.tobytes()
         self.address = wire.format_address(self.uid, self._addr_bytes)
         self.linger_s = linger_s
-        self._addrs: dict[int, bytes] = {}  # uid -> worker address (connect or hello)
-        self._seq: dict[int, int] = {}  # uid -> next seq to it; absent: send our address
-        self._outbox: deque[tuple] = deque()  # (uid, buffers, lengths, kinds, CUDA events)
-        self._inbox: deque[tuple[str, list[Buffer]]] = deque()
+        self._outbox: deque[tuple] = deque()  # (_SEND, uid, buffers, lengths, kinds, CUDA events) | (_CONNECT, uid, address) | (_DISCONNECT, uid)
+        self._inbox: deque[tuple[str, list[Buffer] | str]] = deque()  # frames, or why a peer dropped
+        self._dropped: deque[tuple[str, str]] = deque(maxlen=MAX_DROP_REPORTS)  # caller's side of the marks
         # Owned by the progress thread only:
-        self._eps: dict[int, object] = {}
-        self._sending: list[tuple[object, object]] = []  # (request, buffer kept alive)
-        self._receiving: dict[int, deque[_Incoming]] = {}
-        self._banned: set[int] = set()  # peers that sent a bad header: ignored
-        self._unreachable: set[int] = set()  # endpoint creation failed: messages dropped
-        self.unroutable = 0  # messages dropped because their peer was unreachable
+        self._peers = PeerTable()
+        self._sending: list[tuple[int, object, object, object]] = []  # (uid, endpoint, request, buffer kept alive)
+        self._init_receive_side()  # _receiving, _cut, _banned (ucx_recv.py)
+        self.unroutable = 0  # messages dropped: their peer was unreachable or unknown
         self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
-        self._refused_from: set[int] = set()  # peers already logged for that
         self._pool = wire.BufferPool(pool_bytes)
         self._error: BaseException | None = None
         self._closed = False
@@ -168,12 +158,26 @@ class UcxTransport(FrameTransport):
         """
         self._check_open()
         uid, addr = wire.parse_address(address)
-        self._addrs[uid] = addr
+        self._outbox.append((_CONNECT, uid, addr))
+        self._wake()
         return wire.peer_id(uid)
+
+    def disconnect(self, peer: str) -> None:
+        """Close our endpoint to ``peer`` and forget it (queued messages to it still go first;
+        sends in flight finish in the background). No-op for an unknown or malformed id."""
+        if not self._closed and (uid := _uid(peer)) is not None:
+            self._outbox.append((_DISCONNECT, uid))
+            self._wake()
+
+    def dropped(self) -> list[tuple[str, str]]:
+        out = list(self._dropped)
+        self._dropped.clear()
+        return out
 
     def send(self, peer: str, frames: Sequence[Buffer]) -> None:
         """Queue one message for ``peer``; the progress thread posts it. Zero-copy: keep
-        ``frames`` unchanged until the peer has them.
+        ``frames`` unchanged until the peer has them. A message to a peer this side does not
+        know (any more) is dropped, counted in ``unroutable`` and the peer reported dropped.
 
         Args:
             peer: from ``connect`` or ``recv``.
@@ -181,15 +185,12 @@ class UcxTransport(FrameTransport):
                 ``__cuda_array_interface__`` objects, sent from GPU memory once the current
                 stream has produced them.
         Raises:
-            ValueError: unknown peer, or a frame that is not contiguous, not a buffer this
-                side can send, or larger than ``wire.MAX_FRAME_BYTES``.
+            ValueError: a malformed peer id, or a frame that is not contiguous, not a buffer
+                this side can send, or larger than ``wire.MAX_FRAME_BYTES``.
         """
         self._check_open()
-        try:
-            uid = int(peer, 16)
-        except (TypeError, ValueError):
-            uid = -1
-        if uid not in self._addrs:
+        uid = _uid(peer)
+        if uid is None:
             raise ValueError(f"unknown ucx peer {peer!r}: connect() to it first, "
                              "or reply to an id from recv()")
         if len(frames) > wire.MAX_FRAMES:
@@ -209,18 +210,23 @@ class UcxTransport(FrameTransport):
                 kinds += "h"
             views.append(view)
             lengths.append(n)
-        self._outbox.append((uid, views, lengths, kinds, events))
+        self._outbox.append((_SEND, uid, views, lengths, kinds, events))
         self._wake()
 
     def recv(self) -> tuple[str, list[Buffer]] | None:
         """Returns:
-            The next complete message as (sender uid, frames), or None. Host frames are
-            memoryviews; device frames are uint8 CUDA tensors on ``device``.
+            The next complete message as (sender uid, frames), or None (also at a drop mark:
+            ``dropped`` has it). Host frames are memoryviews; device frames are uint8 CUDA
+            tensors on ``device``.
         Raises:
             RuntimeError: the progress thread died (its error is chained).
         """
         if self._inbox:
-            return self._inbox.popleft()
+            peer, item = self._inbox.popleft()
+            if isinstance(item, str):
+                self._dropped.append((peer, item))
+                return None
+            return peer, item
         if self._error is not None and not self._closed:
             raise RuntimeError("ucx progress thread failed") from self._error
         return None
@@ -286,116 +292,85 @@ class UcxTransport(FrameTransport):
         """
         w = self._worker
         w.progress()
+        now = time.monotonic()
         completed = False
         # In order; a message waits for the kernels producing its device frames.
-        while self._outbox and all(e.query() for e in self._outbox[0][4]):
-            uid, views, lengths, kinds, _ = self._outbox.popleft()
-            self._post_send(uid, views, lengths, kinds)
+        while self._outbox and (self._outbox[0][0] != _SEND or all(e.query() for e in self._outbox[0][5])):
+            kind, uid, *rest = self._outbox.popleft()
+            if kind == _SEND:
+                self._post_send(uid, *rest[:3], now)
+            elif kind == _CONNECT:
+                self._peers.dial(uid, rest[0], now)
+            else:
+                self._forget(uid)
             completed = True
-        while True:
-            probe = w.tag_probe(ucx_api.UCXXTag(wire.HEADER << wire.KIND_SHIFT),
-                                ucx_api.UCXXTagMask(3 << wire.KIND_SHIFT), remove=True)
-            if not probe.matched:
-                break
-            uid = (probe.sender_tag.value >> wire.UID_SHIFT) & 0xFFFFFFFF
-            too_long = probe.length > wire.MAX_HEADER_BYTES
-            if too_long:
-                logger.error("ucx peer %s sent a %d-byte header; ignoring it from now on",
-                             wire.peer_id(uid), probe.length)
-                self._banned.add(uid)
-            # A removed probe must still be received: a too long one is cut (and dropped).
-            buf = np.empty(min(probe.length, wire.MAX_HEADER_BYTES), np.uint8)
-            req = w.tag_recv_with_handle(Array(buf), probe)
-            self._receiving.setdefault(uid, deque()).append(_Incoming(req, buf, dropped=too_long))
-            completed = True
+        completed = self._probe_headers() or completed
         if self._sending:
             still = []
-            for req, keep in self._sending:
+            for uid, ep, req, keep in self._sending:
                 if not req.completed:
-                    still.append((req, keep))
-                else:
-                    _check(req, "send")
+                    still.append((uid, ep, req, keep))
+                elif not _check(req, "send") and (p := self._peers.get(uid)) is not None and p.ep is ep:
+                    self._lost(uid, "a send to it failed")  # not for an endpoint already closed
             completed = completed or len(still) < len(self._sending)
             self._sending = still
-        in_flight = bool(self._sending) or bool(self._outbox)
-        for uid, queue in self._receiving.items():
-            for msg in queue:
-                if msg.frames is None and msg.header_req.completed:
-                    self._on_header(uid, msg)
-                    completed = True
-            while queue and queue[0].done():
-                msg = queue.popleft()
-                completed = True
-                ok = all([_check(r, "recv") for r in msg.frame_reqs])
-                if ok and not msg.dropped and uid not in self._banned:
-                    self._inbox.append((wire.peer_id(uid), msg.frames))
-            in_flight = in_flight or bool(queue)
-        return completed, in_flight
+        received, receiving = self._deliver(now)
+        for ep in self._peers.prune(now):
+            self._close(ep)
+        return completed or received, receiving or bool(self._sending) or bool(self._outbox)
 
-    def _post_send(self, uid: int, views: list, lengths: list[int], kinds: str) -> None:
-        ep = self._eps.get(uid)
-        if ep is None:
-            if uid in self._unreachable:
-                self.unroutable += 1
-                return
+    def _post_send(self, uid: int, views: list, lengths: list[int], kinds: str, now: float) -> None:
+        p = self._peers.get(uid)
+        if p is None:
+            self.unroutable += 1
+            self._lost(uid, "not a known peer: never connected, disconnected, or forgotten when idle")
+            return
+        hello = None
+        if p.ep is None:
             try:
-                address = ucx_api.UCXAddress.create_from_buffer(self._addrs[uid])
-                ep = self._worker.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+                address = ucx_api.UCXAddress.create_from_buffer(p.address)
+                p.ep = self._worker.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
             except ucx_api.UCXError as e:  # e.g. the peer's process is gone (its shm with it)
-                logger.warning("ucx peer %s unreachable (%s); dropping messages to it", wire.peer_id(uid), e)
-                self._unreachable.add(uid)
+                logger.warning("ucx peer %s unreachable (%s); dropping the message", wire.peer_id(uid), e)
                 self.unroutable += 1
+                self._lost(uid, f"unreachable ({e})")
                 return
-            self._eps[uid] = ep
-        seq = self._seq.get(uid)
-        hello = self._addr_bytes if seq is None else None
-        seq = seq or 0
-        self._seq[uid] = seq + 1
+            # A new endpoint's first message carries our address; a random first seq keeps its
+            # tags apart from anything of an earlier endpoint still in flight.
+            hello, p.seq = self._addr_bytes, secrets.randbits(30)
+        seq = p.seq
+        p.seq, p.last = (seq + 1) & wire.SEQ_MASK, now
         header = wire.pack_header(seq, lengths, kinds, hello)
         head_tag = ucx_api.UCXXTag(wire.tag(wire.HEADER, self.uid, seq))
-        self._sending.append((ep.tag_send(Array(header), head_tag), header))
+        self._sending.append((uid, p.ep, p.ep.tag_send(Array(header), head_tag), header))
         data_tag = ucx_api.UCXXTag(wire.tag(wire.DATA, self.uid, seq))
         for v, n in zip(views, lengths):
             if n:
-                self._sending.append((ep.tag_send(Array(v), data_tag), v))
+                self._sending.append((uid, p.ep, p.ep.tag_send(Array(v), data_tag), v))
 
-    def _on_header(self, uid: int, msg: _Incoming) -> None:
-        """Parse a received header and post the receives of its frames (or ban the peer)."""
-        msg.frames = []
-        if msg.dropped or uid in self._banned or not _check(msg.header_req, "header recv"):
-            msg.dropped = True
-            return
-        try:
-            seq, lengths, hello, kinds = wire.parse_header(msg.header_buf)
-        except ValueError as e:
-            logger.error("ucx peer %s sent a bad header (%s); ignoring it from now on", wire.peer_id(uid), e)
-            self._banned.add(uid)
-            msg.dropped = True
-            return
-        if hello is not None:
-            self._addrs.setdefault(uid, hello)
-        bufs: list | None = [None] * len(lengths)  # None: a host frame, from the pool
-        if "d" in kinds:
-            bufs = None if self.device is None else ucx_device.alloc_frames(lengths, kinds, self.device)
-            if bufs is None:
-                self._refuse_device(uid, msg)
-                return
-        tag = ucx_api.UCXXTag(wire.tag(wire.DATA, uid, seq))
-        for n, buf in zip(lengths, bufs):
-            view = self._pool.take(n) if buf is None else buf
-            if n:
-                msg.frame_reqs.append(self._worker.tag_recv(Array(view), tag))
-            msg.frames.append(view)
+    def _lost(self, uid: int, why: str) -> None:
+        """Report a dropped connection (after the messages already delivered from the peer) and
+        close our endpoint to it; the peer is forgotten unless it was dialed (the caller keeps
+        its id and may send again: a new endpoint is made then)."""
+        p = self._peers.get(uid)
+        if p is not None:
+            self._close(p.ep)
+            p.ep = None
+            if not p.dialed:
+                self._peers.forget(uid)
+        self._inbox.append((wire.peer_id(uid), why))
 
-    def _refuse_device(self, uid: int, msg: _Incoming) -> None:
-        """Drop a message with device frames (no CUDA here, or out of GPU memory); its frames
-        are never received."""
-        msg.dropped = True
-        self.refused_device += 1
-        if uid not in self._refused_from and self.device is None:
-            self._refused_from.add(uid)
-            logger.error("ucx peer %s sends GPU frames but this side has no CUDA (or its UCX "
-                         "transports exclude cuda); dropping them (counted in refused_device)", wire.peer_id(uid))
+    def _forget(self, uid: int) -> None:
+        p = self._peers.forget(uid)
+        if p is not None:
+            self._close(p.ep)
+
+    def _close(self, ep: object | None) -> None:
+        if ep is not None:
+            try:
+                ep.close()  # sends in flight on it finish or stay until close (see module doc)
+            except Exception:  # closing an endpoint whose peer is gone: nothing to do
+                logger.debug("ucx endpoint close", exc_info=True)
 
     def _idle_wait(self) -> None:
         if self._worker.arm():  # False: events are pending, progress again at once
@@ -410,28 +385,28 @@ class UcxTransport(FrameTransport):
         w = self._worker
         try:
             w.cancel_inflight_requests()
-            for ep in self._eps.values():
-                ep.close()
+            for p in self._peers:
+                self._close(p.ep)
             for _ in range(10):
                 w.progress()
         except Exception:  # best effort: the objects go away below either way
             logger.exception("ucx transport shutdown")
         # Requests and endpoints hold the worker: drop them, then the worker, then buffers.
-        self._eps.clear()
+        self._peers = PeerTable()
         self._receiving.clear()
         self._sending.clear()
+        self._cut.clear()
         w = self._worker = self._ctx = None
         self._outbox.clear()
         self._pool = wire.BufferPool(0)
 
 
-def _check(req, what: str) -> bool:
+def _uid(peer: str) -> int | None:
     try:
-        req.check_error()
-        return True
-    except Exception as e:  # the lifecycle's lease fails the transfer; just report here
-        logger.warning("ucx %s failed: %s", what, e)
-        return False
+        uid = int(peer, 16)
+    except (TypeError, ValueError):
+        return None
+    return uid if 0 <= uid < 1 << 32 else None
 
 
 register_transport("ucx", UcxTransport)

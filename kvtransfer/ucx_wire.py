@@ -6,8 +6,11 @@ Wire protocol. Every worker picks a random 32-bit ``uid``. A 64-bit UCX tag is
 ``[1, seq, [frame lengths], sender address bytes | None]``, plus a fifth element, a str of
 one ``"h"`` (host) or ``"d"`` (device) per frame, only when some frame is in GPU memory: four
 elements (an older peer's header, or any host-only message) mean all host, so host traffic
-is unchanged on the wire. The sender's address is in the first message to each peer, so the
-receiver can make the endpoint its replies use. The receiver probes for kind-1 tags from any
+is unchanged on the wire. The sender's address is in the first message on each endpoint (a
+new one is made after a drop, a ``disconnect`` or an idle close: ``ucx_peers.py``), so the
+receiver can make the endpoint its replies use, and knows the sender's earlier endpoint is
+gone. Each endpoint starts its seq at random (then +1 per message, modulo 2^30), so tags of
+an earlier endpoint's messages still in flight are not taken for a new one's. The receiver probes for kind-1 tags from any
 sender, so the peer id it reports is the sender's uid -- the same id the sender got from
 ``connect``. Lengths are checked against
 ``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_MESSAGE_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a

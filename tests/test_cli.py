@@ -125,3 +125,56 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[1]
     assert proc.returncode == 0 and "shutting down" in rest, rest
+
+
+def _serve(port: int):
+    """`pdserve serve` on ``port`` (deploy/local.yaml), once it says it serves."""
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([PDSERVE, "serve", "--config", os.path.join(root, "deploy", "local.yaml"),
+                             "--port", str(port), "--metrics-port", "0"], stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 240  # hang guard only
+    while not any("serving pdserve.v1.Generation" in line for line in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stderr.readline())
+    return proc
+
+
+def test_a_killed_router_takes_its_whole_cluster_with_it_and_a_new_one_serves():
+    """Router death: SIGKILL `pdserve serve` (no shutdown runs). Its workers and Ray's GCS and
+    raylet go with it (Ray fate-shares actors with their owner, the router, and reaps the local
+    cluster it started), so nothing keeps KV blocks, memory or ports; a new router on the same
+    port serves at once. Ray's two agents outlive their raylet by about a minute (they give up
+    on it then: measured 60-70 s here); they are waited for last, up to 180 s."""
+    import signal
+    import time
+
+    import psutil
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _serve(port)
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert len(tree) >= 4, tree  # Ray's GCS and raylet, a prefill and a decode worker at least
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        killed = time.monotonic()
+        agents = [p for p in tree if p.name() in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")]
+        _, alive = psutil.wait_procs([p for p in tree if p not in agents], timeout=60)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = _serve(port)
+    try:
+        r = _run("generate", "The capital of France is", "--server", f"127.0.0.1:{port}", "--max-tokens", "4",
+                 "--json")
+        assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["finish_reason"] == "length", \
+            r.stderr
+        _, alive = psutil.wait_procs(agents, timeout=max(1.0, killed + 180 - time.monotonic()))
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)

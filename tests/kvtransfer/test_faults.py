@@ -1,4 +1,6 @@
-"""A peer process dies mid-transfer: leases end the transfer, blocks are freed, others go on.
+"""A peer process dies mid-transfer: the transfer ends, blocks are freed, others go on. Over zmq
+the survivor sees the connection close and fails it at once; UCX (no endpoint error handling)
+cannot tell, so the lease ends it.
 
 Real processes (``fault_peer.py`` children) over real sockets on loopback; the test process is
 the surviving side, holding a BlockManager that must end with no block used.
@@ -123,6 +125,7 @@ def test_sender_killed_receiver_fails_within_lease_and_frees(spawn, transport):
             rx.progress()
             assert time.monotonic() < end, "no frame of t1 arrived"
         doomed.kill()
+        killed_at = time.monotonic()
 
         assert bm.allocate(blocks["t2"], 13)
         rx.expect("t2", blocks["t2"], 13)
@@ -140,10 +143,13 @@ def test_sender_killed_receiver_fails_within_lease_and_frees(spawn, transport):
                 bm.free(blocks[tid])
             assert time.monotonic() < end, f"transfers did not end: {results}"
             time.sleep(0.001)
-        assert results["t2"][0] is D
-        assert results["t1"][0] is F and "lease" in rx.error("t1")
-        # never before its lease (exactly when, with an injected clock: test_lifecycle.py)
-        assert results["t1"][1] - expected_at >= LEASE_S
+        assert results["t2"][0] is D and results["t1"][0] is F
+        if transport == "zmq":  # the dead sender's connection closed: no wait for the lease
+            assert "connection to KV sender dropped" in rx.error("t1")
+            assert results["t1"][1] - killed_at < LEASE_S
+        else:  # never before its lease (exactly when, with an injected clock: test_lifecycle.py)
+            assert "lease" in rx.error("t1")
+            assert results["t1"][1] - expected_at >= LEASE_S
         assert bm.num_used_blocks == 0
         survivor.wait_for("FINISHED t2 done", rx.progress)
         survivor.tell("EXIT")
@@ -183,6 +189,7 @@ def test_receiver_killed_sender_fails_after_lease_and_frees(spawn, transport):
         push("t1", range(2))
         doomed.wait_for("STATE t1 transferring", tx.progress)
         doomed.kill()
+        killed_at = time.monotonic()
 
         survivor.tell("EXPECT t2 13 2")
         survivor.wait_for("EXPECTING t2", tx.progress)
@@ -197,13 +204,47 @@ def test_receiver_killed_sender_fails_after_lease_and_frees(spawn, transport):
                 bm.free(blocks[tid])  # prefill frees its copy once acked or surely failed
             assert time.monotonic() < end, f"transfers did not end: {results}"
             time.sleep(0.001)
-        assert results["t2"][0] is D
-        assert results["t1"][0] is F and "no ack" in tx.error("t1")
-        # never before lease + margin (exactly when, with an injected clock: test_lifecycle.py)
-        assert results["t1"][1] - begun_at >= LEASE_S + 0.5
+        assert results["t2"][0] is D and results["t1"][0] is F
+        if transport == "zmq":  # the dead receiver's connection closed: no wait for the lease
+            assert "connection to KV receiver" in tx.error("t1") and "dropped" in tx.error("t1")
+            assert results["t1"][1] - killed_at < LEASE_S
+        else:  # never before lease + margin (exactly when, with an injected clock: test_lifecycle.py)
+            assert "no ack" in tx.error("t1")
+            assert results["t1"][1] - begun_at >= LEASE_S + 0.5
         assert bm.num_used_blocks == 0
         survivor.wait_for("FINISHED t2 done ok", tx.progress)
         survivor.tell("EXIT")
         assert survivor.proc.wait(timeout=10) == 0
+    finally:
+        tx.close()
+
+
+def test_a_hung_receiver_is_cut_by_heartbeats_long_before_the_lease(spawn, monkeypatch):
+    """zmq: a receiver process that stops (no crash, no close: SIGSTOP) stops answering
+    heartbeats, so its connection is cut and the transfer on it fails, not 30 s later."""
+    import signal
+
+    from kvtransfer import zmq_transport
+    monkeypatch.setattr(zmq_transport, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(zmq_transport, "HEARTBEAT_TIMEOUT_MS", 500)
+    lay = peer_mod.make_layout(4)
+    tx = KVSender(get_transport("zmq"), lay, lease_s=30.0)
+    try:
+        hung = spawn("receiver", "zmq", "30")
+        address = hung.wait_for("ADDR")[1]
+        tx.connect(address, timeout_s=20)
+        hung.tell("EXPECT t1 13 1")
+        hung.wait_for("EXPECTING t1", tx.progress)
+        tx.begin("t1", address, 13)
+        for layer, (k, v) in enumerate(peer_mod.make_kv(1, 13)[:2]):
+            assert tx.send_layer("t1", layer, k, v)
+        hung.wait_for("STATE t1 transferring", tx.progress)
+        os.kill(hung.proc.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while tx.poll("t1") is not F:
+            tx.progress()
+            assert time.monotonic() - stopped_at < 10, "the hung receiver was never noticed"
+            time.sleep(0.001)
+        assert "dropped" in tx.error("t1") and "heartbeat" in tx.error("t1")
     finally:
         tx.close()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.format import (FORMAT_VERSION, MAX_FRAME_TOKENS, FrameError, FrameHeader,
-                               decode_frames, encode_frames)
+                               decode_frames, encode_frames, peek_transfer_id)
 
 FIELDS = [f.name for f in dataclasses.fields(FrameHeader)]
 FP = "0123456789abcdef"
@@ -112,6 +112,22 @@ def test_truncated_header_rejected_at_every_length():
     for n in range(len(data)):
         with pytest.raises(FrameError):
             FrameHeader.decode(data[:n])
+
+
+def test_a_header_that_does_not_decode_still_names_its_transfer_as_far_as_it_unpacks():
+    data = _header().encode()
+    id_end = len(msgpack.packb([FORMAT_VERSION, "tx-1"]))  # array marker, version, id (fixarray either way)
+    for n in range(len(data) + 1):
+        assert peek_transfer_id(data[:n]) == ("tx-1" if n >= id_end else None), n
+    assert peek_transfer_id(_packed(transfer_id=7)) is None  # not a str: nobody to blame
+    assert peek_transfer_id(msgpack.packb({"id": "tx-1"})) is None  # not an array
+    assert peek_transfer_id(None) is None and peek_transfer_id(b"\x9c" + b"\xff" * 2000) is None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=200))
+def test_peeking_at_random_bytes_never_raises(data):
+    assert peek_transfer_id(data) is None or isinstance(peek_transfer_id(data), str)
 
 
 def test_non_buffer_header_rejected():

@@ -63,6 +63,20 @@ def recv_wait(t: UcxTransport, timeout: float = 10.0) -> tuple[str, list[memoryv
     return msg
 
 
+DROP_UNKNOWN = "not a known peer: never connected, disconnected, or forgotten when idle"
+
+
+def wait_dropped(t: UcxTransport, timeout: float = 10.0) -> list[tuple[str, str]]:
+    """The next drop reports of ``t`` (its recv turns drop marks into them)."""
+    end = time.monotonic() + timeout
+    while True:
+        assert t.recv() is None, "a message where a drop was expected"
+        if got := t.dropped():
+            return got
+        assert time.monotonic() < end, "no drop reported"
+        time.sleep(0.0005)
+
+
 def test_registered_as_ucx():
     _load_builtin()
     assert TRANSPORTS["ucx"] is UcxTransport
@@ -151,7 +165,9 @@ def test_bad_input_is_rejected(make):
         with pytest.raises(ValueError, match="not a ucx address"):
             t.connect(bad)
     with pytest.raises(ValueError, match="unknown ucx peer"):
-        t.send("deadbeef", [b"x"])
+        t.send("not-hex", [b"x"])
+    t.send("deadbeef", [b"x"])  # well formed but never connected: dropped and reported, no error
+    assert wait_dropped(t) == [("deadbeef", DROP_UNKNOWN)] and t.unroutable == 1
     peer = t.connect(make().bind())
     strided = memoryview(bytearray(100))[::2]
     with pytest.raises(ValueError, match="not C-contiguous"):
@@ -247,6 +263,8 @@ def test_two_processes_move_256_mib_intact(make):
         while late.unroutable == 0 and time.monotonic() < end:
             time.sleep(0.01)
         assert late.unroutable == 1
+        ((peer, why),) = wait_dropped(late)  # and the caller learns the connection is gone
+        assert peer == child_id and why.startswith("unreachable")
     finally:
         if child.poll() is None:
             child.kill()

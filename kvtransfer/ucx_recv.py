@@ -1,0 +1,187 @@
+"""The receiving half of the UCX transport's progress thread (``ucx.py`` runs it).
+
+A mixin of :class:`kvtransfer.ucx.UcxTransport`, run by its progress thread only; it uses
+these attributes of the transport: ``_worker``, ``_pool``, ``device``, ``_peers``
+(``ucx_peers.py``), ``_inbox``, ``refused_device``, ``_lost`` and ``_close``. Its own tables:
+``_receiving`` (uid → that peer's messages in arrival order, kept only while one is on its
+way), ``_cut`` (messages of a dropped connection, kept until UCX no longer writes into their
+buffers) and ``_banned`` (peers that sent a bad header, bounded, oldest out first).
+
+Each message: the header is probed from any sender and received; its frames' receives are
+posted into buffers of the announced lengths (host: pooled; device: fresh CUDA memory); it is
+delivered once complete and first in its sender's order. A header carrying the sender's
+address marks the first message of a new endpoint of the sender's: messages of its earlier
+endpoint still incomplete then were cut with it, and a drop mark takes their place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import ucxx._lib.libucxx as ucx_api
+from ucxx._lib.arr import Array
+
+from kvtransfer import ucx_device, ucx_wire as wire
+
+logger = logging.getLogger("kvtransfer.ucx")
+
+# Peers remembered as banned: a bound on what made-up uids can cost; one that falls out is
+# banned again by its next bad header.
+MAX_BANNED = 1024
+
+
+@dataclass(eq=False)  # identity: queues are searched for one message (in, index, remove)
+class _Incoming:
+    """One message being received from one sender: header first, then its frames. A drop mark
+    (``lost`` set) is a message with nothing to receive."""
+
+    header_req: object
+    header_buf: np.ndarray | None
+    frame_reqs: list = field(default_factory=list)
+    frames: list | None = None  # memoryviews / CUDA tensors; set once the header is parsed
+    dropped: bool = False  # bad header or failed receive: never delivered
+    lost: str | None = None  # a drop mark: why the sender's earlier connection is gone
+
+    def done(self) -> bool:
+        return self.frames is not None and all(r.completed for r in self.frame_reqs)
+
+
+class ReceiveSide:
+    """Probe, receive and deliver messages in each sender's order (see the module doc)."""
+
+    def _init_receive_side(self) -> None:
+        self._receiving: dict[int, deque[_Incoming]] = {}
+        self._cut: list[_Incoming] = []
+        self._banned: dict[int, None] = {}
+
+    def _probe_headers(self) -> bool:
+        """Post a receive for every header waiting; True if there was one."""
+        w, found = self._worker, False
+        while True:
+            probe = w.tag_probe(ucx_api.UCXXTag(wire.HEADER << wire.KIND_SHIFT),
+                                ucx_api.UCXXTagMask(3 << wire.KIND_SHIFT), remove=True)
+            if not probe.matched:
+                return found
+            found = True
+            uid = (probe.sender_tag.value >> wire.UID_SHIFT) & 0xFFFFFFFF
+            too_long = probe.length > wire.MAX_HEADER_BYTES
+            if too_long:
+                logger.error("ucx peer %s sent a %d-byte header; ignoring it from now on",
+                             wire.peer_id(uid), probe.length)
+                self._ban(uid)
+            # A removed probe must still be received: a too long one is cut (and dropped).
+            buf = np.empty(min(probe.length, wire.MAX_HEADER_BYTES), np.uint8)
+            req = w.tag_recv_with_handle(Array(buf), probe)
+            self._receiving.setdefault(uid, deque()).append(_Incoming(req, buf, dropped=too_long))
+
+    def _deliver(self, now: float) -> tuple[bool, bool]:
+        """Parse arrived headers, deliver complete messages in order, release cut ones.
+
+        Returns:
+            (whether anything happened, whether messages are still on their way).
+        """
+        completed = in_flight = False
+        for uid, queue in list(self._receiving.items()):
+            for msg in list(queue):
+                if msg.frames is None and msg.header_req.completed and msg in queue:
+                    self._on_header(uid, msg, queue)
+                    completed = True
+            while queue and queue[0].done():
+                msg = queue.popleft()
+                completed = True
+                if msg.lost is not None:
+                    self._inbox.append((wire.peer_id(uid), msg.lost))
+                elif not all([_check(r, "recv") for r in msg.frame_reqs]):
+                    self._lost(uid, "a receive from it failed")
+                elif not msg.dropped and uid not in self._banned:
+                    if (p := self._peers.get(uid)) is not None:
+                        p.last = now
+                    self._inbox.append((wire.peer_id(uid), msg.frames))
+            if queue:
+                in_flight = True
+            else:
+                del self._receiving[uid]
+        for m in self._cut:
+            if m.frames is None and m.header_req.completed:
+                m.frames = []  # its frames are never posted: nothing more is written for it
+        self._cut = [m for m in self._cut if not m.done()]
+        return completed, in_flight
+
+    def _on_header(self, uid: int, msg: _Incoming, queue: deque[_Incoming]) -> None:
+        """Parse a received header and post the receives of its frames (or ban the peer)."""
+        msg.frames = []
+        if msg.dropped or uid in self._banned:
+            msg.dropped = True
+            return
+        if not _check(msg.header_req, "header recv"):
+            msg.dropped = True
+            self._lost(uid, "a receive from it failed")
+            return
+        try:
+            seq, lengths, hello, kinds = wire.parse_header(msg.header_buf)
+        except ValueError as e:
+            logger.error("ucx peer %s sent a bad header (%s); ignoring it from now on", wire.peer_id(uid), e)
+            self._ban(uid)
+            msg.dropped = True
+            return
+        if hello is not None:  # the first message on a new endpoint of the peer's
+            self._reconnected(uid, msg, queue)
+            for p in self._peers.heard(uid, hello, time.monotonic()):
+                self._close(p.ep)
+        bufs: list | None = [None] * len(lengths)  # None: a host frame, from the pool
+        if "d" in kinds:
+            bufs = None if self.device is None else ucx_device.alloc_frames(lengths, kinds, self.device)
+            if bufs is None:
+                self._refuse_device(uid, msg)
+                return
+        tag = ucx_api.UCXXTag(wire.tag(wire.DATA, uid, seq))
+        for n, buf in zip(lengths, bufs):
+            view = self._pool.take(n) if buf is None else buf
+            if n:
+                msg.frame_reqs.append(self._worker.tag_recv(Array(view), tag))
+            msg.frames.append(view)
+
+    def _reconnected(self, uid: int, msg: _Incoming, queue: deque[_Incoming]) -> None:
+        """The peer made a new endpoint to us. Earlier messages still incomplete were cut with
+        its old one: set them aside and put a drop mark in their place, so the caller learns of
+        the drop before ``msg``; our endpoint to it is closed too (as a reset would)."""
+        older = list(queue)[:queue.index(msg)]
+        cut = [m for m in older if not m.done()]
+        if not cut:
+            return  # nothing in flight on the old endpoint (e.g. it was closed when idle)
+        for m in cut:
+            queue.remove(m)
+            m.dropped = True
+        self._cut.extend(cut)
+        why = "it reconnected: its earlier connection was cut mid-message"
+        queue.insert(queue.index(msg), _Incoming(None, None, frames=[], lost=why))
+        if (p := self._peers.get(uid)) is not None:
+            self._close(p.ep)
+            p.ep = None
+
+    def _refuse_device(self, uid: int, msg: _Incoming) -> None:
+        """Drop a message with device frames (no CUDA here, or out of GPU memory); its frames
+        are never received."""
+        msg.dropped = True
+        self.refused_device += 1
+        if self.refused_device == 1 and self.device is None:  # once: the counter tells the rest
+            logger.error("ucx peer %s sends GPU frames but this side has no CUDA (or its UCX "
+                         "transports exclude cuda); dropping them (counted in refused_device)", wire.peer_id(uid))
+
+    def _ban(self, uid: int) -> None:
+        self._banned[uid] = None
+        while len(self._banned) > MAX_BANNED:
+            del self._banned[next(iter(self._banned))]
+
+
+def _check(req, what: str) -> bool:
+    try:
+        req.check_error()
+        return True
+    except Exception as e:  # the caller of _check reports the peer dropped
+        logger.warning("ucx %s failed: %s", what, e)
+        return False
