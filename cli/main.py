@@ -212,6 +212,14 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
                                    ("security.tls_key", args.tls_key), ("security.tls_client_ca", args.tls_client_ca),
                                    ("security.tokens_file", args.tokens_file), ("security.insecure", args.insecure))
                  if v is not None}
+    import yaml
+
+    from router.config import ConfigError
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set decode.replicas=2")
+        overrides[key.strip()] = yaml.safe_load(value)
     cfg = load_config(args.config, overrides)  # a bad key or value stops here, naming it
     return serve(cfg, args.address, cfg.router.host, cfg.router.port)
 
@@ -301,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None, help="gRPC listen port (overrides router.port; default 50051)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="the router's Prometheus /metrics port (overrides metrics.port; 0 = a free port)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, the value read as YAML (e.g. --set decode.replicas=2 "
+                        "--set kv_transfer.transport=zmq); repeatable; applied after --config")
     sec = s.add_argument_group("security (router.auth; each overrides its security.* key)")
     sec.add_argument("--tls-cert", default=None, help="PEM server certificate: serve gRPC over TLS")
     sec.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")

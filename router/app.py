@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from router.config import ClusterConfig
 
@@ -76,6 +77,13 @@ async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Call
     from router.server import Router, start_server
     door = door or front_door(cfg.security, host)  # a bad file or an open door stops the start here
     model_path = str(await asyncio.to_thread(resolve_model_path, cfg.model, True))
+    from engine.models.loader import weights_digest
+    from router.nodes import check_model
+    # Each worker node resolves the model itself (its own cache, its own folder): all must hold
+    # the head's weights, or serving does not start (one error naming each node that differs).
+    nodes = await asyncio.to_thread(check_model, cfg.model, weights_digest(Path(model_path)))
+    if len(nodes) > 1:
+        progress(f"model checked on {len(nodes)} worker nodes: {', '.join(n.node_ip for n in nodes)}")
     router = Router(cfg, model_path, door)
     await router.start(progress)
     server, bound = await start_server(router, host, port)

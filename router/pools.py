@@ -177,10 +177,11 @@ class Pools:
         wid = f"{'prefill' if role == 'prefill' else 'decode'}-{self._next_index[role]}"
         self._next_index[role] += 1
         metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
+        cls, engine_cfg = (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
         opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
                              role == "colocated", key=self.key, kv_integrity=kt.integrity,
-                             faults=kt.fault_injection)
-        cls, engine_cfg = (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
+                             faults=kt.fault_injection,
+                             bundled_model=cfg.model is None and engine_cfg.model == self.model_path)
         actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=pool.threads,
                             max_restarts=-1, max_task_retries=0,
                             **({"num_gpus": 1} if cfg.device == "cuda" else {})).remote(engine_cfg, opts)
@@ -365,6 +366,9 @@ class Pools:
         info = await self._ask(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
         if self.model_info and info.fingerprint != self.model_info.fingerprint:
             raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
+        if self.model_info and info.weights != self.model_info.weights:
+            raise RuntimeError(f"{w.worker_id} loaded other weights than the other workers ({info.model}, "
+                               f"digest {info.weights} vs {self.model_info.weights}): its node's copy differs")
         self.model_info = self.model_info or info
         if w.role != "prefill":
             w.address = await self._ask(w, w.actor.address.remote())

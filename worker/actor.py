@@ -27,9 +27,14 @@ class WorkerActor(StepLoop):
         torch.set_num_threads(options.threads)  # several workers share a node's cores
         if options.metrics is not None and not options.metrics[0]:  # "": this node's address
             options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
+        if options.bundled_model:
+            from engine.models.gguf_convert import default_model_path
+            config = dataclasses.replace(config, model=str(default_model_path(progress=False)))
         lease_s = LEASE_S if options.lease_s is None else options.lease_s
         auth = PlaneAuth(options.key, options.kv_integrity) if options.key else None
-        self._start(self._make(LLMEngine(config, progress=False), get_transport(options.transport), lease_s,
+        # KV endpoints listen on this node's address: peers on other nodes reach them there.
+        where = {"host": ray.util.get_node_ip_address()} if options.transport == "zmq" else {}
+        self._start(self._make(LLMEngine(config, progress=False), get_transport(options.transport, **where), lease_s,
                                options, auth), options)
 
     def _make(self, engine: Any, transport: FrameTransport, lease_s: float, options: WorkerOptions,

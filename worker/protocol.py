@@ -122,6 +122,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     speculative: str = "none"
     quantization: str = "none"
     kernels: str = ""
+    weights: str = ""  # engine.models.loader.weights_digest of the folder it loaded: every worker's must match
 
 
 class Report(msgspec.Struct, array_like=True):

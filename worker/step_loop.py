@@ -60,6 +60,9 @@ class WorkerOptions:
     key: bytes | None = None
     kv_integrity: str = "header"  # what a KV data frame's MAC covers: header | full (kvtransfer.auth)
     faults: bool = False  # chaos testing only: accept inject() (kv_transfer.fault_injection)
+    # The engine config names the bundled model: use this node's own conversion of it (each
+    # node converts it into its own cache; the router checks every node's weights digest).
+    bundled_model: bool = False
 
 
 class StepLoop:
@@ -78,6 +81,10 @@ class StepLoop:
         ``options.metrics`` serve ``/metrics``."""
         self.worker = worker
         self.options = options
+        from pathlib import Path
+
+        from engine.models.loader import weights_digest
+        self._weights = weights_digest(Path(worker.engine.model_path))
         root = logging.getLogger("pdserve")
         if not root.handlers:  # a worker process: its stderr goes to the Ray worker log file
             handler = logging.StreamHandler()
@@ -330,7 +337,7 @@ class StepLoop:
                          block_size=eng.block_manager.block_size,
                          speculative=eng.spec.label if getattr(eng, "spec", None) is not None else "none",
                          quantization=quantization_name(eng.config.quantization, eng.model_path),
-                         kernels=eng.kernels)
+                         kernels=eng.kernels, weights=self._weights)
 
     def shutdown(self) -> None:
         self.running = False

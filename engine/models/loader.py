@@ -35,6 +35,30 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
     return path
 
 
+DIGEST_SAMPLES = 16  # 64 KiB windows per weight file, evenly spaced, besides its first and last MiB
+
+
+def weights_digest(path: Path) -> str:
+    """A digest of a model folder's weights and config, cheap enough for any size: per weight
+    file its name, size, first and last MiB (a safetensors file's header: every tensor's name,
+    dtype, shape and offset) and ``DIGEST_SAMPLES`` evenly spaced 64 KiB windows; plus
+    config.json. Two nodes with different conversions, checkpoints or truncated copies differ;
+    it is a consistency check between a cluster's own nodes, not a defense against forgery."""
+    import hashlib
+    h = hashlib.sha256()
+    files = sorted(f for f in path.iterdir() if f.is_file() and (f.suffix in (".safetensors", ".bin")
+                                                                 or f.name == "config.json"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            spots = [0, max(0, size - (1 << 20))] + [size * i // (DIGEST_SAMPLES + 1) for i in range(1, DIGEST_SAMPLES + 1)]
+            for i, at in enumerate(spots):
+                fh.seek(at)
+                h.update(fh.read(1 << 20 if i < 2 else 1 << 16))
+    return h.hexdigest()[:16]
+
+
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     # Mistral folders also ship consolidated.safetensors (the same weights, other names).
     files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
