@@ -128,6 +128,12 @@ class KVSender(TransferTable):
         self.links.close(address, f"KV receiver {address} was disconnected by this sender", forget=True)
 
     # ---- prefill's side of the lifecycle ------------------------------------------------
+    def connected(self, address: str) -> bool:
+        """Whether :meth:`connect` to ``address`` completed (its connection may have dropped
+        since: ``begin`` dials again by itself then)."""
+        link = self.links.get(address)
+        return link is not None and link.layout is not None
+
     def begin(self, transfer_id: str, address: str, num_tokens: int, token_start: int = 0,
               secret: bytes | None = None) -> None:
         """Start a transfer to a connected receiver that already ``expect``-ed it. If the

@@ -23,6 +23,7 @@ from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
 
 log = logging.getLogger("pdserve.worker")
+CONNECT_ON_SUBMIT_S = 5.0  # a handshake in the step loop: short, it holds every other request meanwhile
 
 
 @dataclass
@@ -49,6 +50,10 @@ class PrefillWorker:
         """Queue a prompt whose KV goes to the (connected) decode worker at ``decode_address``,
         which has already reserved blocks for it (``DecodeWorker.reserve``, which returned the
         transfer's ``secret``)."""
+        if not self.sender.connected(decode_address):
+            # Never connected (it came up while this worker was coming up, so neither side's
+            # bring-up paired them): handshake now, bounded; a failure fails this request only.
+            self.sender.connect(decode_address, timeout_s=CONNECT_ON_SUBMIT_S)
         self.engine.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
         try:
             self.sender.begin(request_id, decode_address, len(prompt_ids), secret=secret or None)

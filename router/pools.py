@@ -322,7 +322,7 @@ class Pools:
             self._spawn(self._bring_up(w), f"up-{w.worker_id}")
 
     async def _bring_up(self, w: Worker) -> None:
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
         while True:
             try:
                 info = await self._connect(w)
@@ -336,8 +336,20 @@ class Pools:
                 break
             except (ActorUnavailableError, TimeoutError):  # Ray is restarting it, or it stalled
                 await asyncio.sleep(0.2)
+            except RayTaskError as e:
+                if not isinstance(e.cause, (ConnectionError, TimeoutError)):  # e.g. another model's layout
+                    log.error("worker %s cannot serve: %s", w.worker_id, e)
+                    self._gone(w)
+                    return
+                # A peer it connects to went away meanwhile (killed, restarting): try again.
+                log.warning("worker %s: %s; trying again", w.worker_id, e.cause)
+                await asyncio.sleep(1.0)
             except RayActorError as e:  # dead for good (restarts exhausted, node gone)
                 log.error("worker %s is gone: %s", w.worker_id, e)
+                self._gone(w)
+                return
+            except RuntimeError as e:  # another model or other weights than the other workers
+                log.error("worker %s cannot serve: %s", w.worker_id, e)
                 self._gone(w)
                 return
         w.info, w.incarnation, w.last_seen, w.seq = info, info.incarnation, time.monotonic(), 0
@@ -362,7 +374,10 @@ class Pools:
             raise
 
     async def _connect(self, w: Worker) -> ModelInfo:
-        """Check the worker's model and wire its KV connections; returns its model info."""
+        """Check the worker's model and wire its KV connections; returns its model info. A
+        peer that does not connect (it died or restarts meanwhile) is skipped: when it comes
+        back up, its own bring-up connects it to every ready worker of the other pool."""
+        from ray.exceptions import RayActorError
         info = await self._ask(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
         if self.model_info and info.fingerprint != self.model_info.fingerprint:
             raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
@@ -378,11 +393,17 @@ class Pools:
             for p, a in zip(prefills, answers):
                 if isinstance(a, TimeoutError):  # that prefill worker stalled, not this one; coming
                     self.stalled(p, "it did not connect to a new decode worker")  # back, it connects
-                elif isinstance(a, BaseException):
-                    raise a
+                elif isinstance(a, BaseException):  # it died meanwhile: coming back, it connects
+                    log.warning("prefill worker %s did not connect to %s: %r", p.worker_id, w.worker_id, a)
         else:
-            await self._ask(w, asyncio.gather(*(w.actor.connect.remote(d.address) for d in self.workers.values()
-                                                if d.role == "decode" and d.state == "ready")))
+            decodes = [d for d in self.workers.values() if d.role == "decode" and d.state == "ready"]
+            answers = await self._ask(w, asyncio.gather(*(w.actor.connect.remote(d.address) for d in decodes),
+                                                        return_exceptions=True))
+            for d, a in zip(decodes, answers):
+                if isinstance(a, RayActorError):  # this worker itself died: the bring-up starts over
+                    raise a
+                if isinstance(a, BaseException):  # that decode worker went away meanwhile; when it
+                    log.warning("%s did not connect to %s: %r", w.worker_id, d.worker_id, a)  # is back, it connects
         w.reported(None)
         w.reported(await self._ask(w, w.actor.status.remote()))  # placement needs a load now
         return info

@@ -171,3 +171,54 @@ def test_two_decode_workers_on_one_node_and_a_killed_one_recovers_mid_stream(nod
             time.sleep(0.5)
     finally:
         stop(proc)
+
+
+def test_a_prompt_burst_adds_a_prefill_worker_on_the_prefill_node_and_it_drains_away(nodes, make_engine):
+    """Autoscaling across nodes: long prompts at once grow the prefill pool; the new actor lands
+    on the prefill node (the only one advertising `prefill`), every answer equals one engine's,
+    and once the load stops the extra worker drains and its process exits."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    from cli.client import collect, connect, make_request
+    from engine.request import SamplingParams
+    fast = ["autoscale.enabled=true", "autoscale.interval_s=0.3", "autoscale.window_s=5",
+            "autoscale.prefill.max_replicas=2", "autoscale.prefill.up_delay_s=1", "autoscale.prefill.down_delay_s=3",
+            "autoscale.prefill.target_ttft_ms=1e7", "autoscale.decode.max_replicas=1", "prefill.kv_cache_gb=0.1"]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 49000) for _ in range(400)] for _ in range(6)]
+    want = [o.token_ids for o in make_engine().generate(prompts, SamplingParams(max_tokens=4, temperature=0))]
+    proc, port = serve(nodes, *fast)
+    try:
+        stub = connect(f"127.0.0.1:{port}")
+        seen: set[str] = set()
+        stop_watch = False
+
+        def watch() -> None:
+            while not stop_watch:
+                for w in status(port)["workers"]:
+                    if w["role"] == "prefill" and w["metrics_address"] != "-":
+                        seen.add(w["metrics_address"])
+                time.sleep(0.2)
+        import threading
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(lambda ids: collect(stub.Generate(make_request(
+                token_ids=ids, max_tokens=4, temperature=0, ignore_eos=True))), prompts))
+        stop_watch = True
+        watcher.join()
+        assert [o["token_ids"] for o in outs] == want
+        assert len(seen) == 2 and all(a.startswith("127.0.0.2:") for a in seen), seen
+        deadline = time.monotonic() + 120  # hang guard only
+        while True:
+            prefill = [w for w in status(port)["workers"] if w["role"] == "prefill"]
+            actors = [p for p in map(psutil.Process, nodes.processes()) if "PrefillActor" in p.name()]
+            if len(prefill) == 1 and len(actors) == 1:
+                break
+            assert time.monotonic() < deadline, (prefill, actors)
+            time.sleep(0.5)
+    finally:
+        stop(proc)
