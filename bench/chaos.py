@@ -106,6 +106,7 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     pids: set[int] = field(default_factory=set)
+    unrecovered: bool = False  # a pool stayed without a ready worker for hang_s: counted as hung
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -213,7 +214,12 @@ class Chaos:
         self.rng.shuffle(plan)
         for kind in plan:
             time.sleep(self.rng.uniform(0.5, 1.5) * self.args.fault_gap_s)
+            waited = time.monotonic()
             while (f := self.inject(kind)) is None:  # no victim now: after the next recovery
+                if time.monotonic() - waited > self.args.hang_s:  # the pool never came back: a hang
+                    log(f"no {kind} victim for {self.args.hang_s:g}s: the cluster did not recover; stopping faults")
+                    self.run.unrecovered = True
+                    return
                 time.sleep(0.5)
             with self.run.lock:
                 self.run.faults.append(f)
@@ -267,7 +273,7 @@ class Chaos:
         return {"requests": len(o), "faults": len(f), "faults_by_kind": dict(Counter(x.kind for x in f)),
                 "completed_identical": status["identical"], "errored": sum(errored.values()),
                 "errored_by_status": errored, "wrong": status["wrong"], "hung": status["hung"] + sum(
-                    1 for x in o if not x.status), "leaked_blocks": leaked, "stranded_blocks": stranded,
+                    1 for x in o if not x.status) + int(self.run.unrecovered), "leaked_blocks": leaked, "stranded_blocks": stranded,
                 "swept_blocks": int(self.cluster.router.metrics.swept_blocks._value.get()),
                 "reruns": int(self.cluster.router.metrics.retries._value.get()),
                 "recovered": len(rec), "recovery_s_p50": float(np.percentile(rec, 50)) if rec else None,
@@ -321,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Chaos run against a local disaggregated cluster: streaming load while workers are killed, "
         "stopped and KV transfers corrupted, dropped or cut. Every request must end identical to an "
         "undisturbed run or with a clear gRPC status; no hang, no leaked block, process or port. "
-        "Prints a table, then one JSON line. Exit status 1 if anything was wrong, hung or leaked."))
+        "Prints a table, then one JSON line. Exit status 1 if anything was wrong, hung or leaked (blocks "
+        "the router's sweep had to free count as leaked)."))
     p.add_argument("--requests", type=int, default=200, help="at least this many requests (default 200); "
                    "the load goes on until every fault is in")
     p.add_argument("--faults-per-kind", type=int, default=20, help="faults of each kind (default 20)")
@@ -387,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ray.shutdown()
     print(table(out))
     print(json.dumps(out))
-    bad = out["wrong"] or out["hung"] or out["leaked_blocks"] or out["leaked_processes"] or out["leaked_ports"]
+    bad = (out["wrong"] or out["hung"] or out["leaked_blocks"] or out["swept_blocks"] or out["leaked_processes"]
+           or out["leaked_ports"])
     return 1 if bad else 0
 
 

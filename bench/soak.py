@@ -75,6 +75,7 @@ class Soak(Chaos):
             self.done.wait(self.args.sample_s)
 
     def drive(self) -> None:
+        self.t0 = time.monotonic()  # the load starts now (after the undisturbed reference run)
         threading.Thread(target=self._sampler, daemon=True).start()
         end = self.t0 + self.args.duration_s
         i = 0
@@ -97,9 +98,11 @@ class Soak(Chaos):
             if len(kept) < 3 or kept[-1][0] - kept[0][0] < self.args.fault_every_s / 2:
                 continue  # too short-lived (replaced by a fault) to say anything
             slope, se = slope_per_h(kept)
+            late, _ = slope_per_h(kept[len(kept) // 2:])  # levelling off (warm-up) or not (a leak)
             out[name] = {"rss_mb_first": round(kept[0][1], 1), "rss_mb_last": round(kept[-1][1], 1),
                          "minutes": round((kept[-1][0] - kept[0][0]) / 60, 1), "growth_mb_per_h": round(slope, 2),
-                         "stderr_mb_per_h": round(se, 2),
+                         "stderr_mb_per_h": round(se, 2), "second_half_mb_per_h": round(late, 2),
+                         "series": [(round(t), round(m, 1)) for t, m in kept[::max(1, len(kept) // 30)]],
                          "flat": abs(slope) <= max(2 * se, self.args.flat_mb_per_h)}
         return out
 
@@ -123,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.kinds = [k for k in args.kinds.split(",") if k in FAULT_KINDS]
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if not args.kinds or set(args.kinds) - set(FAULT_KINDS):
+        raise SystemExit(f"soak: unknown fault kinds {sorted(set(args.kinds) - set(FAULT_KINDS))}; "
+                         f"valid: {', '.join(FAULT_KINDS)}")
     from router.app import BackgroundCluster, init_ray
     cfg = cluster_config(args)
     init_ray(cfg)
@@ -144,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                all_flat=all(g["flat"] for g in growth.values()), duration_s=args.duration_s)
     for name, g in sorted(growth.items()):
         print(f"{name:<24}{g['rss_mb_first']:>9.1f} MB -> {g['rss_mb_last']:>7.1f} MB over {g['minutes']:>5.1f} min: "
-              f"{g['growth_mb_per_h']:+8.2f} ± {g['stderr_mb_per_h']:.2f} MB/h {'flat' if g['flat'] else 'GROWS'}")
+              f"{g['growth_mb_per_h']:+8.2f} ± {g['stderr_mb_per_h']:.2f} MB/h (second half {g['second_half_mb_per_h']:+.2f}) "
+              f"{'flat' if g['flat'] else 'GROWS'}")
     print(f"requests {out['requests']} (identical {out['completed_identical']}, errored {out['errored']}, wrong "
           f"{out['wrong']}, hung {out['hung']}), faults {out['faults']}, leaked blocks {out['leaked_blocks']}")
     print(json.dumps(out))

@@ -12,6 +12,7 @@ this class (the cluster issue) only forwards calls; everything here is testable 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -24,6 +25,7 @@ from kvtransfer.sender import KVSender
 
 log = logging.getLogger("pdserve.worker")
 CONNECT_ON_SUBMIT_S = 5.0  # a handshake in the step loop: short, it holds every other request meanwhile
+UNREACHABLE_S = 10.0  # after a failed one, submits to that address fail at once this long (no stall per submit)
 
 
 @dataclass
@@ -33,13 +35,15 @@ class _Outgoing:
 
 
 class PrefillWorker:
-    """Engine + KV sender. Drive it with :meth:`step`; never blocks but in ``connect``."""
+    """Engine + KV sender. Drive it with :meth:`step`; never blocks but in a handshake
+    (``connect``, or ``submit`` to a decode worker not connected yet, bounded)."""
 
     def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = LEASE_S,
                  auth: PlaneAuth | None = None) -> None:
         self.engine = engine
         self.sender = KVSender(transport, KVLayout.of_engine(engine), lease_s=lease_s, auth=auth)
         self.transfers: dict[str, _Outgoing] = {}
+        self._unreachable: dict[str, float] = {}  # decode address -> until when a submit to it fails at once
 
     def connect(self, decode_address: str) -> None:
         """Handshake with a decode worker (blocks until it answers; once per worker)."""
@@ -47,13 +51,23 @@ class PrefillWorker:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                decode_address: str, secret: bytes | None = None) -> None:
-        """Queue a prompt whose KV goes to the (connected) decode worker at ``decode_address``,
-        which has already reserved blocks for it (``DecodeWorker.reserve``, which returned the
-        transfer's ``secret``)."""
+        """Queue a prompt whose KV goes to the decode worker at ``decode_address`` (connected
+        here first if it is not yet), which has already reserved blocks for it
+        (``DecodeWorker.reserve``, which returned the transfer's ``secret``)."""
         if not self.sender.connected(decode_address):
             # Never connected (it came up while this worker was coming up, so neither side's
-            # bring-up paired them): handshake now, bounded; a failure fails this request only.
-            self.sender.connect(decode_address, timeout_s=CONNECT_ON_SUBMIT_S)
+            # bring-up paired them): handshake now, bounded; a failure fails this request only,
+            # and for UNREACHABLE_S the next ones at once (the loop must not stall per submit).
+            if time.monotonic() < self._unreachable.get(decode_address, 0.0):
+                raise ConnectionError(f"KV receiver {decode_address} did not answer a handshake just now")
+            try:
+                self.sender.connect(decode_address, timeout_s=CONNECT_ON_SUBMIT_S)
+            except Exception:
+                now = time.monotonic()  # (expired entries go: the table stays as small as the churn)
+                self._unreachable = {a: t for a, t in self._unreachable.items() if t > now}
+                self._unreachable[decode_address] = now + UNREACHABLE_S
+                raise
+            self._unreachable.pop(decode_address, None)
         self.engine.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
         try:
             self.sender.begin(request_id, decode_address, len(prompt_ids), secret=secret or None)

@@ -5,17 +5,11 @@ Lifecycle of a worker here (``Worker.state``)::
     starting (actor created, model loading) ──up──► ready ──lost──► dead ──up again──► ready
                                                       │      (Ray restarts the actor; a fresh incarnation)
                                                       └──drain──► draining ──holds nothing──► retired (removed)
-    Ray cannot bring it back (restarts exhausted, node gone), or lost while draining: gone.
+    Ray cannot bring it back (restarts exhausted, node gone), it cannot serve here (another
+    model, other weights than the other workers), or lost while draining: gone (its process is
+    ended; the last ``liveness.MAX_GONE`` gone workers stay listed for `pdserve status`).
 
-``up`` means: its model info answered (same model as the others) and, for a decode worker,
-every ready prefill worker has connected to its KV receiver (a prefill worker coming up
-connects to every ready decode worker). ``lost`` is any of: Ray reports the actor RESTARTING
-or DEAD after its heartbeat went quiet, a heartbeat arrives from a new incarnation, a call
-to it failed with a Ray actor error, or it *stalled*: no report for ``router.stall_s`` while
-Ray still says ALIVE (stopped, stuck in a kernel, swapping), or a call to it unanswered that
-long (every call has that deadline), and then the router also kills the process so that Ray
-starts a fresh one. A lost decode worker's KV address is forgotten by every prefill worker. The router re-runs that worker's requests elsewhere
-(``on_lost``) and this module brings the restarted actor back.
+Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, which :class:`Pools` builds on.
 
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
 step with outputs and at least every 50 ms (worker.step_loop); one PULL socket here receives
@@ -34,16 +28,13 @@ from typing import Any
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvtransfer.auth import new_secret
 from router.config import ClusterConfig
+from router.liveness import HEALTH_PERIOD_S, Liveness
 from router.placement import WorkerLoad
 from worker.protocol import MAX_REPORT_BYTES, Failed, ModelInfo, ProtocolError, Record, WorkerStatus, decode_report
 from worker.step_loop import RouterLink, WorkerOptions
 
 log = logging.getLogger("pdserve.router")
 
-HEALTH_PERIOD_S = 0.25
-QUIET_S = 1.0  # a heartbeat older than this makes the router ask Ray whether the actor lives
-LOAD_TIMEOUT_S = 1800.0  # a worker whose model has not loaded in this long is stuck: replaced
-MAX_GONE = 16  # workers Ray cannot bring back, kept for `pdserve status`; older ones are forgotten
 
 
 @dataclass
@@ -109,7 +100,7 @@ def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, E
     return prefill, decode
 
 
-class Pools:
+class Pools(Liveness):
     """Creates the actors, keeps their loads current, notices deaths and restarts.
 
     Args:
@@ -126,6 +117,7 @@ class Pools:
         self.on_records, self.on_lost = on_records, on_lost
         self.workers: dict[str, Worker] = {}
         self.model_info: ModelInfo | None = None  # the first worker's; every other must match it
+        self._weights: dict[str, str] = {}  # model folder name -> the weights digest the first worker loaded
         self.bad_reports = 0  # messages on the report socket that were not a Report
         # The cluster key: the workers' reports and every KV message carry a MAC under it
         # (kvtransfer.auth). Made here, handed to each actor at creation (Ray's own channel).
@@ -181,7 +173,8 @@ class Pools:
         opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
                              role == "colocated", key=self.key, kv_integrity=kt.integrity,
                              faults=kt.fault_injection,
-                             bundled_model=cfg.model is None and engine_cfg.model == self.model_path)
+                             # (a decode pool's quantized checkpoint is its own folder: as given)
+                             resolve_model=engine_cfg.model == self.model_path, model=cfg.model)
         actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=pool.threads,
                             max_restarts=-1, max_task_retries=0,
                             **({"num_gpus": 1} if cfg.device == "cuda" else {})).remote(engine_cfg, opts)
@@ -234,32 +227,6 @@ class Pools:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _forget_address(self, w: Worker) -> None:
-        """A decode worker's KV receiver address is dead (lost, retired): every prefill worker
-        forgets it, so their per-peer tables do not grow with restarts."""
-        if w.role != "decode" or w.address is None:
-            return
-        for p in self.workers.values():
-            if p.role == "prefill" and p.state in ("ready", "draining"):
-                p.actor.disconnect.remote(w.address)
-        w.address = None
-
-    async def call(self, w: Worker, ref: Any) -> Any:
-        """Await one call to ``w`` with the stall deadline: unanswered in ``router.stall_s``, the
-        worker is stalled (lost, its process replaced) and TimeoutError is raised."""
-        try:
-            return await asyncio.wait_for(ref, self.cfg.router.stall_s)
-        except TimeoutError:
-            self.stalled(w, f"a call did not answer in {self.cfg.router.stall_s:g}s (router.stall_s)")
-            raise
-
-    def stalled(self, w: Worker, why: str) -> None:
-        """Alive to Ray but not answering (stopped, stuck in a kernel, swapping): its requests
-        move now, and a fresh process replaces it (a SIGSTOPped one cannot exit by itself)."""
-        if w.state in ("ready", "draining"):
-            self.lost(w, f"stalled: {why}")
-            self._spawn(asyncio.to_thread(_kill, w.actor), f"kill-{w.worker_id}")
-
     async def stop(self) -> None:
         tasks = list(self._tasks)
         for t in tasks:
@@ -304,126 +271,7 @@ class Pools:
         except TimeoutError:
             pass
 
-    # ---- liveness ----------------------------------------------------------------------------
-    def lost(self, w: Worker, why: str) -> None:
-        """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background;
-        a draining worker is not brought back (it is gone, and its retirement completes)."""
-        if w.state not in ("ready", "draining"):
-            return
-        log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
-        back = w.state == "ready"
-        w.state = "dead" if back else "gone"
-        w.reported(None)
-        w.restarts += 1
-        self.on_lost(w)
-        self._forget_address(w)
-        self._notify()
-        if back:
-            self._spawn(self._bring_up(w), f"up-{w.worker_id}")
-
-    async def _bring_up(self, w: Worker) -> None:
-        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-        while True:
-            try:
-                info = await self._connect(w)
-                if info.incarnation == w.incarnation:
-                    # The process outlived being lost (its kill failed): every request it holds
-                    # was moved elsewhere, so its blocks are nobody's. Free them all now.
-                    held = await self._ask(w, w.actor.held.remote())
-                    freed = await self._ask(w, w.actor.release.remote(list(held)))
-                    log.warning("worker %s came back as the same process; freed %d blocks of %d requests "
-                                "it no longer runs", w.worker_id, freed, len(held))
-                break
-            except (ActorUnavailableError, TimeoutError):  # Ray is restarting it, or it stalled
-                await asyncio.sleep(0.2)
-            except RayTaskError as e:
-                if not isinstance(e.cause, (ConnectionError, TimeoutError)):  # e.g. another model's layout
-                    log.error("worker %s cannot serve: %s", w.worker_id, e)
-                    self._gone(w)
-                    return
-                # A peer it connects to went away meanwhile (killed, restarting): try again.
-                log.warning("worker %s: %s; trying again", w.worker_id, e.cause)
-                await asyncio.sleep(1.0)
-            except RayActorError as e:  # dead for good (restarts exhausted, node gone)
-                log.error("worker %s is gone: %s", w.worker_id, e)
-                self._gone(w)
-                return
-            except RuntimeError as e:  # another model or other weights than the other workers
-                log.error("worker %s cannot serve: %s", w.worker_id, e)
-                self._gone(w)
-                return
-        w.info, w.incarnation, w.last_seen, w.seq = info, info.incarnation, time.monotonic(), 0
-        w.state = "ready"
-        self._notify()
-
-    def _gone(self, w: Worker) -> None:
-        w.state = "gone"
-        gone = [x for x in self.workers.values() if x.state == "gone"]
-        for x in gone[:max(0, len(gone) - MAX_GONE)]:  # the oldest first (insertion order)
-            del self.workers[x.worker_id]
-        self._notify()
-
-    async def _ask(self, w: Worker, ref: Any, timeout_s: float | None = None) -> Any:
-        """A bring-up call with a deadline (``router.stall_s`` by default); a stalled worker is
-        killed so that Ray starts a fresh one, and TimeoutError raised."""
-        try:
-            return await asyncio.wait_for(ref, timeout_s or self.cfg.router.stall_s)
-        except TimeoutError:
-            log.warning("worker %s did not answer while coming up; replacing its process", w.worker_id)
-            await asyncio.to_thread(_kill, w.actor)
-            raise
-
-    async def _connect(self, w: Worker) -> ModelInfo:
-        """Check the worker's model and wire its KV connections; returns its model info. A
-        peer that does not connect (it died or restarts meanwhile) is skipped: when it comes
-        back up, its own bring-up connects it to every ready worker of the other pool."""
-        from ray.exceptions import RayActorError
-        info = await self._ask(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
-        if self.model_info and info.fingerprint != self.model_info.fingerprint:
-            raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
-        if self.model_info and info.weights != self.model_info.weights:
-            raise RuntimeError(f"{w.worker_id} loaded other weights than the other workers ({info.model}, "
-                               f"digest {info.weights} vs {self.model_info.weights}): its node's copy differs")
-        self.model_info = self.model_info or info
-        if w.role != "prefill":
-            w.address = await self._ask(w, w.actor.address.remote())
-            prefills = [p for p in self.workers.values() if p.role == "prefill" and p.state == "ready"]
-            answers = await asyncio.gather(*(asyncio.wait_for(p.actor.connect.remote(w.address), self.cfg.router.stall_s)
-                                             for p in prefills), return_exceptions=True)
-            for p, a in zip(prefills, answers):
-                if isinstance(a, TimeoutError):  # that prefill worker stalled, not this one; coming
-                    self.stalled(p, "it did not connect to a new decode worker")  # back, it connects
-                elif isinstance(a, BaseException):  # it died meanwhile: coming back, it connects
-                    log.warning("prefill worker %s did not connect to %s: %r", p.worker_id, w.worker_id, a)
-        else:
-            decodes = [d for d in self.workers.values() if d.role == "decode" and d.state == "ready"]
-            answers = await self._ask(w, asyncio.gather(*(w.actor.connect.remote(d.address) for d in decodes),
-                                                        return_exceptions=True))
-            for d, a in zip(decodes, answers):
-                if isinstance(a, RayActorError):  # this worker itself died: the bring-up starts over
-                    raise a
-                if isinstance(a, BaseException):  # that decode worker went away meanwhile; when it
-                    log.warning("%s did not connect to %s: %r", w.worker_id, d.worker_id, a)  # is back, it connects
-        w.reported(None)
-        w.reported(await self._ask(w, w.actor.status.remote()))  # placement needs a load now
-        return info
-
-    async def _health(self) -> None:
-        """Ask Ray about workers whose heartbeat went quiet (a long step is not death)."""
-        while True:
-            await asyncio.sleep(HEALTH_PERIOD_S)
-            now = time.monotonic()
-            for w in list(self.workers.values()):
-                if w.state in ("ready", "draining") and now - w.last_seen > QUIET_S:
-                    state = await asyncio.to_thread(_actor_state, w.actor)
-                    if state in ("RESTARTING", "DEAD"):
-                        self.lost(w, f"Ray reports it {state}")
-                    elif now - w.last_seen > self.cfg.router.stall_s:
-                        # Alive to Ray but silent (a step never takes this long). ``stalled``
-                        # reads the state again: another path may have marked it lost while Ray
-                        # answered, and a process already restarted must not be killed.
-                        self.stalled(w, f"no report for {now - w.last_seen:.0f}s (router.stall_s)")
-
+    # ---- reports ---------------------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
             msg = await self._sock.recv()
@@ -453,22 +301,3 @@ class Pools:
                 self.on_records(w, report.records)
             if freed or any(isinstance(r, Failed) or r.finish for r in report.records):
                 self._notify()
-
-
-def _kill(actor: Any) -> None:
-    """Kill the actor's process; Ray restarts it (max_restarts=-1)."""
-    import ray
-    try:
-        ray.kill(actor, no_restart=False)
-    except Exception as e:  # already gone: Ray restarts it or reports it dead either way
-        log.warning("could not kill a stalled worker: %s", e)
-
-
-def _actor_state(actor: Any) -> str:
-    """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD...); "UNKNOWN" if unavailable."""
-    try:
-        from ray._private import state  # no public API answers this without the dashboard
-        return state.actors(actor_id=actor._actor_id.hex()).get("State", "UNKNOWN")
-    except Exception:  # an API change must not take the router down: heartbeats still work
-        return "UNKNOWN"
-

@@ -3,8 +3,9 @@
 One request, from ``Generate`` to its last token (the job's states: router.jobs)::
 
     Generate ─validate (router.requests)─► Job: PLACING
-      admission: waits in a bounded queue while no decode worker can reserve it (full queue:
-      RESOURCE_EXHAUSTED) ─► decode.reserve(key) ─► prefill.submit(key, decode address): RUNNING
+      admission: waits in a bounded queue while no decode worker can reserve it (full queue, or
+      waited router.queue_timeout_s: RESOURCE_EXHAUSTED) ─► decode.reserve(key, the client's
+      time left) ─► prefill.submit(key, decode address, time left): RUNNING
       prefill's first token (a Tokens record, finish "prefilled") ─► streamed at once
       meanwhile the KV and, as its trailer, that first token go prefill → decode directly
       (kvtransfer); decode starts from them and its per-step Tokens records stream in order
@@ -14,7 +15,10 @@ Disaggregated mode places on a prefill and a decode worker; colocated mode on on
 does both. A lost worker (see router.pools) or a failed KV transfer re-runs the job from its
 prompt plus the tokens already streamed (a new attempt; the client sees no token twice), up to
 ``MAX_ATTEMPTS``; then UNAVAILABLE. Client cancel and Abort free the job's blocks on both
-sides (abort on each worker that holds it).
+sides (abort on each worker that holds it); the client's deadline also travels with the calls,
+so a worker drops the request when it passes even if no abort arrives. Every call awaited from
+a worker has the stall deadline (router.pools). Every ``router.sweep_s`` the sweep frees KV
+blocks held for no live request (``Router.sweep``: the last line, expected never to fire).
 """
 
 from __future__ import annotations
@@ -237,7 +241,8 @@ class Router(pb_grpc.GenerationServicer):
         """Reserve on a decode worker and submit to a prefill worker (or one colocated worker).
 
         Raises:
-            Reject: RESOURCE_EXHAUSTED (admission queue full), UNAVAILABLE (no worker left).
+            Reject: RESOURCE_EXHAUSTED (admission queue full, or no capacity for
+                ``router.queue_timeout_s``), UNAVAILABLE (no worker left).
         """
         from ray.exceptions import RayActorError, RayTaskError
         ids, params = job.inputs()
@@ -269,6 +274,8 @@ class Router(pb_grpc.GenerationServicer):
                 try:
                     if self.colocated:
                         await self.pools.call(dw, dw.actor.submit.remote(job.key, ids, params, job.time_left()))
+                        if dw.state != "ready":  # lost while it answered: no Lost reaches this job
+                            continue
                         job.placed(dw, dw)
                         return
                     # the transfer's secret, or None: not now
@@ -286,13 +293,19 @@ class Router(pb_grpc.GenerationServicer):
                 except RayActorError as e:
                     self.pools.lost(dw, f"reserve failed: {e}")
                     continue
-                except TimeoutError:  # stalled (pools.call): it is being replaced; try the others
-                    continue
-                except RayTaskError as e:
+                except RayTaskError as e:  # (before TimeoutError: Ray makes it one if the cause was)
                     if isinstance(e.cause, InvalidRequestError):
                         raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e.cause)) from None
                     raise
-                pw = self.pools.workers[p.worker_id]
+                except TimeoutError:  # stalled (pools.call): it is being replaced; try the others
+                    continue
+                pw = self.pools.workers.get(p.worker_id)
+                if dw.state != "ready" or pw is None or pw.state != "ready":
+                    # Either was lost (or drained) while decode answered: the loss reached no job
+                    # of ours yet, so nothing would re-run this one. Free the reservation, again.
+                    if dw.state in ("ready", "draining"):
+                        dw.actor.abort.remote(job.key)
+                    continue
                 job.placed(pw, dw)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
@@ -353,7 +366,10 @@ class Router(pb_grpc.GenerationServicer):
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.router.sweep_s)
-            await self.sweep()
+            try:
+                await self.sweep()
+            except Exception:  # a bug must not end the sweeping for good
+                log.exception("sweep failed")
 
     async def sweep(self) -> int:
         """Free KV blocks that no live request owns (every ``router.sweep_s``); returns the

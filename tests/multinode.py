@@ -115,18 +115,9 @@ class MultiNode:
                     mine.append(p.info["pid"])
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-        return [p for p in mine if p != os.getpid()]
-
-    def kill_node(self, node: Node) -> None:
-        """SIGKILL one node's raylet (a node that died)."""
-        import psutil
-        for pid in self.processes():
-            try:
-                p = psutil.Process(pid)
-                if "raylet" in p.name() and any(f"--node_ip_address={node.ip}" in a for a in p.cmdline()):
-                    p.kill()
-            except psutil.NoSuchProcess:
-                continue
+        # Never this process or its ancestors (a shell or `timeout` whose command line names root).
+        me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+        return [p for p in mine if p not in me]
 
     def down(self, timeout: float = 30) -> None:
         import psutil
@@ -155,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(up: default a new temp dir; down: the one up printed)")
     args = p.parse_args(argv)
     if args.action == "up":
-        root = Path(args.root or tempfile.mkdtemp(prefix="pdserve-multinode-"))
+        root = Path(args.root or tempfile.mkdtemp(prefix="pdmn-", dir="/tmp"))  # short: AF_UNIX paths under it
         c = MultiNode(root).up()
         print(f"cluster up: address {c.address}, root {root}")
         print(f"  serve: RAY_AUTH_MODE=disabled pdserve serve --address {c.address}")

@@ -23,11 +23,17 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
-    c = MultiNode(tmp_path_factory.mktemp("multinode")).up()
+def nodes():
+    import tempfile
+    from pathlib import Path
+    # A short root: Ray's socket paths under it must fit AF_UNIX's 107 bytes (pytest's tmp
+    # paths are long enough to break the second node's).
+    root = Path(tempfile.mkdtemp(prefix="pdmn-", dir="/tmp"))
+    c = MultiNode(root).up()
     yield c
     c.down()
     assert c.processes() == [], "processes of the test cluster left running"
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def serve(c: MultiNode, *overrides: str, expect_fail: bool = False):
@@ -186,7 +192,8 @@ def test_a_prompt_burst_adds_a_prefill_worker_on_the_prefill_node_and_it_drains_
     from engine.request import SamplingParams
     fast = ["autoscale.enabled=true", "autoscale.interval_s=0.3", "autoscale.window_s=5",
             "autoscale.prefill.max_replicas=2", "autoscale.prefill.up_delay_s=1", "autoscale.prefill.down_delay_s=3",
-            "autoscale.prefill.target_ttft_ms=1e7", "autoscale.decode.max_replicas=1", "prefill.kv_cache_gb=0.1"]
+            "autoscale.prefill.target_ttft_ms=10000000", "autoscale.prefill.target_queued_tokens=500",
+            "autoscale.decode.max_replicas=1", "prefill.kv_cache_gb=0.1", "decode.kv_cache_gb=0.2"]
     rng = random.Random(7)
     prompts = [[rng.randrange(100, 49000) for _ in range(400)] for _ in range(6)]
     want = [o.token_ids for o in make_engine().generate(prompts, SamplingParams(max_tokens=4, temperature=0))]
@@ -208,17 +215,21 @@ def test_a_prompt_burst_adds_a_prefill_worker_on_the_prefill_node_and_it_drains_
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(pool.map(lambda ids: collect(stub.Generate(make_request(
                 token_ids=ids, max_tokens=4, temperature=0, ignore_eos=True))), prompts))
+        assert [o["token_ids"] for o in outs] == want
+        assert any("prefill +1" in e for e in status(port)["autoscale_events"])
+        # The added worker comes up (maybe after the burst), then drains once the load is gone.
+        deadline = time.monotonic() + 180  # hang guard only
+        while True:
+            st = status(port)
+            prefill = [w for w in st["workers"] if w["role"] == "prefill"]
+            actors = [p for p in map(psutil.Process, nodes.processes()) if "PrefillActor" in p.name()]
+            if len(seen) == 2 and len(prefill) == 1 and len(actors) == 1:
+                break
+            assert time.monotonic() < deadline, (seen, prefill, actors, st["autoscale_events"])
+            time.sleep(0.5)
         stop_watch = True
         watcher.join()
-        assert [o["token_ids"] for o in outs] == want
-        assert len(seen) == 2 and all(a.startswith("127.0.0.2:") for a in seen), seen
-        deadline = time.monotonic() + 120  # hang guard only
-        while True:
-            prefill = [w for w in status(port)["workers"] if w["role"] == "prefill"]
-            actors = [p for p in map(psutil.Process, nodes.processes()) if "PrefillActor" in p.name()]
-            if len(prefill) == 1 and len(actors) == 1:
-                break
-            assert time.monotonic() < deadline, (prefill, actors)
-            time.sleep(0.5)
+        assert all(a.startswith("127.0.0.2:") for a in seen), seen  # both on the prefill node
+        assert any("prefill -1" in e for e in st["autoscale_events"]), st["autoscale_events"]
     finally:
         stop(proc)

@@ -27,9 +27,9 @@ class WorkerActor(StepLoop):
         torch.set_num_threads(options.threads)  # several workers share a node's cores
         if options.metrics is not None and not options.metrics[0]:  # "": this node's address
             options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
-        if options.bundled_model:
-            from engine.models.gguf_convert import default_model_path
-            config = dataclasses.replace(config, model=str(default_model_path(progress=False)))
+        if options.resolve_model:
+            from engine.models.loader import resolve_model_path
+            config = dataclasses.replace(config, model=str(resolve_model_path(options.model, progress=False)))
         lease_s = LEASE_S if options.lease_s is None else options.lease_s
         auth = PlaneAuth(options.key, options.kv_integrity) if options.key else None
         # KV endpoints listen on this node's address: peers on other nodes reach them there.

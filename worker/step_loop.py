@@ -60,9 +60,11 @@ class WorkerOptions:
     key: bytes | None = None
     kv_integrity: str = "header"  # what a KV data frame's MAC covers: header | full (kvtransfer.auth)
     faults: bool = False  # chaos testing only: accept inject() (kv_transfer.fault_injection)
-    # The engine config names the bundled model: use this node's own conversion of it (each
-    # node converts it into its own cache; the router checks every node's weights digest).
-    bundled_model: bool = False
+    # Resolve the config's ``model:`` (None: the bundled one) on this node and load that, not
+    # the router's path: the bundled model sits in each node's own cache, and ``~`` is each
+    # node's own HOME (router.nodes checks that every node holds the same weights).
+    resolve_model: bool = False
+    model: str | None = None
 
 
 class StepLoop:

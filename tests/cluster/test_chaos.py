@@ -19,6 +19,6 @@ def test_every_fault_kind_under_load_nothing_wrong_hung_or_leaked(make_cluster, 
     assert out["faults_by_kind"] == {k: 1 for k in FAULT_KINDS}, out
     assert out["requests"] >= 16 and out["completed_identical"] >= 1, out
     assert out["wrong"] == 0 and out["hung"] == 0, out
-    assert out["leaked_blocks"] == 0 and out["stranded_blocks"] == 0, out
+    assert out["leaked_blocks"] == 0 and out["stranded_blocks"] == 0 and out["swept_blocks"] == 0, out
     assert out["leaked_processes"] == 0 and out["leaked_ports"] == 0, out
     assert out["recovered"] == out["faults"], out  # every fault's victim served again

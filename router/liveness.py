@@ -1,0 +1,219 @@
+"""Worker liveness for the router's pools: bring-up, loss, stalls, and the calls' deadlines.
+
+``up`` means: its model info answered (same model and, per model folder, the same weights as
+the others) and, for a decode worker, every ready prefill worker has connected to its KV
+receiver (a prefill worker coming up connects to every ready decode worker; a peer that went
+away meanwhile is skipped, and connects when it is back). ``lost`` is any of: Ray reports the
+actor RESTARTING or DEAD after its heartbeat went quiet, a heartbeat arrives from a new
+incarnation, a call to it failed with a Ray actor error, or it *stalled*: no report for
+``router.stall_s`` while Ray still says ALIVE (stopped, stuck in a kernel, swapping), or a
+call the router awaits from it unanswered that long (``call``; fire-and-forget calls, abort,
+disconnect and the prefill's submit, await nothing), and then the router also kills the
+process so that Ray starts a fresh one. A lost decode worker's KV address is forgotten by
+every prefill worker. The router re-runs that worker's requests elsewhere (``on_lost``) and
+this module brings the restarted actor back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from worker.protocol import ModelInfo
+
+log = logging.getLogger("pdserve.router")
+
+HEALTH_PERIOD_S = 0.25
+QUIET_S = 1.0  # a heartbeat older than this makes the router ask Ray whether the actor lives
+HANDSHAKE_S = 10.0  # KVSender.connect's own bound on a KV handshake (a call may wait that long)
+LOAD_TIMEOUT_S = 1800.0  # a worker whose model has not loaded in this long is stuck: replaced
+MAX_GONE = 16  # workers Ray cannot bring back, kept for `pdserve status`; older ones are forgotten
+
+
+class Liveness:
+    """What :class:`router.pools.Pools` does to keep its workers alive and their KV connected.
+    Uses the pools' ``cfg``, ``workers``, ``model_info``, ``_weights``, ``on_lost``,
+    ``_spawn`` and ``_notify``."""
+
+    def _forget_address(self, w: Worker) -> None:
+        """A decode worker's KV receiver address is dead (lost, retired): every prefill worker
+        forgets it, so their per-peer tables do not grow with restarts."""
+        if w.role != "decode" or w.address is None:
+            return
+        for p in self.workers.values():
+            if p.role == "prefill" and p.state in ("ready", "draining"):
+                p.actor.disconnect.remote(w.address)
+        w.address = None
+
+    async def call(self, w: Worker, ref: Any) -> Any:
+        """Await one call to ``w`` with the stall deadline: unanswered in ``router.stall_s``, the
+        worker is stalled (lost, its process replaced) and TimeoutError is raised. An error the
+        call raised in the worker comes back as Ray's RayTaskError (which Ray also makes an
+        instance of the error's own class, so a worker's TimeoutError is no stall)."""
+        from ray.exceptions import RayTaskError
+        try:
+            return await asyncio.wait_for(ref, self.cfg.router.stall_s)
+        except RayTaskError:
+            raise
+        except TimeoutError:
+            self.stalled(w, f"a call did not answer in {self.cfg.router.stall_s:g}s (router.stall_s)")
+            raise
+
+    def stalled(self, w: Worker, why: str) -> None:
+        """Alive to Ray but not answering (stopped, stuck in a kernel, swapping): its requests
+        move now, and a fresh process replaces it (a SIGSTOPped one cannot exit by itself)."""
+        if w.state in ("ready", "draining"):
+            self.lost(w, f"stalled: {why}")
+            self._spawn(asyncio.to_thread(_kill, w.actor), f"kill-{w.worker_id}")
+
+    def lost(self, w: Worker, why: str) -> None:
+        """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background;
+        a draining worker is not brought back (it is gone, and its retirement completes)."""
+        if w.state not in ("ready", "draining"):
+            return
+        log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
+        back = w.state == "ready"
+        w.state = "dead" if back else "gone"
+        w.reported(None)
+        w.restarts += 1
+        self.on_lost(w)
+        self._forget_address(w)
+        self._notify()
+        if back:
+            self._spawn(self._bring_up(w), f"up-{w.worker_id}")
+
+    async def _bring_up(self, w: Worker) -> None:
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+        while True:
+            try:
+                info = await self._connect(w)
+                if info.incarnation == w.incarnation:
+                    # The process outlived being lost (its kill failed): every request it holds
+                    # was moved elsewhere, so its blocks are nobody's. Free them all now.
+                    held = await self._ask(w, w.actor.held.remote())
+                    freed = await self._ask(w, w.actor.release.remote(list(held)))
+                    log.warning("worker %s came back as the same process; freed %d blocks of %d requests "
+                                "it no longer runs", w.worker_id, freed, len(held))
+                break
+            except RayTaskError as e:  # (before TimeoutError: Ray makes it one if the cause was)
+                if not isinstance(e.cause, (ConnectionError, TimeoutError)):  # e.g. another model's layout
+                    log.error("worker %s cannot serve: %s", w.worker_id, e)
+                    self._gone(w)
+                    return
+                # A peer it connects to went away meanwhile (killed, restarting): try again.
+                log.warning("worker %s: %s; trying again", w.worker_id, e.cause)
+                await asyncio.sleep(1.0)
+            except (ActorUnavailableError, TimeoutError):  # Ray is restarting it, or it stalled
+                await asyncio.sleep(0.2)
+            except RayActorError as e:  # dead for good (restarts exhausted, node gone)
+                log.error("worker %s is gone: %s", w.worker_id, e)
+                self._gone(w)
+                return
+            except RuntimeError as e:  # another model or other weights than the other workers
+                log.error("worker %s cannot serve: %s", w.worker_id, e)
+                self._gone(w)
+                return
+        w.info, w.incarnation, w.last_seen, w.seq = info, info.incarnation, time.monotonic(), 0
+        w.state = "ready"
+        self._notify()
+
+    def _gone(self, w: Worker) -> None:
+        """Ray cannot bring ``w`` back, or it cannot serve here (another model or weights): its
+        process, if any, is ended, so that it holds no GPU, no pool resource and no memory."""
+        w.state = "gone"
+        self._forget_address(w)
+        self._spawn(asyncio.to_thread(_kill, w.actor, False), f"kill-{w.worker_id}")
+        gone = [x for x in self.workers.values() if x.state == "gone"]
+        for x in gone[:max(0, len(gone) - MAX_GONE)]:  # the oldest first (insertion order)
+            del self.workers[x.worker_id]
+        self._notify()
+
+    async def _ask(self, w: Worker, ref: Any, timeout_s: float | None = None) -> Any:
+        """A bring-up call with a deadline (``router.stall_s`` by default); a stalled worker is
+        killed so that Ray starts a fresh one, and TimeoutError raised (an error raised in the
+        worker comes back as RayTaskError, as from :meth:`call`)."""
+        from ray.exceptions import RayTaskError
+        try:
+            return await asyncio.wait_for(ref, timeout_s or self.cfg.router.stall_s)
+        except RayTaskError:
+            raise
+        except TimeoutError:
+            log.warning("worker %s did not answer while coming up; replacing its process", w.worker_id)
+            await asyncio.to_thread(_kill, w.actor)
+            raise
+
+    async def _connect(self, w: Worker) -> ModelInfo:
+        """Check the worker's model and wire its KV connections; returns its model info. A
+        peer that does not connect (it died or restarts meanwhile) is skipped: when it comes
+        back up, its own bring-up connects it to every ready worker of the other pool."""
+        from ray.exceptions import RayTaskError
+        info = await self._ask(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
+        if self.model_info and info.fingerprint != self.model_info.fingerprint:
+            raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
+        # The same folder (by name: the bundled one sits in each node's own cache) must hold the
+        # same weights everywhere; a decode pool's quantized checkpoint is another folder.
+        want = self._weights.setdefault(Path(info.model).name, info.weights)
+        if info.weights != want:
+            raise RuntimeError(f"{w.worker_id} loaded other weights than the other workers ({info.model}, "
+                               f"digest {info.weights} vs {want}): its node's copy differs")
+        self.model_info = self.model_info or info
+        deadline = self.cfg.router.stall_s + HANDSHAKE_S  # a connect waits for a handshake
+        if w.role != "prefill":
+            w.address = await self._ask(w, w.actor.address.remote())
+            prefills = [p for p in self.workers.values() if p.role == "prefill" and p.state == "ready"]
+            answers = await asyncio.gather(*(asyncio.wait_for(p.actor.connect.remote(w.address), deadline)
+                                             for p in prefills), return_exceptions=True)
+            for p, a in zip(prefills, answers):
+                if isinstance(a, TimeoutError) and not isinstance(a, RayTaskError):  # that prefill worker
+                    self.stalled(p, "it did not connect to a new decode worker")  # stalled; back, it connects
+                elif isinstance(a, BaseException):  # it died or failed the handshake: back, it connects
+                    log.warning("prefill worker %s did not connect to %s: %r", p.worker_id, w.worker_id, a)
+        else:
+            # One at a time (the worker takes them in turn anyway), each with its own deadline:
+            # a stopped decode worker costs one handshake timeout, not this worker's bring-up.
+            for d in [d for d in self.workers.values() if d.role == "decode" and d.state == "ready"]:
+                try:
+                    await self._ask(w, w.actor.connect.remote(d.address), deadline)
+                except RayTaskError as e:  # that decode worker went away meanwhile; back, it connects
+                    log.warning("%s did not connect to %s: %s", w.worker_id, d.worker_id, e.cause)
+        w.reported(None)
+        w.reported(await self._ask(w, w.actor.status.remote()))  # placement needs a load now
+        return info
+
+    async def _health(self) -> None:
+        """Ask Ray about workers whose heartbeat went quiet (a long step is not death)."""
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if w.state in ("ready", "draining") and now - w.last_seen > QUIET_S:
+                    state = await asyncio.to_thread(_actor_state, w.actor)
+                    if state in ("RESTARTING", "DEAD"):
+                        self.lost(w, f"Ray reports it {state}")
+                    elif now - w.last_seen > self.cfg.router.stall_s:
+                        # Alive to Ray but silent (a step never takes this long). ``stalled``
+                        # reads the state again: another path may have marked it lost while Ray
+                        # answered, and a process already restarted must not be killed.
+                        self.stalled(w, f"no report for {now - w.last_seen:.0f}s (router.stall_s)")
+
+
+def _kill(actor: Any, restart: bool = True) -> None:
+    """Kill the actor's process; Ray restarts it (max_restarts=-1) unless ``restart`` is False."""
+    import ray
+    try:
+        ray.kill(actor, no_restart=not restart)
+    except Exception as e:  # already gone: Ray restarts it or reports it dead either way
+        log.warning("could not kill a stalled worker: %s", e)
+
+
+def _actor_state(actor: Any) -> str:
+    """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD...); "UNKNOWN" if unavailable."""
+    try:
+        from ray._private import state  # no public API answers this without the dashboard
+        return state.actors(actor_id=actor._actor_id.hex()).get("State", "UNKNOWN")
+    except Exception:  # an API change must not take the router down: heartbeats still work
+        return "UNKNOWN"
+
