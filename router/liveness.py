@@ -48,18 +48,25 @@ class Liveness:
                 p.actor.disconnect.remote(w.address)
         w.address = None
 
-    async def call(self, w: Worker, ref: Any) -> Any:
-        """Await one call to ``w`` with the stall deadline: unanswered in ``router.stall_s``, the
-        worker is stalled (lost, its process replaced) and TimeoutError is raised. An error the
-        call raised in the worker comes back as Ray's RayTaskError (which Ray also makes an
-        instance of the error's own class, so a worker's TimeoutError is no stall)."""
+    async def call(self, w: Worker, ref: Any, timeout_s: float | None = None) -> Any:
+        """Await one call to ``w`` with a deadline (``router.stall_s`` by default). Unanswered:
+        the worker is stalled and TimeoutError is raised; a serving worker is lost (its
+        requests move) and its process replaced, one coming up has its process replaced before
+        its bring-up tries again. An error the call raised in the worker comes back as Ray's
+        RayTaskError (which Ray also makes an instance of the error's own class, so a worker's
+        TimeoutError is no stall)."""
         from ray.exceptions import RayTaskError
+        timeout_s = timeout_s or self.cfg.router.stall_s
         try:
-            return await asyncio.wait_for(ref, self.cfg.router.stall_s)
+            return await asyncio.wait_for(ref, timeout_s)
         except RayTaskError:
             raise
         except TimeoutError:
-            self.stalled(w, f"a call did not answer in {self.cfg.router.stall_s:g}s (router.stall_s)")
+            if w.state in ("ready", "draining"):
+                self.stalled(w, f"a call did not answer in {timeout_s:g}s")
+            else:
+                log.warning("worker %s did not answer while coming up; replacing its process", w.worker_id)
+                await asyncio.to_thread(_kill, w.actor)
             raise
 
     def stalled(self, w: Worker, why: str) -> None:
@@ -93,8 +100,8 @@ class Liveness:
                 if info.incarnation == w.incarnation:
                     # The process outlived being lost (its kill failed): every request it holds
                     # was moved elsewhere, so its blocks are nobody's. Free them all now.
-                    held = await self._ask(w, w.actor.held.remote())
-                    freed = await self._ask(w, w.actor.release.remote(list(held)))
+                    held = await self.call(w, w.actor.held.remote())
+                    freed = await self.call(w, w.actor.release.remote(list(held)))
                     log.warning("worker %s came back as the same process; freed %d blocks of %d requests "
                                 "it no longer runs", w.worker_id, freed, len(held))
                 break
@@ -131,26 +138,12 @@ class Liveness:
             del self.workers[x.worker_id]
         self._notify()
 
-    async def _ask(self, w: Worker, ref: Any, timeout_s: float | None = None) -> Any:
-        """A bring-up call with a deadline (``router.stall_s`` by default); a stalled worker is
-        killed so that Ray starts a fresh one, and TimeoutError raised (an error raised in the
-        worker comes back as RayTaskError, as from :meth:`call`)."""
-        from ray.exceptions import RayTaskError
-        try:
-            return await asyncio.wait_for(ref, timeout_s or self.cfg.router.stall_s)
-        except RayTaskError:
-            raise
-        except TimeoutError:
-            log.warning("worker %s did not answer while coming up; replacing its process", w.worker_id)
-            await asyncio.to_thread(_kill, w.actor)
-            raise
-
     async def _connect(self, w: Worker) -> ModelInfo:
         """Check the worker's model and wire its KV connections; returns its model info. A
         peer that does not connect (it died or restarts meanwhile) is skipped: when it comes
         back up, its own bring-up connects it to every ready worker of the other pool."""
         from ray.exceptions import RayTaskError
-        info = await self._ask(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
+        info = await self.call(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
         if self.model_info and info.fingerprint != self.model_info.fingerprint:
             raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
         # The same folder (by name: the bundled one sits in each node's own cache) must hold the
@@ -162,7 +155,7 @@ class Liveness:
         self.model_info = self.model_info or info
         deadline = self.cfg.router.stall_s + HANDSHAKE_S  # a connect waits for a handshake
         if w.role != "prefill":
-            w.address = await self._ask(w, w.actor.address.remote())
+            w.address = await self.call(w, w.actor.address.remote())
             prefills = [p for p in self.workers.values() if p.role == "prefill" and p.state == "ready"]
             answers = await asyncio.gather(*(asyncio.wait_for(p.actor.connect.remote(w.address), deadline)
                                              for p in prefills), return_exceptions=True)
@@ -176,11 +169,11 @@ class Liveness:
             # a stopped decode worker costs one handshake timeout, not this worker's bring-up.
             for d in [d for d in self.workers.values() if d.role == "decode" and d.state == "ready"]:
                 try:
-                    await self._ask(w, w.actor.connect.remote(d.address), deadline)
+                    await self.call(w, w.actor.connect.remote(d.address), deadline)
                 except RayTaskError as e:  # that decode worker went away meanwhile; back, it connects
                     log.warning("%s did not connect to %s: %s", w.worker_id, d.worker_id, e.cause)
         w.reported(None)
-        w.reported(await self._ask(w, w.actor.status.remote()))  # placement needs a load now
+        w.reported(await self.call(w, w.actor.status.remote()))  # placement needs a load now
         return info
 
     async def _health(self) -> None:
