@@ -1,5 +1,6 @@
 # pdserve developer entry points. Everything installs into ./.venv.
-#   make serve   install, then serve the bundled model on a local cluster (gRPC 127.0.0.1:50051)
+#   make serve   install, then serve the bundled model on a local cluster (gRPC 127.0.0.1:50051,
+#                the OpenAI API http://127.0.0.1:8000/v1)
 #   make test    install, then run the test suite (what CI runs: .ci/run)
 #   make test-avx2  the suite as an AVX2-only CPU runs it (no AVX-512, no VNNI), on any x86-64
 

@@ -18,7 +18,7 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_UNSPECIFIED: None}
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                   "presence_penalty", "frequency_penalty")
+                   "presence_penalty", "frequency_penalty", "logprobs")
 
 
 TOKEN_ENV = "PDSERVE_TOKEN"

@@ -208,6 +208,7 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
     from router.app import serve
     from router.config import load_config
     overrides = {k: v for k, v in (("router.host", args.host), ("router.port", args.port),
+                                   ("router.http_port", args.http_port),
                                    ("metrics.port", args.metrics_port), ("security.tls_cert", args.tls_cert),
                                    ("security.tls_key", args.tls_key), ("security.tls_client_ca", args.tls_client_ca),
                                    ("security.tokens_file", args.tokens_file), ("security.insecure", args.insecure))
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None, help="join this running Ray cluster instead of starting one")
     s.add_argument("--host", default=None, help="gRPC listen host (overrides router.host; default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="gRPC listen port (overrides router.port; default 50051)")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="the OpenAI-compatible HTTP API's port on --host (overrides router.http_port; default "
+                        "8000; 0 = a free port; --set router.http_port=null turns it off)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="the router's Prometheus /metrics port (overrides metrics.port; 0 = a free port)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

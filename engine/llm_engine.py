@@ -47,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int
     ttft: float | None
     mean_tpot: float | None
+    new_logprobs: list | None = None  # per new token (SamplingParams.logprobs): engine.sampler.TokenLogprob
 
 
 class LLMEngine:
@@ -273,10 +274,11 @@ class LLMEngine:
             new = result.sampled.get(req.request_id)
             if not new and not req.is_finished:
                 continue
-            outputs.append(self._output(req, len(new or ())))
+            outputs.append(self._output(req, len(new or ()), logprobs=result.logprobs.get(req.request_id)))
         return outputs
 
-    def _output(self, req: Request, num_new: int, search_from: int | None = None) -> RequestOutput:
+    def _output(self, req: Request, num_new: int, search_from: int | None = None,
+                logprobs: list | None = None) -> RequestOutput:
         """Build the step's output: text delta, stop strings, finish. ``search_from``: where a
         stop string may start (default: just before the text added by this step)."""
         stream = self._text[req.request_id]
@@ -294,7 +296,8 @@ class LLMEngine:
             self._forget(req.request_id)
         return RequestOutput(req.request_id, req.output_token_ids[-num_new:] if num_new else [], delta,
                              list(req.output_token_ids), text, req.is_finished, req.finish_reason,
-                             req.num_prompt_tokens, req.num_cached_tokens, req.ttft, req.mean_tpot)
+                             req.num_prompt_tokens, req.num_cached_tokens, req.ttft, req.mean_tpot,
+                             logprobs[:num_new] if logprobs is not None else None)
 
     def _drop_after_stop(self, req: Request, num_new: int) -> int:
         """A step that added several tokens (speculative verify) may run past a stop string:

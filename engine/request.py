@@ -33,6 +33,9 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.PREFILLED)
 
 
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each new token, and when to stop.
@@ -55,6 +58,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Set: each new token comes with its log probability and the ``logprobs`` most likely
+    # alternatives (engine.sampler.token_logprobs); speculation is off for the request.
+    logprobs: int | None = None
     # A re-run (the router, after a lost worker): the last ``resumed`` prompt tokens are this
     # request's own earlier output. They keep counting as output (presence/frequency
     # penalties) and the seed's draws go on after them, so a seeded request re-run mid-stream
@@ -94,6 +100,8 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.resumed, int) or self.resumed < 0:
             bad(f"resumed must be an integer >= 0, got {self.resumed!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):

@@ -86,15 +86,17 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         if not sample_reqs:
             return result
-        tokens = self.sampler(
-            logits,
-            [r.sampling_params for r in sample_reqs],
-            [r.prompt_token_ids for r in sample_reqs],
-            [r.output_token_ids for r in sample_reqs],
-            [self._generator(r) for r in sample_reqs],
-        )
+        params = [r.sampling_params for r in sample_reqs]
+        prompts, outputs = [r.prompt_token_ids for r in sample_reqs], [r.output_token_ids for r in sample_reqs]
+        tokens = self.sampler(logits, params, prompts, outputs, [self._generator(r) for r in sample_reqs])
         for r, t in zip(sample_reqs, tokens):
             result.sampled[r.request_id] = [t]
+        if any(p.logprobs is not None for p in params):
+            from engine.sampler import apply_penalties, token_logprobs
+            for r, lp in zip(sample_reqs, token_logprobs(apply_penalties(logits, params, prompts, outputs),
+                                                         params, tokens)):
+                if lp is not None:
+                    result.logprobs[r.request_id] = [lp]
         return result
 
     @torch.inference_mode()

@@ -232,6 +232,37 @@ def sample_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None
     return (probs.float() / noise).argmax(dim=-1)
 
 
+# (sampled token, its log probability, [(token, log probability) of the most likely, first first])
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
+def token_logprobs(logits: Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+                   ) -> list[TokenLogprob | None]:
+    """Per row that asks (``params[i].logprobs`` set; None for the others): the sampled token's
+    log probability and the ``logprobs`` most likely tokens', from ``log_softmax(logits / T)``.
+
+    ``logits`` are the rows' penalized logits (apply_penalties), the distribution the token was
+    drawn from before top-k/top-p/min-p filtering (filtered tokens keep a finite value, as the
+    OpenAI API reports them); T is the row's temperature, 1 for a greedy row (its plain
+    log-softmax, what a log-likelihood evaluation wants).
+    """
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    dev = logits.device
+    temps = torch.tensor([params[i].temperature or 1.0 for i in rows], dtype=torch.float32, device=dev)
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float() / temps[:, None], dim=-1)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=dev))[:, 0].tolist()
+    k = max(params[i].logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = (tokens[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+    return out
+
+
 class Sampler:
     """Turns a step's logits into one token id per row.
 

@@ -94,6 +94,8 @@ class StepResult:
     speculative verify, the accepted drafts followed by the target's own token."""
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    # for requests that ask (SamplingParams.logprobs): one entry per sampled token
+    logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class Scheduler:

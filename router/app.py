@@ -66,11 +66,13 @@ def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | Non
 
 
 async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Callable[[str], None] = _say,
-                        door=None):
-    """Resolve the model (the bundled one is converted here once), start the pools, serve.
+                        door=None, http_port: int | None = -1):
+    """Resolve the model (the bundled one is converted here once), start the pools, serve gRPC
+    and (``http_port``; -1: ``router.http_port``; None: off) the OpenAI HTTP API.
 
     Returns:
-        (router, grpc server, bound port)
+        (router, grpc server, bound port); ``router.http`` is the HTTP server (or None) and
+        ``router.http_port`` its bound port.
     """
     from engine.models.loader import resolve_model_path
     from router.auth import front_door
@@ -87,13 +89,27 @@ async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Call
     router = Router(cfg, model_path, door)
     await router.start(progress)
     server, bound = await start_server(router, host, port)
+    http_port = cfg.router.http_port if http_port == -1 else http_port
+    if http_port is not None:
+        from router.openai_http import start_http
+        try:
+            router.http, router.http_port = await start_http(router, host, http_port, cfg.security)
+        except BaseException:
+            await stop_cluster(router, server)
+            raise
     how = ", ".join(x for x, on in (("TLS", door.tls), ("client certificates", door.tls and door.tls.client_ca),
                                     (f"{len(door.auth.tokens)} tokens", door.auth.enabled)) if on)
     progress(f"serving pdserve.v1.Generation on {host}:{bound} ({cfg.mode}; {how or 'plaintext, no auth'})")
+    if router.http is not None:
+        scheme = "https" if door.tls else "http"
+        progress(f"serving the OpenAI API on {scheme}://{host}:{router.http_port}/v1 "
+                 f"(model {router.served_model_name!r})")
     return router, server, bound
 
 
 async def stop_cluster(router, server) -> None:
+    if router.http is not None:
+        await router.http.stop()
     await server.stop(grace=1.0)
     await router.stop()
 
@@ -129,15 +145,18 @@ def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
 class BackgroundCluster:
     """The router and its pools on an event loop in a thread (Ray must be initialized).
 
-    ``port`` is the bound gRPC port; ``call(coro_fn)`` runs a coroutine on the router's loop.
+    ``port`` is the bound gRPC port, ``http_port`` the OpenAI API's (a free one unless given;
+    None: off); ``call(coro_fn)`` runs a coroutine on the router's loop.
     """
 
-    def __init__(self, cfg: ClusterConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, cfg: ClusterConfig, host: str = "127.0.0.1", port: int = 0, http_port: int | None = 0) -> None:
         self.stopped = False
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="router", daemon=True)
         self.thread.start()
-        self.router, self.server, self.port = self.call(lambda: start_cluster(cfg, host, port, lambda s: None))
+        self.router, self.server, self.port = self.call(
+            lambda: start_cluster(cfg, host, port, lambda s: None, http_port=http_port))
+        self.http_port = self.router.http_port  # the OpenAI API's bound port (None: off)
 
     def call(self, coro_fn, timeout: float = 300):
         return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout)

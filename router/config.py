@@ -91,6 +91,12 @@ class KVTransferConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
+    # The OpenAI-compatible HTTP API (router.openai_http) on the same host; 0: a free port;
+    # null: off. Same tokens and TLS as gRPC.
+    http_port: int | None = 8000
+    # The model's name in the OpenAI API (``model`` in requests, GET /v1/models); "": the model
+    # folder's name.
+    served_model_name: str = ""
     max_queue: int = 256
     default_max_tokens: int = 256
     # A worker silent this long (no report; Ray still says ALIVE), or a call to it unanswered
@@ -115,8 +121,10 @@ class InputLimits:
     stop_strings: int = 16  # each decode step looks for every one
     stop_string_chars: int = 256
     stop_token_ids: int = 64
+    top_logprobs: int = 20  # alternatives per token a request may ask logprobs of
     concurrent_rpcs: int = 1024  # gRPC calls in progress at once; beyond: RESOURCE_EXHAUSTED
-    message_bytes: int = 4194304  # the largest request message the server reads
+    message_bytes: int = 4194304  # the largest request message (gRPC) or body (HTTP) the server reads
+    choices: int = 16  # OpenAI API: choices per request (prompts x n)
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "kv_transfer.transport": (lambda v: v in BUILTIN_TRANSPORTS, _one_of(BUILTIN_TRANSPORTS)),
     "kv_transfer.integrity": (lambda v: v in INTEGRITY, _one_of(INTEGRITY)),
     "router.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535"),
+    "router.http_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
+    "limits.choices": (lambda v: v >= 1, ">= 1"),
     "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -195,7 +205,7 @@ _RULES: dict[str, tuple[Any, str]] = {
 }
 
 
-_NULLABLE = {"metrics.port", "metrics.worker_port"}
+_NULLABLE = {"metrics.port", "metrics.worker_port", "router.http_port"}
 
 
 def _quantization_ok(v: Any) -> bool:

@@ -157,6 +157,7 @@ class Job:
         """The response for a record's new tokens and text (None when it has neither)."""
         ids = record.tokens
         text = record.text
+        lps = record.logprobs or []
         if self.stream is not None:  # after a re-run: the router's own text (see ``stream``)
             # "prefilled" ends only the prefill side's part: decode goes on with this text
             done = record.finish not in (None, "prefilled")
@@ -178,7 +179,10 @@ class Job:
             self.last_token_time = now
         self.generated += ids
         self.text += text
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text)
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
+                                   logprobs=[pb.TokenLogprob(token_id=t, logprob=lp, top=[
+                                       pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
+                                       for t, lp, top in lps[:len(ids)]])
 
     @property
     def ttft(self) -> float | None:

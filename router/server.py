@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from pathlib import Path
@@ -72,6 +73,8 @@ class Router(pb_grpc.GenerationServicer):
         self.door = door or FrontDoor()
         from concurrent.futures import ThreadPoolExecutor
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # a token's own text, as logprobs in the OpenAI API name it (bounded: the vocabulary)
+        self.token_text = functools.lru_cache(maxsize=None)(lambda t: self.tokenizer.decode([t]))
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pools = Pools(cfg, model_path, self._on_records, self._on_lost)
         self.jobs: dict[str, Job] = {}
@@ -83,6 +86,10 @@ class Router(pb_grpc.GenerationServicer):
         self.metrics = RouterMetrics(self)
         self.recent: collections.deque[tuple[float, float | None, float | None]] = collections.deque(maxlen=4096)
         self.autoscaler = PoolController(self, cfg.autoscale) if cfg.autoscale.enabled else None
+        self.roles = ("colocated",) if self.colocated else ("prefill", "decode")
+        self.served_model_name = cfg.router.served_model_name or Path(model_path).name
+        self.http: Any = None  # the OpenAI API's server (router.openai_http), if serving
+        self.http_port: int | None = None
 
     async def start(self, progress=lambda s: None) -> None:
         if self.cfg.metrics.port is not None:
@@ -119,13 +126,28 @@ class Router(pb_grpc.GenerationServicer):
 
     # ---- Generate ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        owner = await self._caller(context)
+        try:
+            async for response in self.generate(request, owner, context.time_remaining()):
+                yield response
+        except Reject as e:
+            await context.abort(e.code, str(e))
+
+    async def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None):
+        """One request's responses, whichever API it came by (gRPC's Generate, the OpenAI HTTP
+        API in router.openai_http): the same validation, admission, placement and limits.
+        Closing the generator early (the client went away) frees the request on every worker.
+
+        Raises:
+            Reject: with the status for the client (INVALID_ARGUMENT, ALREADY_EXISTS,
+                RESOURCE_EXHAUSTED, UNAVAILABLE).
+        """
         try:
             rid = request_id(request, self.limits)
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        owner = await self._caller(context)
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if rid in self.jobs:  # whoever runs it: ids are the cluster's, and the message names no one
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
+            raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
         try:
             # Tokenizing a long prompt takes a while: in its own thread, off the event loop that
             # streams every other request (one thread: the tokenizer is not shared across threads).
@@ -133,9 +155,10 @@ class Router(pb_grpc.GenerationServicer):
                 self._tokenizing, prompt_ids, request, self.tokenizer, self.limits)
             params = sampling_params(request.sampling, self.limits, len(ids))
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        left = context.time_remaining()
-        job = Job(rid, ids, params, owner=owner, deadline=None if left is None else time.monotonic() + left)
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if rid in self.jobs:  # the same id again while this one was tokenized
+            raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
+        job = Job(rid, ids, params, owner=owner, deadline=None if time_left is None else time.monotonic() + time_left)
         self.jobs[rid] = job
         self.metrics.prompt_tokens.inc(len(ids))
         outcome = "cancelled"
@@ -146,7 +169,7 @@ class Router(pb_grpc.GenerationServicer):
                 yield response
         except Reject as e:
             outcome = e.code.name.lower()
-            await context.abort(e.code, str(e))
+            raise
         finally:
             self.jobs.pop(rid, None)
             if not job.finished:  # cancelled by the client, aborted or failed: free both sides

@@ -102,7 +102,8 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([PDSERVE, "serve", "--config", os.path.join(root, "deploy", "local.yaml"),
-                             "--port", str(port), "--metrics-port", "0"], stderr=subprocess.PIPE, text=True)
+                             "--port", str(port), "--metrics-port", "0", "--http-port", "0"],
+                            stderr=subprocess.PIPE, text=True)
     try:
         lines = []
         deadline = time.monotonic() + 240
@@ -132,7 +133,8 @@ def _serve(port: int):
     import time
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([PDSERVE, "serve", "--config", os.path.join(root, "deploy", "local.yaml"),
-                             "--port", str(port), "--metrics-port", "0"], stderr=subprocess.PIPE, text=True)
+                             "--port", str(port), "--metrics-port", "0", "--http-port", "0"],
+                            stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + 240  # hang guard only
     while not any("serving pdserve.v1.Generation" in line for line in lines):

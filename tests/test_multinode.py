@@ -41,7 +41,7 @@ def serve(c: MultiNode, *overrides: str, expect_fail: bool = False):
     serves, or (process, stderr) once it exits when ``expect_fail``."""
     port = _free_port()
     args = [PDSERVE, "serve", "--address", c.address, "--config", os.path.join(ROOT, "deploy", "local.yaml"),
-            "--port", str(port), "--metrics-port", "0"]
+            "--port", str(port), "--metrics-port", "0", "--http-port", "0"]
     for o in overrides:
         args += ["--set", o]
     proc = subprocess.Popen(args, env=c.env(NODES[0]), stderr=subprocess.PIPE, text=True)

@@ -23,25 +23,36 @@ from tests.test_cli import PDSERVE, _run
 ALICE, BOB = "alice-" + "a" * 26, "bob-" + "b" * 28
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def server(certs, tmp_path_factory):
+def http_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def server(certs, tmp_path_factory, http_port):
     d = tmp_path_factory.mktemp("secure")
     (d / "tokens").write_text(f"{ALICE} alice\n{BOB} bob\n")
     (d / "tokens").chmod(0o600)
     (d / "cfg.yaml").write_text("mode: colocated\ndecode:\n  compile_decode: false\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     proc = subprocess.Popen([PDSERVE, "serve", "--config", str(d / "cfg.yaml"), "--port", str(port),
                              "--metrics-port", "0", "--tls-cert", str(certs["server"]), "--tls-key",
-                             str(certs["server_key"]), "--tokens-file", str(d / "tokens")],
+                             str(certs["server_key"]), "--tokens-file", str(d / "tokens"),
+                             "--http-port", str(http_port)],
                             stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + 240  # hang guard only
-    while not any("serving pdserve.v1.Generation" in line for line in lines):
+    while not any("serving the OpenAI API" in line for line in lines):
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
         lines.append(proc.stderr.readline())
-    assert "TLS, 2 tokens" in lines[-1], lines[-1]
+    assert any("TLS, 2 tokens" in line for line in lines), lines
+    assert f"https://127.0.0.1:{http_port}/v1" in lines[-1], lines[-1]
     threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
     yield f"127.0.0.1:{port}"
     proc.send_signal(signal.SIGINT)
@@ -105,3 +116,32 @@ def test_the_cli_connects_with_a_ca_and_a_token(server, certs):
 def test_serving_beyond_loopback_without_tls_or_tokens_is_refused_at_start():
     r = _run("serve", "--host", "0.0.0.0", "--port", "0", timeout=120)
     assert r.returncode == 2 and "refusing to serve 0.0.0.0" in r.stderr and "--insecure" in r.stderr, r.stderr
+
+
+def _openai(http_port, certs, token):
+    import httpx2
+    import openai
+    return openai.OpenAI(base_url=f"https://127.0.0.1:{http_port}/v1", api_key=token or "none",
+                         http_client=httpx2.Client(verify=str(certs["ca"])), max_retries=0, timeout=120)
+
+
+def test_the_openai_api_has_the_same_door(server, certs, http_port):
+    """HTTPS with the server's certificate, the same tokens: none or an unknown one is a 401 in
+    OpenAI's error shape; /health stays open; plain HTTP gets no answer from the TLS port."""
+    import httpx2
+    import openai
+    for token in (None, "x" * 32):
+        client = _openai(http_port, certs, token)
+        for call in (lambda: client.models.list(),
+                     lambda: client.completions.create(model="any", prompt="Hi", max_tokens=2)):
+            with pytest.raises(openai.AuthenticationError) as e:
+                call()
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key", e.value.body
+    alice = _openai(http_port, certs, ALICE)
+    model = alice.models.list().data[0].id
+    out = alice.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in out.choices[0].text and out.usage.completion_tokens == 8
+    health = httpx2.get(f"https://127.0.0.1:{http_port}/health", verify=str(certs["ca"]), timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    with pytest.raises(httpx2.HTTPError):  # no TLS: no HTTP answer
+        httpx2.get(f"http://127.0.0.1:{http_port}/health", timeout=30)

@@ -49,7 +49,8 @@ class SpecDecoder:
     def before_schedule(self, running: Sequence[Request]) -> None:
         batch = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         for r in running:
-            r.spec_k = 0 if r.prefill_only else self.policy.choose(
+            # (logprobs: a verify step's accepted drafts come without theirs)
+            r.spec_k = 0 if r.prefill_only or r.sampling_params.logprobs is not None else self.policy.choose(
                 r.request_id, max(batch, 1), self.proposer.stale_tokens(r),
                 r.sampling_params.max_tokens - r.num_output_tokens)
 

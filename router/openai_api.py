@@ -1,0 +1,323 @@
+"""The OpenAI API's shapes: its requests onto ``pdserve.v1`` messages, responses back.
+
+Pure (no server: router.openai_http serves it). Fields are those of OpenAI's API reference for
+``/v1/completions`` and ``/v1/chat/completions``, plus the extensions vLLM users pass
+(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``). A field
+OpenAI defines that changes the output and that pdserve does not implement (tools, a JSON
+response format, logit bias, ...) is refused with a 400 naming it, never silently ignored; an
+unknown field is ignored, as OpenAI's own server does, so that newer clients still work.
+
+Defaults are OpenAI's, not the gRPC API's: ``temperature`` 1 (sampling), and a completion's
+``max_tokens`` 16; a chat's is the router's ``default_max_tokens`` (what fits in the context).
+
+A request with ``n`` choices (and a completion with several prompts) becomes one pdserve
+request per choice, ``<id>-<k>``; with a ``seed``, choice ``k`` samples with ``seed + k``: the
+choices differ, and the same request gives the same choices again.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdserve.v1 import pdserve_pb2 as pb
+
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_SEED = 2**64 - 1
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type_, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+# gRPC status of a Reject (router.server) -> (HTTP status, OpenAI error type, code)
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+# The router's messages start with the field they are about, in the gRPC API's names.
+_PARAM_OF = {"token_ids": "prompt", "prompt": "prompt", "messages": "messages", "max_tokens": "max_tokens",
+             "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature",
+             "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+             "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty", "unknown chat role": "messages", "the prompt": "prompt"}
+
+
+def api_error(code: grpc.StatusCode, message: str) -> ApiError:
+    """The HTTP answer for a router refusal (``router.server.Reject``)."""
+    status, type_, err_code = _STATUS.get(code, (500, "server_error", None))
+    m = re.match(r"(unknown chat role|the prompt|[a-z_]+)", message)
+    param = _PARAM_OF.get(m.group(1)) if m and status == 400 else None
+    return ApiError(status, message, param, type_, err_code)
+
+
+# ---- requests --------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints share. Ranges are OpenAI's (and the engine's)."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: ignored (see the module doc)
+
+    model: str
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None  # accepted, unused
+    # vLLM's extensions
+    top_k: int | None = None  # <= 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    # fields OpenAI defines that would change the output and that pdserve does not do
+    _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix",
+                    "prediction", "audio", "modalities", "web_search_options", "guided_json", "guided_regex",
+                    "guided_choice", "guided_grammar", "use_beam_search")
+
+    def refuse_unsupported(self) -> None:
+        for name in self._UNSUPPORTED:
+            value = (self.model_extra or {}).get(name)
+            if value not in (None, {}, [], False, "none", "auto"):
+                raise ApiError(400, f"{name} is not supported by this server", name)
+        fmt = (self.model_extra or {}).get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format other than {\"type\": \"text\"} is not supported", "response_format")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+    def sampling(self, max_tokens: int | None, seed_offset: int) -> pb.SamplingParams:
+        s = pb.SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [])
+        if max_tokens is not None:
+            s.max_tokens = max_tokens
+        s.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
+        if self.seed is not None:
+            s.seed = (self.seed + seed_offset) % (MAX_SEED + 1)
+        for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if (v := getattr(self, name)) is not None:
+                setattr(s, name, v)
+        return s
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+
+    def prompts(self) -> list[pb.GenerateRequest]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p or any(len(x) == 0 for x in p):
+            raise ApiError(400, "prompt is empty: at least one token is needed", "prompt")
+        return [pb.GenerateRequest(prompt=x) if isinstance(x, str) else pb.GenerateRequest(token_ids=pb.TokenIds(ids=x))
+                for x in p]
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, i: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"messages[{i}]: content parts of type {part.type!r} are not supported "
+                                    "(text only)", "messages")
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def prompts(self) -> list[pb.GenerateRequest]:
+        roles = {"developer": "system"}  # OpenAI's newer name for the system role
+        msgs = [pb.ChatMessage(role=roles.get(m.role, m.role), content=m.text(i)) for i, m in enumerate(self.messages)]
+        return [pb.GenerateRequest(messages=pb.ChatMessages(messages=msgs))]
+
+
+def parse(kind: type[_Sampling], body: Any) -> _Sampling:
+    """Validate a JSON body into a request (ApiError 400 naming the first bad parameter)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        req = kind.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ApiError(400, f"{loc}: {err['msg']}", str(err["loc"][0]) if err["loc"] else None) from None
+    req.refuse_unsupported()
+    return req
+
+
+def requests_for(req: _Sampling, id_prefix: str, most_choices: int) -> tuple[str, list[pb.GenerateRequest]]:
+    """The response id and one GenerateRequest per choice, in choice order (prompt-major)."""
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise ApiError(400, "echo (the prompt's logprobs) is not supported yet", "echo")
+        if req.best_of not in (None, req.n):
+            raise ApiError(400, "best_of other than n is not supported", "best_of")
+        max_tokens, logprobs = req.max_tokens, req.logprobs
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    prompts = req.prompts()
+    if len(prompts) * req.n > most_choices:
+        raise ApiError(400, f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} choices; the limit is "
+                            f"{most_choices} (limits.choices)", "n")
+    rid = f"{id_prefix}-{uuid.uuid4().hex}"
+    out = []
+    for p in prompts:
+        for k in range(req.n):
+            g = pb.GenerateRequest()
+            g.CopyFrom(p)
+            g.request_id = f"{rid}-{len(out)}"
+            g.sampling.CopyFrom(req.sampling(max_tokens, k))
+            if logprobs is not None:
+                g.sampling.logprobs = logprobs
+            out.append(g)
+    return rid, out
+
+
+# ---- responses -------------------------------------------------------------------------------
+def usage(finals: list[pb.Usage], n: int) -> dict[str, Any]:
+    """OpenAI's usage over every choice (prompt-major): each prompt counted once, not once per
+    each of its ``n`` choices."""
+    finals_ = [u or pb.Usage() for u in finals]  # (None: a choice without its last response yet)
+    prompt = sum(u.prompt_tokens for u in finals_[::n])
+    cached = sum(u.cached_prompt_tokens for u in finals_[::n])
+    completion = sum(u.completion_tokens for u in finals_)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Shaper:
+    """Builds one endpoint's response objects from each choice's pdserve responses: a chunk
+    per response while streaming (``chunk``), or the whole answer (``add`` each, then
+    ``whole``). ``token_text``: a token id's text (logprobs name tokens by their text)."""
+
+    def __init__(self, chat: bool, rid: str, model: str, choices: int, token_text=None) -> None:
+        self.chat, self.rid, self.model = chat, rid, model
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.token_text = token_text or str
+        self._roled: set[int] = set()
+        self.texts = [""] * choices
+        self.finishes = [0] * choices
+        self.usages: list[Any] = [None] * choices
+        self.logprobs: list[list[Any]] = [[] for _ in range(choices)]
+        self._offset = [0] * choices  # a completion's text_offset: characters of the choice so far
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        obj = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, index: int, lps: Any) -> dict[str, Any] | None:
+        if not lps:
+            return None
+        text = self.token_text
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                t = text(token_id)
+                return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+            return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t.token_id, t.logprob)
+                                                                                  for t in x.top]} for x in lps],
+                    "refusal": None}
+        tokens = [text(x.token_id) for x in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset[index])
+            self._offset[index] += len(t)
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{text(t.token_id): t.logprob for t in x.top} for x in lps], "text_offset": offsets}
+
+    def chunk(self, index: int, r: pb.GenerateResponse) -> dict[str, Any]:
+        """The streamed chunk for one response of choice ``index``."""
+        reason = FINISH.get(r.finish_reason)
+        if r.finish_reason:
+            self.usages[index] = r.usage
+        lps = self._logprobs(index, r.logprobs)
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if index not in self._roled:  # the first chunk of a choice names the role
+                self._roled.add(index)
+                delta["role"] = "assistant"
+            if r.text or not reason:
+                delta["content"] = r.text
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": r.text, "logprobs": lps, "finish_reason": reason}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage(self, n: int) -> dict[str, Any]:
+        return usage(self.usages, n)
+
+    def usage_chunk(self, n: int) -> dict[str, Any]:
+        return {**self._head(True), "choices": [], "usage": self.usage(n)}
+
+    def add(self, index: int, r: pb.GenerateResponse) -> None:
+        """Take one response of choice ``index`` into the whole answer."""
+        self.texts[index] += r.text
+        self.logprobs[index].extend(r.logprobs)
+        if r.finish_reason:
+            self.finishes[index], self.usages[index] = r.finish_reason, r.usage
+
+    def whole(self, n: int) -> dict[str, Any]:
+        choices = []
+        for i, (t, f) in enumerate(zip(self.texts, self.finishes)):
+            lps = self._logprobs(i, self.logprobs[i])
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lps,
+                                "finish_reason": FINISH.get(f)})
+            else:
+                choices.append({"index": i, "text": t, "logprobs": lps, "finish_reason": FINISH.get(f)})
+        return {**self._head(False), "choices": choices, "usage": self.usage(n)}
+
+
+def models_list(name: str, context_length: int, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+                                        "max_model_len": context_length}]}
+

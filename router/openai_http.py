@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP front door, beside gRPC in the router's process and event loop.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
+with ``stream: true``, ending ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Every
+request goes through ``Router.generate``, as gRPC's do: the same validation, admission queue,
+placement, limits and tokens (``Authorization: Bearer``). Shapes: router.openai_api.
+
+Errors are OpenAI's JSON with the matching status: 400 bad input (``param`` names it), 401 no
+valid token, 404 unknown model, 413 body over ``limits.message_bytes``, 429 admission queue
+full (or no capacity for ``router.queue_timeout_s``), 503 no worker. A streamed request answers
+with its status until its first token is out; an error after that comes as a last event
+``data: {"error": ...}``. A client that disconnects ends its requests on every worker at once:
+each response watches the connection (not only the next write, which may be far off while a
+request waits for admission).
+
+Limits: ``limits.message_bytes`` per body, ``limits.choices`` per request (prompts x n), and
+``limits.concurrent_rpcs`` connections in progress (beyond: 503). ``/health`` is open, as
+gRPC's health service is: 200 while a worker of every role serves, 503 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, Shaper, api_error, models_list,
+                               parse, requests_for)
+from router.server import Reject
+
+log = logging.getLogger("pdserve.router")
+
+SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+               "x-accel-buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client closed the connection."""
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive, coro):
+    """``coro``'s result, unless the client disconnects first: then it is cancelled (its
+    requests freed) and ClientGone raised."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        raise ClientGone()
+    finally:
+        for t in (work, watch):
+            t.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+
+
+def build_app(router):
+    """The FastAPI app over ``router`` (a router.server.Router, started)."""
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    limits = router.cfg.limits
+    started = int(time.time())
+
+    def error(e: ApiError) -> JSONResponse:
+        headers = {"www-authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error(e)
+
+    @app.exception_handler(HTTPException)  # Starlette's own: 404 unknown path, 405, ...
+    async def _http_error(request, e: HTTPException):
+        return error(ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
+
+    def served_name() -> str:
+        return router.served_model_name
+
+    def caller(request: Request) -> str:
+        value = request.headers.get("authorization")
+        owner = router.door.auth.caller([("authorization", value)] if value else [])
+        if owner is None:
+            raise ApiError(401, "this token is not valid here" if value else
+                           "this server needs `Authorization: Bearer TOKEN`", code="invalid_api_key")
+        return owner
+
+    async def body(request: Request) -> Any:
+        most = limits.message_bytes
+        if int(request.headers.get("content-length") or 0) > most:
+            raise ApiError(413, f"the request body is over {most} bytes (limits.message_bytes)")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > most:
+                raise ApiError(413, f"the request body is over {most} bytes (limits.message_bytes)")
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    @app.get("/health")
+    async def health():
+        ok = router.limits is not None and all(router.pools.any_alive(r) for r in router.roles)
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        caller(request)
+        return models_list(served_name(), router.limits.context_length, started)
+
+    async def complete(request: Request, kind):
+        owner = caller(request)
+        req = parse(kind, await body(request))
+        if req.model != served_name():
+            raise ApiError(404, f"the model {req.model!r} does not exist here; this server serves "
+                                f"{served_name()!r} (GET /v1/models)", "model", code="model_not_found")
+        chat = kind is ChatCompletionRequest
+        rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", limits.choices)
+        shaper = Shaper(chat, rid, served_name(), len(reqs), router.token_text)
+        events = _merged(router, reqs, owner)
+        try:
+            if not req.stream:
+                return await until_disconnect(request.receive, _whole(events, shaper, req.n))
+            # The status is decided by the first event: an error before any token (bad input, a
+            # full queue, no worker) is a plain error answer, not a 200 stream.
+            first = await until_disconnect(request.receive, anext(events, None))
+        except Reject as e:
+            await events.aclose()
+            raise api_error(e.code, str(e)) from None
+        except BaseException:
+            await events.aclose()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _SSE(_sse(first, events, shaper, req.n, include_usage))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, ChatCompletionRequest)
+
+    return app
+
+
+class _SSE(Response):
+    """Server-sent events from an async iterator, ended (and the iterator closed, which
+    frees its requests) when the client disconnects, whether or not a write fails."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:  # (no Response.__init__: no length)
+        self.chunks, self.background = chunks, None
+        self.raw_headers = [(k.encode(), v.encode()) for k, v in SSE_HEADERS.items()]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+        async def pump() -> None:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnect(receive, pump())
+        except (ClientGone, OSError):
+            log.info("event=client_disconnected during a stream")
+        finally:
+            await self.chunks.aclose()
+
+
+async def _merged(router, reqs, owner: str) -> AsyncIterator[tuple[int, Any]]:
+    """Every choice's responses as they come, tagged with the choice's index. A choice's
+    refusal (router.server.Reject) ends them all; closing this ends them all."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def run(i: int, req) -> None:
+        try:
+            async with contextlib.aclosing(router.generate(req, owner, None)) as responses:
+                async for r in responses:
+                    q.put_nowait((i, r, None))
+            q.put_nowait((i, None, None))
+        except Exception as e:  # (a cancel is not: it is ours, from the finally below)
+            q.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(run(i, r), name=f"choice-{r.request_id}") for i, r in enumerate(reqs)]
+    try:
+        left = len(tasks)
+        while left:
+            i, r, err = await q.get()
+            if err is not None:
+                raise err
+            if r is None:
+                left -= 1
+            else:
+                yield i, r
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _whole(events, shaper: Shaper, n: int) -> dict[str, Any]:
+    async with contextlib.aclosing(events):
+        async for i, r in events:
+            shaper.add(i, r)
+    return shaper.whole(n)
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(first, events, shaper: Shaper, n: int, include_usage: bool):
+    try:
+        item = first
+        while item is not None:
+            i, r = item
+            if r.text or r.finish_reason or r.logprobs or not r.token_ids:
+                yield _event(shaper.chunk(i, r))
+            item = await anext(events, None)
+        if include_usage:
+            yield _event(shaper.usage_chunk(n))
+        yield b"data: [DONE]\n\n"
+    except Reject as e:  # after the first token: the status is sent; the error is an event
+        yield _event(api_error(e.code, str(e)).body())
+    finally:
+        await events.aclose()
+
+
+async def start_http(router, host: str, port: int, tls=None) -> tuple[Any, int]:
+    """Serve the OpenAI API on ``host:port`` (0: a free port) on this event loop; returns
+    (server, bound port). ``tls``: router.config.SecurityConfig paths (HTTPS, and client
+    certificates with ``tls_client_ca``), as gRPC serves them."""
+    import ssl
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} for HTTP: {e.strerror}") from None
+    kw: dict[str, Any] = {}
+    if tls is not None and tls.tls_cert:
+        kw = dict(ssl_certfile=tls.tls_cert, ssl_keyfile=tls.tls_key)
+        if tls.tls_client_ca:
+            kw.update(ssl_ca_certs=tls.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(build_app(router), log_level="warning", access_log=False, lifespan="off",
+                            limit_concurrency=router.cfg.limits.concurrent_rpcs, timeout_graceful_shutdown=1, **kw)
+    server = HttpServer(config)
+    server.task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+    while not server.started:
+        if server.task.done():
+            server.task.result()  # its error
+            raise OSError(f"the HTTP server on {host}:{port} did not start")
+        await asyncio.sleep(0.01)
+    return server, sock.getsockname()[1]
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn's server without its signal handlers (the router's process has its own)."""
+
+    task: asyncio.Task
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    async def stop(self) -> None:
+        self.should_exit = True
+        await asyncio.gather(self.task, return_exceptions=True)
