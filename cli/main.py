@@ -26,17 +26,23 @@ EXAMPLE_PROMPTS = [
 ]
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (--local only)")
+LOCAL_ONLY = {"threads": "--threads", "kv_cache_gb": "--kv-cache-gb", "max_batched_tokens": "--max-batched-tokens"}
+
+
+def _engine_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
+    g = p.add_argument_group("engine" + ("" if cluster else " (--local only)"))
     g.add_argument("--model", default=None,
-                   help="HF-format model folder (Llama/Mistral/Qwen2 family); default: the bundled "
-                        "SmolLM2-135M-Instruct, converted from its GGUF on first use")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (float32 is fastest on AVX2 CPUs)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
-    g.add_argument("--max-batched-tokens", type=int, default=2048,
-                   help="per-step token budget; longer prompts prefill in chunks")
+                   help="HF-format model folder (Llama/Mistral/Qwen2 family) or a Hugging Face model id "
+                        "already in the local Hugging Face cache; default: the bundled SmolLM2-135M-Instruct, "
+                        "converted from its GGUF on first use" + (" (a cluster: overrides `model`)" if cluster else ""))
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (default float32, fastest on AVX2 CPUs)"
+                        + (" (a cluster: overrides `dtype`)" if cluster else ""))
+    only = " (--local only; a cluster sets them per pool: --set decode.kv_cache_gb=2 ...)" if cluster else ""
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)" + only)
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="memory for the paged KV cache (default 1)" + only)
+    g.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="per-step token budget; longer prompts prefill in chunks (default 2048)" + only)
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
@@ -70,10 +76,11 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _build_engine(args: argparse.Namespace):
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                       cache=CacheConfig(memory_gb=args.kv_cache_gb),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens))
-    print(f"loading {args.model or 'bundled SmolLM2-135M-Instruct'} ({args.dtype}) ...",
+    dtype = args.dtype or "float32"
+    cfg = EngineConfig(model=args.model, dtype=dtype, num_threads=args.threads,
+                       cache=CacheConfig(memory_gb=1.0 if args.kv_cache_gb is None else args.kv_cache_gb),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens or 2048))
+    print(f"loading {args.model or 'bundled SmolLM2-135M-Instruct'} ({dtype}) ...",
           file=sys.stderr, flush=True)
     eng = LLMEngine(cfg)
     print(f"loaded in {eng.load_seconds:.1f} s; {eng.block_manager.num_blocks} KV blocks of "
@@ -206,16 +213,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve_cluster(args: argparse.Namespace) -> int:
     from router.app import serve
-    from router.config import load_config
-    overrides = {k: v for k, v in (("router.host", args.host), ("router.port", args.port),
+    from router.config import ConfigError, load_config
+    local = [flag for name, flag in LOCAL_ONLY.items() if getattr(args, name) is not None]
+    if local:  # silently ignoring them would serve something other than what was asked
+        raise ConfigError(f"{', '.join(local)} apply to --local only; a cluster sets them per pool, e.g. "
+                          "--set decode.kv_cache_gb=2 --set prefill.threads=1 --set decode.max_batched_tokens=4096")
+    overrides = {k: v for k, v in (("model", args.model), ("dtype", args.dtype),
+                                   ("router.host", args.host), ("router.port", args.port),
                                    ("router.http_port", args.http_port),
                                    ("metrics.port", args.metrics_port), ("security.tls_cert", args.tls_cert),
                                    ("security.tls_key", args.tls_key), ("security.tls_client_ca", args.tls_client_ca),
                                    ("security.tokens_file", args.tokens_file), ("security.insecure", args.insecure))
                  if v is not None}
     import yaml
-
-    from router.config import ConfigError
     for item in args.set:
         key, eq, value = item.partition("=")
         if not eq or not key:
@@ -328,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local", action="store_true", help="in-process demo, no cluster (engine options apply)")
     s.add_argument("--prompt", action="append", help="--local: a chat prompt instead of the examples (repeatable)")
     _sampling_args(s, max_tokens=96)
-    _engine_args(s)
+    _engine_args(s, cluster=True)
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="show the cluster's workers as a table",

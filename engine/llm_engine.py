@@ -48,6 +48,8 @@ class RequestOutput:
     ttft: float | None
     mean_tpot: float | None
     new_logprobs: list | None = None  # per new token (SamplingParams.logprobs): engine.sampler.TokenLogprob
+    # SamplingParams.prompt_logprobs, on the output with the first token: per prompt token from the second on
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -297,7 +299,9 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.output_token_ids[-num_new:] if num_new else [], delta,
                              list(req.output_token_ids), text, req.is_finished, req.finish_reason,
                              req.num_prompt_tokens, req.num_cached_tokens, req.ttft, req.mean_tpot,
-                             logprobs[:num_new] if logprobs is not None else None)
+                             logprobs[:num_new] if logprobs is not None else None,
+                             req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None
+                             and num_new and len(req.output_token_ids) == num_new else None)
 
     def _drop_after_stop(self, req: Request, num_new: int) -> int:
         """A step that added several tokens (speculative verify) may run past a stop string:

@@ -61,6 +61,10 @@ class SamplingParams:
     # Set: each new token comes with its log probability and the ``logprobs`` most likely
     # alternatives (engine.sampler.token_logprobs); speculation is off for the request.
     logprobs: int | None = None
+    # Set: the first output also carries each prompt token's log probability given the tokens
+    # before it (from the second on) and this many alternatives, raw (no penalties, T = 1); the
+    # prompt is then computed whole, not taken from the prefix cache.
+    prompt_logprobs: int | None = None
     # A re-run (the router, after a lost worker): the last ``resumed`` prompt tokens are this
     # request's own earlier output. They keep counting as output (presence/frequency
     # penalties) and the seed's draws go on after them, so a seeded request re-run mid-stream
@@ -100,8 +104,10 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if not isinstance(self.resumed, int) or self.resumed < 0:
             bad(f"resumed must be an integer >= 0, got {self.resumed!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
@@ -145,6 +151,8 @@ class Request:
     # Speculative decoding: draft tokens to verify in this request's next decode step (0 =
     # plain decode; set by the adaptive policy). Acceptance is counted per worker (SpecDecoder).
     spec_k: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token from the second on, as computed so far
+    prompt_logprobs: list = field(default_factory=list)
 
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -73,6 +73,7 @@ class ModelRunner:
         """
         hidden, sample_rows, sample_reqs = self._forward(plan, layer_done)
         result = StepResult()
+        self._prompt_logprobs(plan, hidden, result)
         verified = [s for s in plan.scheduled if s.max_spec_tokens]
         if not sample_reqs and not verified:
             return result
@@ -98,6 +99,24 @@ class ModelRunner:
                 if lp is not None:
                     result.logprobs[r.request_id] = [lp]
         return result
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
+        """For requests with SamplingParams.prompt_logprobs, score the prompt tokens this step
+        computed (the logits at position p score prompt token p + 1), before any output."""
+        from engine.sampler import prompt_token_logprobs
+        for s in plan.scheduled:
+            r = s.request
+            k = r.sampling_params.prompt_logprobs
+            if k is None or r.output_token_ids:
+                continue
+            start, prompt = r.num_computed_tokens, r.prompt_token_ids
+            first = max(start, len(r.prompt_logprobs))  # positions already scored stay scored
+            end = min(start + s.num_new_tokens, len(prompt) - 1)
+            if first >= end:
+                continue
+            rows = torch.arange(s.first_row + first - start, s.first_row + end - start, device=self.device)
+            result.prompt_logprobs[r.request_id] = prompt_token_logprobs(
+                self.model.compute_logits(hidden[rows]), prompt[first + 1:end + 1], k)
 
     @torch.inference_mode()
     def all_logits(self, plan: StepPlan) -> torch.Tensor:

@@ -263,6 +263,15 @@ def token_logprobs(logits: Tensor, params: Sequence[SamplingParams], tokens: Seq
     return out
 
 
+def prompt_token_logprobs(logits: Tensor, next_tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Raw log probabilities (log_softmax, no penalties, temperature 1) of ``next_tokens[j]``
+    under ``logits[j]`` and the ``k`` most likely tokens there: a prompt's own tokens, scored."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(next_tokens, device=lp.device)[:, None])[:, 0].tolist()
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [(t, c, list(zip(i, v))) for t, c, i, v in zip(next_tokens, chosen, top_i.tolist(), top_v.tolist())]
+
+
 class Sampler:
     """Turns a step's logits into one token id per row.
 

@@ -96,6 +96,8 @@ class StepResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # for requests that ask (SamplingParams.logprobs): one entry per sampled token
     logprobs: dict[str, list] = field(default_factory=dict)
+    # for requests that ask (SamplingParams.prompt_logprobs): their prompt positions computed this step
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -212,6 +214,8 @@ class Scheduler:
             resumed = bool(req.block_ids)
             if resumed:  # its KV arrived from a prefill worker: resume where it is
                 hits, cached = [], req.num_computed_tokens
+            elif req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+                hits, cached = [], 0  # every prompt position's logits are wanted: compute them all
             else:
                 # Leave at least one token to compute: its logits pick the next token.
                 hits = self.bm.match_prefix(req.all_token_ids, req.num_tokens - 1)
@@ -280,6 +284,7 @@ class Scheduler:
             before = req.num_computed_tokens
             req.num_computed_tokens += s.num_new_tokens
             self.bm.cache_blocks(req.block_ids, req.all_token_ids, before, req.num_computed_tokens)
+            req.prompt_logprobs.extend(result.prompt_logprobs.get(req.request_id, ()))
             for tok in result.sampled.get(req.request_id, ()):
                 req.append_output_token(tok)
                 status = self.check_stop(req, tok)

@@ -62,6 +62,7 @@ class Job:
     owner: str = ""  # the token's name that sent it (router.auth); "" with auth off
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic time the client stops waiting (its gRPC deadline)
+    prefer: tuple[str, str] | None = None  # (prefill, decode) worker ids placement prefers
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
     prefill: Any = None  # pools.Worker, while placed
@@ -95,8 +96,10 @@ class Job:
         if not self.generated:
             return self.prompt_ids, self.params
         left = self.params.max_tokens - len(self.generated)
+        # (the prompt's logprobs went out with the first token)
         return self.prompt_ids + self.generated, dataclasses.replace(self.params, max_tokens=left,
-                                                                     resumed=len(self.generated))
+                                                                     resumed=len(self.generated),
+                                                                     prompt_logprobs=None)
 
     def rerun(self, tokenizer: Any) -> None:
         """A new attempt follows: from now on the text is made here, continuing from the
@@ -179,10 +182,12 @@ class Job:
             self.last_token_time = now
         self.generated += ids
         self.text += text
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
-                                   logprobs=[pb.TokenLogprob(token_id=t, logprob=lp, top=[
-                                       pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
-                                       for t, lp, top in lps[:len(ids)]])
+        out = pb.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
+                                  logprobs=_logprobs(lps[:len(ids)]))
+        if record.prompt_logprobs is not None:
+            out.prompt_logprobs.extend(_logprobs(record.prompt_logprobs))
+            out.prompt_token_ids.extend(self.prompt_ids)
+        return out
 
     @property
     def ttft(self) -> float | None:
@@ -202,3 +207,9 @@ class Job:
                          cached_prompt_tokens=self.cached_tokens, ttft_s=ttft, mean_tpot_s=tpot,
                          prefill_worker=self.prefill_id, decode_worker=self.decode_id)
         return pb.GenerateResponse(request_id=self.request_id, finish_reason=FINISH[finish], usage=usage)
+
+
+def _logprobs(entries) -> list[pb.TokenLogprob]:
+    """engine.sampler.TokenLogprob tuples (through worker.protocol.Tokens) as proto messages."""
+    return [pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
+            for t, lp, top in entries]

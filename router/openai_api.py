@@ -194,8 +194,6 @@ def parse(kind: type[_Sampling], body: Any) -> _Sampling:
 def requests_for(req: _Sampling, id_prefix: str, most_choices: int) -> tuple[str, list[pb.GenerateRequest]]:
     """The response id and one GenerateRequest per choice, in choice order (prompt-major)."""
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise ApiError(400, "echo (the prompt's logprobs) is not supported yet", "echo")
         if req.best_of not in (None, req.n):
             raise ApiError(400, "best_of other than n is not supported", "best_of")
         max_tokens, logprobs = req.max_tokens, req.logprobs
@@ -218,6 +216,8 @@ def requests_for(req: _Sampling, id_prefix: str, most_choices: int) -> tuple[str
             g.sampling.CopyFrom(req.sampling(max_tokens, k))
             if logprobs is not None:
                 g.sampling.logprobs = logprobs
+                if getattr(req, "echo", False):
+                    g.sampling.prompt_logprobs = logprobs
             out.append(g)
     return rid, out
 
@@ -234,17 +234,24 @@ def usage(finals: list[pb.Usage], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _entries(lps) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    return [(x.token_id, x.logprob, [(t.token_id, t.logprob) for t in x.top]) for x in lps]
+
+
 class Shaper:
     """Builds one endpoint's response objects from each choice's pdserve responses: a chunk
     per response while streaming (``chunk``), or the whole answer (``add`` each, then
-    ``whole``). ``token_text``: a token id's text (logprobs name tokens by their text)."""
+    ``whole``). ``token_text``: a token id's text (logprobs name tokens by their text).
+    ``echo``: per choice, the prompt's text to put before its completion (a completion's
+    ``echo``; its logprobs then start with the prompt's, the first token's being null)."""
 
-    def __init__(self, chat: bool, rid: str, model: str, choices: int, token_text=None) -> None:
-        self.chat, self.rid, self.model = chat, rid, model
+    def __init__(self, chat: bool, rid: str, model: str, choices: int, token_text=None,
+                 echo: list[str] | None = None) -> None:
+        self.chat, self.rid, self.model, self.echo = chat, rid, model, echo
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.token_text = token_text or str
-        self._roled: set[int] = set()
+        self._started: set[int] = set()  # choices whose first chunk is out (role, echo)
         self.texts = [""] * choices
         self.finishes = [0] * choices
         self.usages: list[Any] = [None] * choices
@@ -255,41 +262,50 @@ class Shaper:
         obj = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, index: int, lps: Any) -> dict[str, Any] | None:
-        if not lps:
+    def _take(self, index: int, r: pb.GenerateResponse) -> tuple[str, list, bool]:
+        """(text, logprob entries, first of its choice) of one response; echo goes first."""
+        first = index not in self._started
+        self._started.add(index)
+        text, entries = r.text, _entries(r.logprobs)
+        if first and self.echo is not None:
+            text = self.echo[index] + text
+            if r.prompt_token_ids:
+                entries = [(r.prompt_token_ids[0], None, None), *_entries(r.prompt_logprobs), *entries]
+        if r.finish_reason:
+            self.usages[index] = r.usage
+        return text, entries, first
+
+    def _logprobs(self, index: int, entries: list) -> dict[str, Any] | None:
+        if not entries:
             return None
         text = self.token_text
         if self.chat:
             def entry(token_id: int, logprob: float) -> dict[str, Any]:
                 t = text(token_id)
                 return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
-            return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t.token_id, t.logprob)
-                                                                                  for t in x.top]} for x in lps],
-                    "refusal": None}
-        tokens = [text(x.token_id) for x in lps]
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                                for t, lp, top in entries], "refusal": None}
+        tokens = [text(t) for t, _, _ in entries]
         offsets = []
         for t in tokens:
             offsets.append(self._offset[index])
             self._offset[index] += len(t)
-        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-                "top_logprobs": [{text(t.token_id): t.logprob for t in x.top} for x in lps], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else {text(a): b for a, b in top} for _, _, top in entries],
+                "text_offset": offsets}
 
     def chunk(self, index: int, r: pb.GenerateResponse) -> dict[str, Any]:
         """The streamed chunk for one response of choice ``index``."""
         reason = FINISH.get(r.finish_reason)
-        if r.finish_reason:
-            self.usages[index] = r.usage
-        lps = self._logprobs(index, r.logprobs)
+        text, entries, first = self._take(index, r)
+        lps = self._logprobs(index, entries)
         if self.chat:
-            delta: dict[str, Any] = {}
-            if index not in self._roled:  # the first chunk of a choice names the role
-                self._roled.add(index)
-                delta["role"] = "assistant"
-            if r.text or not reason:
-                delta["content"] = r.text
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}  # the first chunk names the role
+            if text or not reason:
+                delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
         else:
-            choice = {"index": index, "text": r.text, "logprobs": lps, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": reason}
         return {**self._head(True), "choices": [choice]}
 
     def usage(self, n: int) -> dict[str, Any]:
@@ -300,10 +316,11 @@ class Shaper:
 
     def add(self, index: int, r: pb.GenerateResponse) -> None:
         """Take one response of choice ``index`` into the whole answer."""
-        self.texts[index] += r.text
-        self.logprobs[index].extend(r.logprobs)
+        text, entries, _ = self._take(index, r)
+        self.texts[index] += text
+        self.logprobs[index].extend(entries)
         if r.finish_reason:
-            self.finishes[index], self.usages[index] = r.finish_reason, r.usage
+            self.finishes[index] = r.finish_reason
 
     def whole(self, n: int) -> dict[str, Any]:
         choices = []

@@ -130,8 +130,12 @@ def build_app(router):
                                 f"{served_name()!r} (GET /v1/models)", "model", code="model_not_found")
         chat = kind is ChatCompletionRequest
         rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", limits.choices)
-        shaper = Shaper(chat, rid, served_name(), len(reqs), router.token_text)
-        events = _merged(router, reqs, owner)
+        echo = None
+        if not chat and req.echo:  # the prompt's text before each choice's completion
+            echo = [g.prompt if g.WhichOneof("input") == "prompt" else router.tokenizer.decode(list(g.token_ids.ids))
+                    for g in reqs]
+        shaper = Shaper(chat, rid, served_name(), len(reqs), router.token_text, echo)
+        events = _merged(router, reqs, owner, req.n)
         try:
             if not req.stream:
                 return await until_disconnect(request.receive, _whole(events, shaper, req.n))
@@ -182,23 +186,39 @@ class _SSE(Response):
             await self.chunks.aclose()
 
 
-async def _merged(router, reqs, owner: str) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(router, reqs, owner: str, n: int = 1) -> AsyncIterator[tuple[int, Any]]:
     """Every choice's responses as they come, tagged with the choice's index. A choice's
-    refusal (router.server.Reject) ends them all; closing this ends them all."""
-    q: asyncio.Queue = asyncio.Queue()
+    refusal (router.server.Reject) ends them all; closing this ends them all.
 
-    async def run(i: int, req) -> None:
+    The ``n`` choices of one prompt (``reqs`` is prompt-major) share its prefill: the first
+    runs alone until its first token, then the others start on the same workers, where the
+    prompt's blocks are in the prefix cache by then (computed once, not n times)."""
+    q: asyncio.Queue = asyncio.Queue()
+    tasks: list[asyncio.Task] = []
+
+    def start(i: int, prefer=None) -> None:
+        tasks.append(asyncio.create_task(run(i, reqs[i], prefer), name=f"choice-{reqs[i].request_id}"))
+
+    async def run(i: int, req, prefer) -> None:
+        followers = range(i + 1, i + n) if n > 1 and i % n == 0 else range(0)
         try:
-            async with contextlib.aclosing(router.generate(req, owner, None)) as responses:
+            async with contextlib.aclosing(router.generate(req, owner, None, prefer)) as responses:
                 async for r in responses:
+                    if followers:
+                        job = router.jobs.get(req.request_id)
+                        where = (job.prefill_id, job.decode_id) if job is not None else None
+                        for k in followers:
+                            start(k, where)
+                        followers = range(0)
                     q.put_nowait((i, r, None))
             q.put_nowait((i, None, None))
         except Exception as e:  # (a cancel is not: it is ours, from the finally below)
             q.put_nowait((i, None, e))
 
-    tasks = [asyncio.create_task(run(i, r), name=f"choice-{r.request_id}") for i, r in enumerate(reqs)]
+    for i in range(0, len(reqs), n):
+        start(i)
     try:
-        left = len(tasks)
+        left = len(reqs)
         while left:
             i, r, err = await q.get()
             if err is not None:

@@ -10,6 +10,10 @@ cluster states. Never round-robin:
   request's prompt plus that share of ``max_tokens``, the one with the most of it left (the
   *projected headroom*). A nearly full worker loses; with equal memory the one with less work
   left wins; a worker whose memory is all promised takes nothing new.
+
+Both take a ``prefer``red worker id (another choice of the same prompt, router.openai_http):
+it wins if it can take the request at all, so that the prompt's blocks, in its prefix cache
+by then, are shared instead of computed again.
 """
 
 from __future__ import annotations
@@ -35,17 +39,18 @@ class WorkerLoad:
         return -(-tokens // self.block_size)
 
 
-def pick_prefill(workers: Sequence[WorkerLoad], prompt_tokens: int) -> WorkerLoad | None:
-    """Least queued prompt tokens among workers with room for the prompt; None if none can."""
+def pick_prefill(workers: Sequence[WorkerLoad], prompt_tokens: int, prefer: str | None = None) -> WorkerLoad | None:
+    """Least queued prompt tokens among workers with room for the prompt (``prefer`` first);
+    None if none can."""
     ok = [w for w in workers if w.accepting and w.role in ("prefill", "colocated")
           and w.free_blocks >= w.blocks_for(prompt_tokens)]
     if not ok:
         return None
-    return min(ok, key=lambda w: (w.queued_prompt_tokens, -w.free_blocks, w.worker_id))
+    return min(ok, key=lambda w: (w.worker_id != prefer, w.queued_prompt_tokens, -w.free_blocks, w.worker_id))
 
 
 def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: int,
-                reserve_fraction: float = 1.0) -> WorkerLoad | None:
+                reserve_fraction: float = 1.0, prefer: str | None = None) -> WorkerLoad | None:
     """Most projected headroom among workers that can reserve the request now.
 
     Args:
@@ -54,6 +59,7 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         max_tokens: the request's generation limit.
         reserve_fraction: share of ``max_tokens`` that must fit at admission (1.0: all of it;
             smaller admits more requests and relies on preemption if they all run long).
+        prefer: a worker id that wins if it can take the request.
     Returns:
         The chosen worker, or None when no worker can take the request now (the router
         queues it).
@@ -69,7 +75,7 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         headroom = w.free_blocks * w.block_size - promised - need_tokens
         if w.free_blocks < w.blocks_for(need_tokens) or headroom < 0:
             continue
-        key = (-headroom, w.remaining_decode_tokens, w.worker_id)
+        key = (w.worker_id != prefer, -headroom, w.remaining_decode_tokens, w.worker_id)
         if best_key is None or key < best_key:
             best, best_key = w, key
     return best

@@ -70,9 +70,10 @@ def sampling_params(msg, limits: Limits, prompt_len: int) -> SamplingParams:
     bad = [t for t in msg.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequestError(f"stop_token_ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
-    if msg.HasField("logprobs") and not 0 <= msg.logprobs <= lim.top_logprobs:
-        raise InvalidRequestError(f"logprobs must be in [0, {lim.top_logprobs}] (alternatives per token), "
-                                  f"got {msg.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if msg.HasField(name) and not 0 <= getattr(msg, name) <= lim.top_logprobs:
+            raise InvalidRequestError(f"{name} must be in [0, {lim.top_logprobs}] (alternatives per token), "
+                                      f"got {getattr(msg, name)}")
 
     def opt(name: str, default):
         return getattr(msg, name) if msg.HasField(name) else default
@@ -82,7 +83,7 @@ def sampling_params(msg, limits: Limits, prompt_len: int) -> SamplingParams:
         top_k=opt("top_k", 0), min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
         presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
         seed=opt("seed", None), stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos, logprobs=opt("logprobs", None))
+        ignore_eos=msg.ignore_eos, logprobs=opt("logprobs", None), prompt_logprobs=opt("prompt_logprobs", None))
 
 
 def prompt_ids(req, tokenizer, limits: Limits) -> list[int]:

@@ -87,7 +87,9 @@ class Router(pb_grpc.GenerationServicer):
         self.recent: collections.deque[tuple[float, float | None, float | None]] = collections.deque(maxlen=4096)
         self.autoscaler = PoolController(self, cfg.autoscale) if cfg.autoscale.enabled else None
         self.roles = ("colocated",) if self.colocated else ("prefill", "decode")
-        self.served_model_name = cfg.router.served_model_name or Path(model_path).name
+        # (a Hugging Face id resolves to a snapshot folder named by its commit: the id names it)
+        by_id = cfg.model is not None and not Path(cfg.model).expanduser().exists()
+        self.served_model_name = cfg.router.served_model_name or (cfg.model if by_id else Path(model_path).name)
         self.http: Any = None  # the OpenAI API's server (router.openai_http), if serving
         self.http_port: int | None = None
 
@@ -133,10 +135,13 @@ class Router(pb_grpc.GenerationServicer):
         except Reject as e:
             await context.abort(e.code, str(e))
 
-    async def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None):
+    async def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
+                       prefer: tuple[str, str] | None = None):
         """One request's responses, whichever API it came by (gRPC's Generate, the OpenAI HTTP
         API in router.openai_http): the same validation, admission, placement and limits.
         Closing the generator early (the client went away) frees the request on every worker.
+        ``prefer``: (prefill, decode) worker ids to place it on if they can take it (another
+        choice of the same prompt runs there: its blocks are in their prefix caches).
 
         Raises:
             Reject: with the status for the client (INVALID_ARGUMENT, ALREADY_EXISTS,
@@ -158,7 +163,8 @@ class Router(pb_grpc.GenerationServicer):
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if rid in self.jobs:  # the same id again while this one was tokenized
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
-        job = Job(rid, ids, params, owner=owner, deadline=None if time_left is None else time.monotonic() + time_left)
+        job = Job(rid, ids, params, owner=owner, deadline=None if time_left is None else time.monotonic() + time_left,
+                  prefer=prefer)
         self.jobs[rid] = job
         self.metrics.prompt_tokens.inc(len(ids))
         outcome = "cancelled"
@@ -276,8 +282,9 @@ class Router(pb_grpc.GenerationServicer):
             while True:
                 if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
                     raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
-                d = pick_decode(self.pools.loads(*roles), len(ids), params.max_tokens, frac)
-                p = None if self.colocated or d is None else self._pick_prefill(len(ids))
+                prefer = job.prefer or ("", "")
+                d = pick_decode(self.pools.loads(*roles), len(ids), params.max_tokens, frac, prefer[1])
+                p = None if self.colocated or d is None else self._pick_prefill(len(ids), prefer[0])
                 if d is None or (p is None and not self.colocated):
                     if not queued:
                         if self.queued >= self.cfg.router.max_queue:
@@ -338,10 +345,10 @@ class Router(pb_grpc.GenerationServicer):
             if queued:
                 self.queued -= 1
 
-    def _pick_prefill(self, prompt_tokens: int):
+    def _pick_prefill(self, prompt_tokens: int, prefer: str | None = None):
         loads = self.pools.loads("prefill")
         # No prefill worker has room now: the least loaded queues it in its own engine.
-        return pick_prefill(loads, prompt_tokens) or min(
+        return pick_prefill(loads, prompt_tokens, prefer) or min(
             (w for w in loads if w.accepting), key=lambda w: w.queued_prompt_tokens, default=None)
 
     # ---- the other RPCs ----------------------------------------------------------------------
@@ -364,7 +371,7 @@ class Router(pb_grpc.GenerationServicer):
         info = self.pools.model_info
         # Quantization and speculation are decode-side: a decode (or colocated) worker's say.
         dec = next((w.info for w in self.pools.workers.values() if w.role != "prefill" and w.info), info)
-        return pb.ModelInfo(model=Path(info.model).name, context_length=self.limits.context_length,
+        return pb.ModelInfo(model=self.served_model_name, context_length=self.limits.context_length,
                             vocab_size=info.vocab_size, dtype=info.dtype, quantization=dec.quantization,
                             speculative=dec.speculative, block_size=info.block_size, kernels=dec.kernels)
 

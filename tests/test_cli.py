@@ -82,6 +82,16 @@ def test_serve_with_a_bad_config_fails_at_start_naming_the_key(tmp_path):
     assert r.returncode == 2 and "unknown key decode.replica" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_serve_refuses_engine_flags_it_would_ignore_and_applies_model_and_dtype(tmp_path):
+    r = _run("serve", "--kv-cache-gb", "2", "--threads", "1", timeout=60)
+    assert r.returncode == 2 and "--threads, --kv-cache-gb apply to --local only" in r.stderr, r.stderr
+    assert "--set decode.kv_cache_gb" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.yaml"  # the config check sees --model/--dtype: they are not ignored
+    bad.write_text("mode: colocated\n")
+    r = _run("serve", "--config", str(bad), "--model", "", timeout=60)
+    assert r.returncode == 2 and "model" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_client_commands_without_a_server_say_so():
     import socket
     with socket.socket() as s:

@@ -64,6 +64,8 @@ class Tokens(msgspec.Struct, tag="tokens", array_like=True):
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # per token (SamplingParams.logprobs): (token, log probability, [(token, log probability)])
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # with the first token (SamplingParams.prompt_logprobs): per prompt token from the second on
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):

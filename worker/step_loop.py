@@ -173,7 +173,7 @@ class StepLoop:
             return None
         return Tokens(key, len(o.token_ids) - len(o.new_token_ids), list(o.new_token_ids), o.new_text,
                       o.finish_reason if o.finished else None, o.num_prompt_tokens, o.num_cached_tokens,
-                      o.new_logprobs)
+                      o.new_logprobs, o.prompt_logprobs)
 
     def _failed(self, engine_id: str, error: str, invalid: bool = False) -> Failed | None:
         """The record of a request dropped here (None if it already left)."""

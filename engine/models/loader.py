@@ -24,15 +24,28 @@ _FUSED = {  # HF name suffix -> (our fused name, part index)
 
 
 def resolve_model_path(model: str | None, progress: bool = True) -> Path:
-    """``None`` -> the bundled model (converted on first use); otherwise an existing folder."""
+    """``None`` -> the bundled model (converted on first use); an existing folder; or a Hugging
+    Face model id (``org/name``) already in this machine's Hugging Face cache (``HF_HOME``,
+    ``HF_HUB_CACHE``; its latest snapshot). Nothing is downloaded at run time."""
     if model is None:
         from engine.models.gguf_convert import default_model_path
         return default_model_path(progress=progress)
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {model!r} does not exist (no model hub at run time: "
-                             "give a local HF-format folder, or omit it for the bundled model)")
-    return path
+    if path.exists():
+        return path
+    import re
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        from huggingface_hub import snapshot_download
+        try:
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception:  # not cached (LocalEntryNotFoundError), or a bad cache entry
+            raise ModelLoadError(
+                f"model {model!r} does not exist as a folder and is not in this machine's Hugging Face "
+                f"cache, and nothing is downloaded at run time: fetch it first (`huggingface-cli download {model}`, "
+                "on every node) or give a local HF-format folder") from None
+    raise ModelLoadError(f"model path {model!r} does not exist (no model hub at run time: "
+                         "give a local HF-format folder or a cached Hugging Face model id, or omit it "
+                         "for the bundled model)")
 
 
 DIGEST_SAMPLES = 16  # 64 KiB windows per weight file, evenly spaced, besides its first and last MiB
@@ -84,7 +97,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
 
     A quantized checkpoint folder (engine/quant/checkpoint.py) loads as saved; otherwise
     ``quantization`` (an ``engine.quant.QuantConfig`` or short name like "int8") is applied
-    with round-to-nearest before the remaining fp32 linears are prepacked (``prepack=False``
+    with round-to-nearest (W8A8: SmoothQuant, calibrated here on the bundled sample) before the
+    remaining fp32 linears are prepacked (``prepack=False``
     keeps plain ``nn.Linear``, e.g. for offline quantization). ``single_token`` adds the compiled
     batch-1 decode path (engine/models/single_token.py) where the model supports it, compiled here.
 
@@ -143,8 +157,26 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     model = model.to(dtype).eval().requires_grad_(False)
     if quantization is not None:
         from engine.quant import quantize
-        quantize(model, quantization)
+        quantize(model, quantization, _load_calibration(path, quantization))
     return _with_single_token(model, single_token, prepack and can_prepack(dtype, device))
+
+
+LOAD_CALIB_TOKENS = 2048  # SmoothQuant at load: ~2 s on SmolLM2-135M, 2 CPU cores
+
+
+def _load_calibration(path: Path, quantization) -> list[list[int]] | None:
+    """Calibration sequences for a format quantized at load that needs them (W8A8's
+    SmoothQuant scales): the bundled sample (engine/quant/data), tokenized with the model's
+    tokenizer. None for round-to-nearest formats."""
+    from engine.quant import QuantConfig
+    cfg = QuantConfig.parse(quantization) if isinstance(quantization, str) else quantization
+    if cfg is None or (cfg.activations != "int8" and cfg.method == "rtn"):
+        return None
+    from transformers import AutoTokenizer
+
+    from engine.quant.calib import calib_sequences, load_calib_texts
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return calib_sequences(tokenizer, load_calib_texts(None), max_tokens=LOAD_CALIB_TOKENS)
 
 
 def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool) -> LlamaForCausalLM:

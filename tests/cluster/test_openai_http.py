@@ -191,3 +191,51 @@ def test_logprobs_across_prefill_and_decode_equal_hf(client, model, stub, cluste
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
     assert "".join(c.token for c in content) == chat.choices[0].message.content
     wait_idle(stub, cluster)
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, model, stub, cluster, hf_model, tokenizer,
+                                                            wait_idle):
+    """lm-eval's log-likelihood request: echo, logprobs 1, max_tokens 1. The prompt's log
+    probabilities (computed on the prefill worker, the prompt taken whole even when its prefix
+    is cached) equal HF's; the first prompt token has none."""
+    import torch
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        want = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    for _ in range(2):  # the second time its blocks are in the prefix caches
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                        echo=True)
+        c = out.choices[0]
+        assert c.text.startswith(prompt) and len(c.logprobs.tokens) == len(ids) + 1
+        assert c.logprobs.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+            [want[i, t].item() for i, t in enumerate(ids[1:])], abs=1e-3)
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
+    wait_idle(stub, cluster)
+
+
+def test_n_choices_share_one_prefill_of_their_prompt(client, model, stub, cluster, wait_idle):
+    """The first choice runs alone until its first token; the others then start on the same
+    workers and find the prompt's full blocks in the prefix cache: computed once, not n times."""
+    from router.openai_api import CompletionRequest, parse, requests_for
+    from router.openai_http import _merged
+    prompt = "Share this prompt among all the choices: " + "a long enough tail of words " * 12
+    req = parse(CompletionRequest, {"model": model, "prompt": prompt, "n": 3, "max_tokens": 4, "seed": 5})
+    _, reqs = requests_for(req, "share", 16)
+
+    async def run():
+        finals = {}
+        async for i, r in _merged(cluster.router, reqs, "", n=3):
+            if r.finish_reason:
+                finals[i] = r.usage
+        return finals
+
+    finals = cluster.call(run)
+    prompt_tokens = finals[0].prompt_tokens
+    full_blocks = (prompt_tokens - 1) // 16 * 16  # the last token is always computed
+    assert finals[0].cached_prompt_tokens == 0  # a prompt nobody sent before
+    assert [finals[k].cached_prompt_tokens for k in (1, 2)] == [full_blocks] * 2
+    assert len({(u.prefill_worker, u.decode_worker) for u in finals.values()}) == 1
+    wait_idle(stub, cluster)

@@ -93,6 +93,24 @@ def test_bad_requests_leave_the_engine_undisturbed(make_engine):
     assert len(outs[0].token_ids) == 24
 
 
+def test_a_hugging_face_model_id_resolves_from_the_local_cache_only(tmp_path, model_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from engine.models.loader import resolve_model_path
+    repo = tmp_path / "models--acme--smol"
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for f in model_path.iterdir():
+        (snap / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model_path("acme/smol") == snap
+    with pytest.raises(ModelLoadError, match="Hugging Face cache") as e:
+        resolve_model_path("acme/other")
+    assert "huggingface-cli download acme/other" in str(e.value)
+
+
 def test_unknown_model_path_and_architecture(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLMEngine(EngineConfig(model=str(tmp_path / "nope")), progress=False)

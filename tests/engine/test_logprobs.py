@@ -92,3 +92,24 @@ def test_a_speculating_engine_does_not_speculate_for_logprobs(make_engine, token
     assert t1 == t2
     assert [x[1] for x in lp1] == pytest.approx([x[1] for x in lp2], abs=TOL)
     assert spec.spec.verify_steps == 0
+
+
+@pytest.mark.parametrize("budget", [2048, 16])  # whole, and in chunks of 16 tokens
+def test_prompt_logprobs_equal_hf_even_when_the_prefix_is_cached(make_engine, hf_model, tokenizer, budget):
+    eng = make_engine(budget=budget)
+    prompt = ("Once upon a time, in a small village at the edge of a great forest, there lived an old "
+              "clockmaker who had never once left the valley.")
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        want = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
+        rid = eng.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
+        outs = [o for o in eng.stream() if o.request_id == rid]
+        carrying = [o for o in outs if o.prompt_logprobs is not None]
+        assert len(carrying) == 1 and carrying[0] is outs[0]  # with the first token, once
+        got = carrying[0].prompt_logprobs
+        assert [t for t, _, _ in got] == ids[1:]
+        assert [lp for _, lp, _ in got] == pytest.approx([want[i, t].item() for i, t in enumerate(ids[1:])], abs=TOL)
+        assert all([v for _, v in top] == pytest.approx(want[i].topk(3).values.tolist(), abs=TOL)
+                   for i, (_, _, top) in enumerate(got))
+        assert outs[0].num_prompt_tokens == len(ids)

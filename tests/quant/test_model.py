@@ -87,6 +87,15 @@ def test_engine_decodes_quantized_and_from_a_checkpoint(tiny_dir, tmp_path):
     assert _greedy(engine(tmp_path / "ck")) == toks  # RTN offline == RTN at load
 
 
+def test_w8a8_at_load_is_calibrated_on_the_bundled_sample(tiny_dir):
+    """`decode.quantization: w8a8` used to fail at start: SmoothQuant needs calibration data,
+    and none was passed at load. The loader now calibrates on the bundled sample."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_dir), quantization="w8a8", cache=CacheConfig(memory_gb=0.02)),
+                    progress=False)
+    assert isinstance(eng.model.layers[0].self_attn.qkv_proj, W8A8Linear)
+    assert len(_greedy(eng)) == 12
+
+
 def test_auto_protect_meets_the_budget(tiny_dir):
     from engine.quant.calib import mean_nll
     from engine.quant.quantize import compute_weights, plan_targets

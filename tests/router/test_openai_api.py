@@ -187,4 +187,20 @@ def test_logprobs_requests_map_onto_sampling_logprobs():
     assert _refused(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                             "top_logprobs": 2}).param == "top_logprobs"
     assert _refused(CompletionRequest, {"prompt": "x", "logprobs": 6}).param == "logprobs"
-    assert _refused(CompletionRequest, {"prompt": "x", "echo": True}).param == "echo"
+    [g] = _one(CompletionRequest, prompt="x", logprobs=1, echo=True)
+    assert g.sampling.prompt_logprobs == 1 and g.sampling.logprobs == 1
+    [g] = _one(CompletionRequest, prompt="x", echo=True)
+    assert not g.sampling.HasField("prompt_logprobs")
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    names = {1: "Hi", 2: " there", 3: "!"}.get
+    text = Shaper(False, "c", "m", 1, names, echo=["Hi there"])
+    first = _r("!", lps=[_lp(3, -0.125, (3, -0.125))])  # (values exact in float32)
+    first.prompt_token_ids.extend([1, 2])
+    first.prompt_logprobs.append(_lp(2, -2.5, (3, -1.0)))
+    c = text.chunk(0, first)["choices"][0]
+    assert c["text"] == "Hi there!"
+    assert c["logprobs"] == {"tokens": ["Hi", " there", "!"], "token_logprobs": [None, -2.5, -0.125],
+                             "top_logprobs": [None, {"!": -1.0}, {"!": -0.125}], "text_offset": [0, 2, 8]}
+    assert text.chunk(0, _r("!"))["choices"][0]["text"] == "!"  # only the first chunk echoes

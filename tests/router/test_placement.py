@@ -57,3 +57,13 @@ def test_memory_promised_to_running_requests_is_not_free():
     assert pick_decode([promised], 100, 100) is None
     assert pick_decode([promised], 100, 100, reserve_fraction=0.5).worker_id == "promised"
     assert pick_decode([promised, decode("other", free=20)], 100, 100).worker_id == "other"
+
+
+def test_a_preferred_worker_wins_only_if_it_can_take_the_request():
+    ws = [decode("roomy", free=900), decode("holder", free=100)]
+    assert pick_decode(ws, 100, 100, prefer="holder").worker_id == "holder"
+    assert pick_decode(ws, 100, 2000, prefer="holder").worker_id == "roomy"  # does not fit there
+    assert pick_decode(ws, 100, 100, prefer="gone").worker_id == "roomy"
+    ps = [prefill("idle", 0), prefill("holder", 4000), prefill("full", 0, free=2)]
+    assert pick_prefill(ps, 512, prefer="holder").worker_id == "holder"
+    assert pick_prefill(ps, 512, prefer="full").worker_id == "idle"

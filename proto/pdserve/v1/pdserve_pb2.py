@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd8\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\xab\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\"\xc6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa5\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x13\n\x0bspeculative\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0f\n\x07kernels\x18\x08 \x01(\t\"/\n\x17GetClusterStatusRequest\x12\x14\n\x0c\x63heck_blocks\x18\x01 \x01(\x08\"\xb2\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x12\x10\n\x08restarts\x18\n \x01(\r\x12\x1e\n\x16speculative_acceptance\x18\x0b \x01(\x01\x12%\n\x1dspeculative_tokens_per_verify\x18\x0c \x01(\x01\x12\x17\n\x0fstranded_blocks\x18\r \x01(\r\"\xc5\x01\n\rClusterStatus\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x18\n\x10\x61utoscale_events\x18\x06 \x03(\t\x12\x16\n\x0e\x62locks_checked\x18\x07 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xaf\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8a\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\xab\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\"\x93\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa5\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x13\n\x0bspeculative\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0f\n\x07kernels\x18\x08 \x01(\t\"/\n\x17GetClusterStatusRequest\x12\x14\n\x0c\x63heck_blocks\x18\x01 \x01(\x08\"\xb2\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x12\x10\n\x08restarts\x18\n \x01(\r\x12\x1e\n\x16speculative_acceptance\x18\x0b \x01(\x01\x12%\n\x1dspeculative_tokens_per_verify\x18\x0c \x01(\x01\x12\x17\n\x0fstranded_blocks\x18\r \x01(\r\"\xc5\x01\n\rClusterStatus\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x18\n\x10\x61utoscale_events\x18\x06 \x03(\t\x12\x16\n\x0e\x62locks_checked\x18\x07 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xaf\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2176
-  _globals['_FINISHREASON']._serialized_end=2296
+  _globals['_FINISHREASON']._serialized_start=2303
+  _globals['_FINISHREASON']._serialized_end=2423
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_CHATMESSAGES']._serialized_start=86
@@ -40,31 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=145
   _globals['_TOKENIDS']._serialized_end=168
   _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=643
-  _globals['_TOPLOGPROB']._serialized_start=645
-  _globals['_TOPLOGPROB']._serialized_end=692
-  _globals['_TOKENLOGPROB']._serialized_start=694
-  _globals['_TOKENLOGPROB']._serialized_end=780
-  _globals['_GENERATEREQUEST']._serialized_start=783
-  _globals['_GENERATEREQUEST']._serialized_end=982
-  _globals['_USAGE']._serialized_start=985
-  _globals['_USAGE']._serialized_end=1156
-  _globals['_GENERATERESPONSE']._serialized_start=1159
-  _globals['_GENERATERESPONSE']._serialized_end=1357
-  _globals['_ABORTREQUEST']._serialized_start=1359
-  _globals['_ABORTREQUEST']._serialized_end=1393
-  _globals['_ABORTRESPONSE']._serialized_start=1395
-  _globals['_ABORTRESPONSE']._serialized_end=1425
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1427
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1448
-  _globals['_MODELINFO']._serialized_start=1451
-  _globals['_MODELINFO']._serialized_end=1616
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1618
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1665
-  _globals['_WORKERSTATUS']._serialized_start=1668
-  _globals['_WORKERSTATUS']._serialized_end=1974
-  _globals['_CLUSTERSTATUS']._serialized_start=1977
-  _globals['_CLUSTERSTATUS']._serialized_end=2174
-  _globals['_GENERATION']._serialized_start=2299
-  _globals['_GENERATION']._serialized_end=2602
+  _globals['_SAMPLINGPARAMS']._serialized_end=693
+  _globals['_TOPLOGPROB']._serialized_start=695
+  _globals['_TOPLOGPROB']._serialized_end=742
+  _globals['_TOKENLOGPROB']._serialized_start=744
+  _globals['_TOKENLOGPROB']._serialized_end=830
+  _globals['_GENERATEREQUEST']._serialized_start=833
+  _globals['_GENERATEREQUEST']._serialized_end=1032
+  _globals['_USAGE']._serialized_start=1035
+  _globals['_USAGE']._serialized_end=1206
+  _globals['_GENERATERESPONSE']._serialized_start=1209
+  _globals['_GENERATERESPONSE']._serialized_end=1484
+  _globals['_ABORTREQUEST']._serialized_start=1486
+  _globals['_ABORTREQUEST']._serialized_end=1520
+  _globals['_ABORTRESPONSE']._serialized_start=1522
+  _globals['_ABORTRESPONSE']._serialized_end=1552
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1554
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1575
+  _globals['_MODELINFO']._serialized_start=1578
+  _globals['_MODELINFO']._serialized_end=1743
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1745
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1792
+  _globals['_WORKERSTATUS']._serialized_start=1795
+  _globals['_WORKERSTATUS']._serialized_end=2101
+  _globals['_CLUSTERSTATUS']._serialized_start=2104
+  _globals['_CLUSTERSTATUS']._serialized_end=2301
+  _globals['_GENERATION']._serialized_start=2426
+  _globals['_GENERATION']._serialized_end=2729
 # @@protoc_insertion_point(module_scope)
