@@ -88,3 +88,18 @@ def test_make_secrets_writes_what_the_cluster_config_names(tmp_path):
     assert "DNS:head.example" in text and "IP Address:10.0.0.5" in text
 
 
+
+
+def test_the_onprem_loopback_file_validates_with_token_auth_on_every_node():
+    """deploy/onprem-loopback.yaml: `ray up` with the local provider on 127.0.0.1-3 (run by hand:
+    it needs an SSH server; README "Deploying"). Ray's own validation, and Ray's token auth in
+    every start command (Ray resolves a 127.0.0.1 head to the machine's address)."""
+    import copy
+
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    raw = yaml.safe_load((DEPLOY / "onprem-loopback.yaml").read_text())
+    cfg = prepare_config(copy.deepcopy(raw))
+    validate_config(cfg)
+    assert cfg["provider"]["type"] == "local" and cfg["provider"]["worker_ips"] == ["127.0.0.2", "127.0.0.3"]
+    for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
+        assert "RAY_AUTH_MODE=token" in c and "ray_auth_token" in c, c
