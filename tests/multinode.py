@@ -64,17 +64,27 @@ class MultiNode:
     def home(self, node: Node) -> Path:
         return self.root / node.name / "home"
 
+    @property
+    def token_path(self) -> Path:
+        return self.root / "ray_auth_token"
+
     def env(self, node: Node) -> dict:
-        """The node's own environment: its HOME (model cache), Ray without the auth token (a
-        test cluster on loopback), UCX over TCP on loopback only (as between machines: no shared
-        memory, which UCX would otherwise pick between processes of one host)."""
+        """The node's own environment: its HOME (model cache), Ray's token auth (Ray resolves
+        a head at 127.0.0.1 to the machine's own address: its ports are not only on loopback),
+        UCX over TCP on loopback only (as between machines: no shared memory, which UCX would
+        otherwise pick between processes of one host)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PDSERVE_CACHE", "UCX_"))}
-        env.update(HOME=str(self.home(node)), RAY_AUTH_MODE="disabled", UCX_NET_DEVICES="lo", UCX_TLS="tcp",
+        env.update(HOME=str(self.home(node)), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path),
+                   UCX_NET_DEVICES="lo", UCX_TLS="tcp",
                    RAY_USAGE_STATS_ENABLED="0", PATH=f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}")
         return env
 
     def up(self, timeout: float = 180) -> MultiNode:
         (self.root / "ray").mkdir(parents=True, exist_ok=True)
+        if not self.token_path.exists():
+            import secrets
+            self.token_path.write_text(secrets.token_hex(32))
+            self.token_path.chmod(0o600)
         for node in self.nodes:
             self.home(node).mkdir(parents=True, exist_ok=True)
             head = node is self.nodes[0]
@@ -149,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.root or tempfile.mkdtemp(prefix="pdmn-", dir="/tmp"))  # short: AF_UNIX paths under it
         c = MultiNode(root).up()
         print(f"cluster up: address {c.address}, root {root}")
-        print(f"  serve: RAY_AUTH_MODE=disabled pdserve serve --address {c.address}")
+        print(f"  serve: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={c.token_path} pdserve serve --address {c.address}")
         print(f"  stop:  python tests/multinode.py down --root {root}")
         return 0
     if not args.root:
