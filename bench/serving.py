@@ -12,7 +12,8 @@ the other:
 TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
 column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
 ``p99_tpot_ratio_disagg_vs_colocated``, ``--ttft-overhead`` adds ``cluster_ttft_overhead_ms_512``
-(bench/ttft_overhead.py), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
+(bench/ttft_overhead.py) and, on a cluster it started, ``openai_http_overhead_ms_512`` (the OpenAI
+API's TTFT over gRPC's), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
 latency over time, goodput vs rate).
 """
 
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tpot-slo-ms", type=float, default=150.0, help="TPOT target (default 150 ms)")
     p.add_argument("--plot-dir", help="write PNG plots here (needs matplotlib: pip install 'pdserve[bench]')")
     p.add_argument("--ttft-overhead", action="store_true",
-                   help="also measure the cluster's TTFT overhead over the in-process engine, 512 tokens")
+                   help="also measure the cluster's TTFT overhead over the in-process engine, 512 tokens, and "
+                        "(on a cluster it starts) the OpenAI HTTP API's over gRPC")
     return p
 
 
@@ -172,8 +174,10 @@ def _main(args) -> int:
             log(f"{label}: {info.model}, {args.num_requests} requests of dataset {args.dataset}")
             results[label] = bench_server(server, args, info.vocab_size)
             if args.ttft_overhead:
-                from bench.ttft_overhead import ttft_overhead
+                from bench.ttft_overhead import http_overhead, ttft_overhead
                 out.update(ttft_overhead(stub, cfg, info.vocab_size, log))
+                if cluster is not None and cluster.http_port:
+                    out.update(http_overhead(stub, f"http://127.0.0.1:{cluster.http_port}/v1", info.vocab_size, log))
         finally:
             if cluster is not None:
                 cluster.stop()

@@ -1,5 +1,6 @@
 """What the cluster adds to time to first token: gRPC + router + Ray + KV transfer, measured
-against the in-process engine with the prefill worker's config, in the same run."""
+against the in-process engine with the prefill worker's config, in the same run; and, given the
+OpenAI API's address, what HTTP + server-sent events add over gRPC (requests interleaved)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,38 @@ def _client_ttft(stub, ids: list[int]) -> tuple[float, float]:
     if len(times) < 2:
         raise RuntimeError("the server sent fewer than 2 tokens")
     return times[0] - t0, times[1] - times[0]
+
+
+def _http_ttft(client, model: str, ids: list[int]) -> float:
+    """Time to the first token of one 2-token streamed /v1/completions request (logprobs on,
+    so that a token whose text is held back still comes as its own chunk)."""
+    t0 = time.perf_counter()
+    for chunk in client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, logprobs=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
+            return time.perf_counter() - t0
+    raise RuntimeError("the server streamed no token")
+
+
+def http_overhead(stub, http_base: str, vocab: int, log: Callable[[str], None] = print, reps: int = 9) -> dict:
+    """Median TTFT of fresh 512-token prompts over gRPC and over the OpenAI API, interleaved
+    (gRPC, HTTP, gRPC, ...) so that a noisy neighbour hits both."""
+    import openai
+    client = openai.OpenAI(base_url=http_base, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    rng = random.Random(4321)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)]
+    log(f"HTTP overhead: {reps} requests each over gRPC and the OpenAI API, interleaved ...")
+    _client_ttft(stub, prompt())
+    _http_ttft(client, model, prompt())
+    grpc_ms, http_ms = [], []
+    for _ in range(reps):
+        grpc_ms.append(_client_ttft(stub, prompt())[0] * 1e3)
+        http_ms.append(_http_ttft(client, model, prompt()) * 1e3)
+    g, h = statistics.median(grpc_ms), statistics.median(http_ms)
+    return {"grpc_ttft_ms_512": g, "openai_http_ttft_ms_512": h, "openai_http_overhead_ms_512": h - g}
 
 
 def ttft_overhead(stub, cfg, vocab: int, log: Callable[[str], None] = print, reps: int = 5) -> dict:
