@@ -20,6 +20,9 @@ from engine.sampler import Sampler, make_generator
 from engine.scheduler import StepPlan, StepResult
 
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per slice (SamplingParams.prompt_logprobs)
+
+
 class ModelRunner:
     """Executes steps; ``kv_caches`` is the per-layer (K, V) list from ``allocate_kv_tensors``."""
 
@@ -114,9 +117,13 @@ class ModelRunner:
             end = min(start + s.num_new_tokens, len(prompt) - 1)
             if first >= end:
                 continue
-            rows = torch.arange(s.first_row + first - start, s.first_row + end - start, device=self.device)
-            result.prompt_logprobs[r.request_id] = prompt_token_logprobs(
-                self.model.compute_logits(hidden[rows]), prompt[first + 1:end + 1], k)
+            out = result.prompt_logprobs[r.request_id] = []
+            # Full-vocabulary logits for a whole chunk at once would be rows x vocab x 4 bytes
+            # twice over (0.8 GB for 2,048 rows here): a slice at a time.
+            for a in range(first, end, PROMPT_LOGPROB_ROWS):
+                b = min(a + PROMPT_LOGPROB_ROWS, end)
+                rows = torch.arange(s.first_row + a - start, s.first_row + b - start, device=self.device)
+                out += prompt_token_logprobs(self.model.compute_logits(hidden[rows]), prompt[a + 1:b + 1], k)
 
     @torch.inference_mode()
     def all_logits(self, plan: StepPlan) -> torch.Tensor:

@@ -251,7 +251,8 @@ def token_logprobs(logits: Tensor, params: Sequence[SamplingParams], tokens: Seq
     if not rows:
         return out
     dev = logits.device
-    temps = torch.tensor([params[i].temperature or 1.0 for i in rows], dtype=torch.float32, device=dev)
+    temps = torch.tensor([max(params[i].temperature, _MIN_TEMPERATURE) if params[i].temperature else 1.0
+                          for i in rows], dtype=torch.float32, device=dev)
     lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float() / temps[:, None], dim=-1)
     chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=dev))[:, 0].tolist()
     k = max(params[i].logprobs for i in rows)

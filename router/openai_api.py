@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,6 +30,8 @@ from pdserve.v1 import pdserve_pb2 as pb
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEED = 2**64 - 1
+INT32 = 2**31 - 1  # the gRPC messages' integers: beyond, a 400 here rather than an error later
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
 
 
 class ApiError(Exception):
@@ -91,11 +93,11 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None  # accepted, unused
     # vLLM's extensions
-    top_k: int | None = None  # <= 0: off
+    top_k: int | None = Field(None, ge=-INT32, le=INT32)  # <= 0: off
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     # fields OpenAI defines that would change the output and that pdserve does not do
     _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix",
@@ -128,8 +130,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1, le=INT32)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
@@ -166,8 +168,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32)  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -177,10 +179,17 @@ class ChatCompletionRequest(_Sampling):
         return [pb.GenerateRequest(messages=pb.ChatMessages(messages=msgs))]
 
 
-def parse(kind: type[_Sampling], body: Any) -> _Sampling:
-    """Validate a JSON body into a request (ApiError 400 naming the first bad parameter)."""
+def parse(kind: type[_Sampling], body: Any, most_choices: int | None = None) -> _Sampling:
+    """Validate a JSON body into a request (ApiError 400 naming the first bad parameter).
+    ``most_choices``: the prompts x n limit, checked first on the raw body (validating a body
+    of a million one-token prompts would hold the event loop for seconds)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    prompt, n = body.get("prompt"), body.get("n", 1)
+    if most_choices is not None and isinstance(n, int) and isinstance(prompt, list) and prompt \
+            and not isinstance(prompt[0], int) and len(prompt) * max(n, 1) > most_choices:
+        raise ApiError(400, f"{len(prompt)} prompts x n={n} is more than {most_choices} choices (limits.choices)",
+                       "prompt")
     try:
         req = kind.model_validate(body)
     except ValidationError as e:

@@ -33,6 +33,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, Shaper, api_error, models_list,
                                parse, requests_for)
@@ -46,6 +47,17 @@ SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-contro
 
 class ClientGone(Exception):
     """The client closed the connection."""
+
+
+async def _decode(router, ids) -> str:
+    """A prompt's token ids as text (echo), checked first (the router's own check comes later)
+    and decoded on the tokenizer's thread, not the event loop."""
+    ids = list(ids)
+    lim = router.limits
+    if len(ids) >= lim.context_length or any(not 0 <= t < lim.vocab_size for t in ids):
+        raise ApiError(400, f"prompt: token ids must be in [0, {lim.vocab_size}) and fewer than "
+                            f"{lim.context_length}", "prompt")
+    return await asyncio.get_running_loop().run_in_executor(router._tokenizing, router.tokenizer.decode, ids)
 
 
 async def _disconnect(receive) -> None:
@@ -124,7 +136,11 @@ def build_app(router):
 
     async def complete(request: Request, kind):
         owner = caller(request)
-        req = parse(kind, await body(request))
+        try:
+            raw = await body(request)
+        except ClientDisconnect:  # gone while sending the body: nothing started
+            return Response(status_code=499)
+        req = parse(kind, raw, limits.choices)
         if req.model != served_name():
             raise ApiError(404, f"the model {req.model!r} does not exist here; this server serves "
                                 f"{served_name()!r} (GET /v1/models)", "model", code="model_not_found")
@@ -132,7 +148,7 @@ def build_app(router):
         rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", limits.choices)
         echo = None
         if not chat and req.echo:  # the prompt's text before each choice's completion
-            echo = [g.prompt if g.WhichOneof("input") == "prompt" else router.tokenizer.decode(list(g.token_ids.ids))
+            echo = [g.prompt if g.WhichOneof("input") == "prompt" else await _decode(router, g.token_ids.ids)
                     for g in reqs]
         shaper = Shaper(chat, rid, served_name(), len(reqs), router.token_text, echo)
         events = _merged(router, reqs, owner, req.n)
@@ -145,6 +161,10 @@ def build_app(router):
         except Reject as e:
             await events.aclose()
             raise api_error(e.code, str(e)) from None
+        except ClientGone:  # its requests are freed; nobody reads an answer (499: nginx's "client closed")
+            await events.aclose()
+            log.info("event=client_disconnected before the answer")
+            return Response(status_code=499)
         except BaseException:
             await events.aclose()
             raise

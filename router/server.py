@@ -283,7 +283,9 @@ class Router(pb_grpc.GenerationServicer):
                 if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
                     raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
                 prefer = job.prefer or ("", "")
-                d = pick_decode(self.pools.loads(*roles), len(ids), params.max_tokens, frac, prefer[1])
+                # (a decode worker receives a prompt's whole KV: only a colocated one shares it)
+                d = pick_decode(self.pools.loads(*roles), len(ids), params.max_tokens, frac,
+                                prefer[1] if self.colocated else None)
                 p = None if self.colocated or d is None else self._pick_prefill(len(ids), prefer[0])
                 if d is None or (p is None and not self.colocated):
                     if not queued:

@@ -113,6 +113,10 @@ def test_errors_have_openais_shape_and_status(client, model, cluster):
     huge = b'{"model": "m", "prompt": "' + b"a" * cluster.router.cfg.limits.message_bytes + b'"}'
     r = httpx2.post(f"{base}/v1/completions", content=huge, timeout=30)
     assert r.status_code == 413 and "limits.message_bytes" in r.json()["error"]["message"]
+    r = httpx2.post(f"{base}/v1/completions", json={"model": model, "prompt": [-1, 5], "echo": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx2.post(f"{base}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2**31}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = httpx2.get(f"{base}/v1/nothing", timeout=30)
     assert r.status_code == 404 and "error" in r.json()
     assert httpx2.get(f"{base}/health", timeout=30).json() == {"status": "ok"}

@@ -94,8 +94,11 @@ def test_a_speculating_engine_does_not_speculate_for_logprobs(make_engine, token
     assert spec.spec.verify_steps == 0
 
 
-@pytest.mark.parametrize("budget", [2048, 16])  # whole, and in chunks of 16 tokens
-def test_prompt_logprobs_equal_hf_even_when_the_prefix_is_cached(make_engine, hf_model, tokenizer, budget):
+@pytest.mark.parametrize("budget,rows", [(2048, 256), (16, 256), (2048, 7)])  # whole; in chunks; in slices
+def test_prompt_logprobs_equal_hf_even_when_the_prefix_is_cached(make_engine, hf_model, tokenizer, budget, rows,
+                                                                  monkeypatch):
+    import engine.runner
+    monkeypatch.setattr(engine.runner, "PROMPT_LOGPROB_ROWS", rows)
     eng = make_engine(budget=budget)
     prompt = ("Once upon a time, in a small village at the edge of a great forest, there lived an old "
               "clockmaker who had never once left the valley.")

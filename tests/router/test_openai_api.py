@@ -66,6 +66,13 @@ def test_a_chat_maps_messages_text_parts_and_max_completion_tokens():
     (CompletionRequest, {"prompt": "x", "n": 0}, "n"),
     (CompletionRequest, {"prompt": "x", "n": 17}, "n"),
     (CompletionRequest, {"prompt": "x", "seed": -1}, "seed"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 2**31}, "max_tokens"),  # int32 in the gRPC messages
+    (CompletionRequest, {"prompt": "x", "top_k": 2**31}, "top_k"),
+    (CompletionRequest, {"prompt": [2**31]}, "prompt"),
+    (CompletionRequest, {"prompt": [-1]}, "prompt"),
+    (CompletionRequest, {"prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2**31},
+     "max_completion_tokens"),
     (CompletionRequest, {"prompt": ""}, "prompt"),
     (CompletionRequest, {"prompt": []}, "prompt"),
     (CompletionRequest, {"prompt": {"a": 1}}, "prompt"),
@@ -90,6 +97,16 @@ def test_unknown_fields_and_harmless_ones_are_accepted():
                metadata={"a": "b"}, tools=[], tool_choice="none", response_format={"type": "text"},
                some_future_field=1)
     assert g.messages.messages[0].content == "x"
+
+
+def test_too_many_choices_are_refused_before_the_body_is_validated():
+    body = {"model": "m", "prompt": [[1]] * 200_000}
+    with pytest.raises(ApiError) as e:
+        parse(CompletionRequest, body, most_choices=16)
+    assert e.value.param == "prompt" and "limits.choices" in str(e.value)
+    with pytest.raises(ApiError):
+        parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "n": 9}, most_choices=16)
+    assert parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "n": 8}, most_choices=16).n == 8
 
 
 def test_a_body_that_is_not_an_object_is_a_400():
