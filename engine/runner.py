@@ -16,7 +16,7 @@ import torch
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, apply_penalties, make_generator, prompt_token_logprobs, token_logprobs
 from engine.scheduler import StepPlan, StepResult
 
 
@@ -96,7 +96,6 @@ class ModelRunner:
         for r, t in zip(sample_reqs, tokens):
             result.sampled[r.request_id] = [t]
         if any(p.logprobs is not None for p in params):
-            from engine.sampler import apply_penalties, token_logprobs
             for r, lp in zip(sample_reqs, token_logprobs(apply_penalties(logits, params, prompts, outputs),
                                                          params, tokens)):
                 if lp is not None:
@@ -106,7 +105,6 @@ class ModelRunner:
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
         """For requests with SamplingParams.prompt_logprobs, score the prompt tokens this step
         computed (the logits at position p score prompt token p + 1), before any output."""
-        from engine.sampler import prompt_token_logprobs
         for s in plan.scheduled:
             r = s.request
             k = r.sampling_params.prompt_logprobs

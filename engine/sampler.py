@@ -254,23 +254,23 @@ def token_logprobs(logits: Tensor, params: Sequence[SamplingParams], tokens: Seq
     temps = torch.tensor([max(params[i].temperature, _MIN_TEMPERATURE) if params[i].temperature else 1.0
                           for i in rows], dtype=torch.float32, device=dev)
     lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float() / temps[:, None], dim=-1)
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=dev))[:, 0].tolist()
-    k = max(params[i].logprobs for i in rows)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, i in enumerate(rows):
-        n = params[i].logprobs
-        out[i] = (tokens[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+    scored = _scored(lp, [tokens[i] for i in rows], max(params[i].logprobs for i in rows))
+    for i, (tok, chosen, top) in zip(rows, scored):
+        out[i] = (tok, chosen, top[:params[i].logprobs])
     return out
+
+
+def _scored(lp: Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Per row of log probabilities ``lp``: (``tokens[j]``, its value, the ``k`` largest)."""
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen, top_i.tolist(), top_v.tolist())]
 
 
 def prompt_token_logprobs(logits: Tensor, next_tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """Raw log probabilities (log_softmax, no penalties, temperature 1) of ``next_tokens[j]``
     under ``logits[j]`` and the ``k`` most likely tokens there: a prompt's own tokens, scored."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(next_tokens, device=lp.device)[:, None])[:, 0].tolist()
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    return [(t, c, list(zip(i, v))) for t, c, i, v in zip(next_tokens, chosen, top_i.tolist(), top_v.tolist())]
+    return _scored(torch.log_softmax(logits.float(), dim=-1), next_tokens, k)
 
 
 class Sampler:

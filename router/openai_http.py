@@ -99,9 +99,6 @@ def build_app(router):
     async def _http_error(request, e: HTTPException):
         return error(ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
 
-    def served_name() -> str:
-        return router.served_model_name
-
     def caller(request: Request) -> str:
         value = request.headers.get("authorization")
         owner = router.door.auth.caller([("authorization", value)] if value else [])
@@ -132,7 +129,7 @@ def build_app(router):
     @app.get("/v1/models")
     async def models(request: Request):
         caller(request)
-        return models_list(served_name(), router.limits.context_length, started)
+        return models_list(router.served_model_name, router.limits.context_length, started)
 
     async def complete(request: Request, kind):
         owner = caller(request)
@@ -141,16 +138,16 @@ def build_app(router):
         except ClientDisconnect:  # gone while sending the body: nothing started
             return Response(status_code=499)
         req = parse(kind, raw, limits.choices)
-        if req.model != served_name():
+        if req.model != router.served_model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist here; this server serves "
-                                f"{served_name()!r} (GET /v1/models)", "model", code="model_not_found")
+                                f"{router.served_model_name!r} (GET /v1/models)", "model", code="model_not_found")
         chat = kind is ChatCompletionRequest
         rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", limits.choices)
         echo = None
         if not chat and req.echo:  # the prompt's text before each choice's completion
             echo = [g.prompt if g.WhichOneof("input") == "prompt" else await _decode(router, g.token_ids.ids)
                     for g in reqs]
-        shaper = Shaper(chat, rid, served_name(), len(reqs), router.token_text, echo)
+        shaper = Shaper(chat, rid, router.served_model_name, len(reqs), router.token_text, echo)
         events = _merged(router, reqs, owner, req.n)
         try:
             if not req.stream:
@@ -269,7 +266,7 @@ async def _sse(first, events, shaper: Shaper, n: int, include_usage: bool):
         item = first
         while item is not None:
             i, r = item
-            if r.text or r.finish_reason or r.logprobs or not r.token_ids:
+            if r.text or r.finish_reason or r.logprobs:  # (else a held-back token: its text comes later)
                 yield _event(shaper.chunk(i, r))
             item = await anext(events, None)
         if include_usage:
