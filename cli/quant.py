@@ -73,6 +73,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--scan-unit", default="linear", choices=["linear", "layer"],
                    help="sensitivity scan granularity (layer: one decoder layer at a time, faster)")
     q.add_argument("--out", required=True, help="output folder for the quantized checkpoint")
+    q.add_argument("--format", default="pdserve", choices=["pdserve", "gptq"], dest="layout",
+                   help="folder layout: pdserve (every format; default) or gptq (Hugging Face GPTQ v1, INT4 "
+                        "only, one group size: what vLLM, transformers+optimum and GPTQModel load)")
     q.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser(
@@ -110,7 +113,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model, progress=True)
     bar = ProgressBar()
     convert(path, cfg, args.out, calib=args.calib, auto_protect=args.max_ppl_increase if auto else None,
-            scan_unit=args.scan_unit, calib_tokens=args.calib_tokens, progress=bar)
+            scan_unit=args.scan_unit, calib_tokens=args.calib_tokens, progress=bar, layout=args.layout)
     bar.done()
     return 0
 

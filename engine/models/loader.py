@@ -90,6 +90,42 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {str(path)!r}")
 
 
+def our_name(hf_name: str) -> tuple[str, int | None, int]:
+    """An HF parameter or module name -> (our name, part index in a fused module or None, parts).
+
+    ``model.layers.0.self_attn.k_proj.weight`` -> (``layers.0.self_attn.qkv_proj.weight``, 1, 3).
+    """
+    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    for hf, (fused, idx) in _FUSED.items():
+        if f".{hf}." in f".{name}.":
+            return name.replace(hf, fused), idx, 3 if "qkv" in fused else 2
+    return name, None, 1
+
+
+def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> ours, q/k/v and gate/up concatenated along the output dim (rotary buffers
+    dropped: they are recomputed, not weights).
+
+    Raises:
+        ModelLoadError: a fused module with a part missing.
+    """
+    parts: dict[str, list[torch.Tensor | None]] = {}
+    ours: dict[str, torch.Tensor] = {}
+    for name, w in sd.items():
+        if "rotary_emb" in name:
+            continue
+        key, idx, n = our_name(name)
+        if idx is None:
+            ours[key] = w
+        else:
+            parts.setdefault(key, [None] * n)[idx] = w
+    for key, ws in parts.items():
+        if any(w is None for w in ws):
+            raise ModelLoadError(f"checkpoint is missing a part of {key}")
+        ours[key] = torch.cat(ws, 0)  # type: ignore[arg-type]
+    return ours
+
+
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                device: str = "cpu", quantization=None, prepack: bool = True,
                single_token: bool = False) -> LlamaForCausalLM:
@@ -122,25 +158,7 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     model.rotary.cos, model.rotary.sin = rot.cos.to(device), rot.sin.to(device)
 
-    sd = _read_state_dict(path)
-    parts: dict[str, list[torch.Tensor | None]] = {}
-    ours: dict[str, torch.Tensor] = {}
-    for name, w in sd.items():
-        if name.startswith("model."):
-            name = name[len("model."):]
-        if "rotary_emb" in name:
-            continue
-        for hf, (fused, idx) in _FUSED.items():
-            if f".{hf}." in f".{name}":
-                key = name.replace(hf, fused)
-                parts.setdefault(key, [None] * (3 if "qkv" in fused else 2))[idx] = w
-                break
-        else:
-            ours[name] = w
-    for key, ws in parts.items():
-        if any(w is None for w in ws):
-            raise ModelLoadError(f"checkpoint is missing a part of {key}")
-        ours[key] = torch.cat(ws, 0)  # type: ignore[arg-type]
+    ours = fuse_state_dict(_read_state_dict(path))
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
     expected = {n for n, _ in model.named_parameters()}

@@ -14,14 +14,16 @@ def split_quantization(spec: str | None, model_path: str) -> tuple[str, str | No
     """A decode pool's ``quantization`` setting -> (model folder to load, quantization at load).
 
     ``spec`` is "none", a short name ("int8", "int4-g64", "w8a8": applied with RTN at load) or
-    a quantized checkpoint folder (``pdserve quantize --out``), which is loaded instead.
+    a quantized checkpoint folder (``pdserve quantize --out``, or a Hugging Face GPTQ/AWQ
+    folder), which is loaded instead.
     """
     from pathlib import Path
 
     from engine.quant.checkpoint import is_quantized_checkpoint
     if spec and Path(spec).expanduser().is_dir():
         if not is_quantized_checkpoint(Path(spec).expanduser()):
-            raise ValueError(f"{spec!r} is a folder but not a quantized checkpoint (no pdserve_quant.json)")
+            raise ValueError(f"{spec!r} is a folder but not a quantized checkpoint (no pdserve_quant.json, "
+                             "and no GPTQ/AWQ quantization_config in its config.json)")
         return str(Path(spec).expanduser()), None
     cfg = QuantConfig.parse(spec)
     return model_path, None if cfg is None else spec
@@ -29,8 +31,8 @@ def split_quantization(spec: str | None, model_path: str) -> tuple[str, str | No
 
 def quantization_name(quantization: str | None, model_path) -> str:
     """What model_info reports: "none", "int8", "int4-g128", ... (a checkpoint's saved name)."""
-    from engine.quant.checkpoint import is_quantized_checkpoint, read_meta
+    from engine.quant.checkpoint import checkpoint_name, is_quantized_checkpoint
     if is_quantized_checkpoint(model_path):
-        return read_meta(model_path)["name"]
+        return checkpoint_name(model_path)
     cfg = QuantConfig.parse(quantization)
     return "none" if cfg is None else cfg.name

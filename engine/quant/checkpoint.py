@@ -10,7 +10,8 @@ Layout of ``DIR``:
                           everything else (embeddings, norms, protected linears) in full precision
     pdserve_quant.json    the QuantConfig, the per-layer format, and the quality report
 
-The folder is recognized by ``pdserve_quant.json``; ``engine.models.loader.load_model`` hands it
+The folder is recognized by ``pdserve_quant.json`` (or, for a Hugging Face GPTQ/AWQ folder, by
+``quantization_config`` in its config.json: engine/quant/hf_format.py); ``load_model`` hands it
 here. Loading builds the kernels' packed layouts from the canonical integers.
 """
 
@@ -35,11 +36,32 @@ _SKIP_COPY = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / META_FILE).is_file()
+    """Ours (``pdserve_quant.json``) or a Hugging Face GPTQ/AWQ folder (engine/quant/hf_format.py)."""
+    from engine.quant.hf_format import is_hf_quantized
+    return (Path(path) / META_FILE).is_file() or is_hf_quantized(path)
+
+
+def checkpoint_name(path: str | Path) -> str:
+    """The format's short name ("int4-g128", ...), what model_info reports."""
+    if (Path(path) / META_FILE).is_file():
+        return read_meta(path)["name"]
+    from engine.quant.hf_format import hf_quant_config
+    return hf_quant_config(path).name
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META_FILE).read_text())
+
+
+def copy_side_files(src: Path, out: Path) -> None:
+    """Create ``out`` with the source folder's config, tokenizer and generation files (not its
+    weights nor any quantization metadata)."""
+    if out.resolve() == src.resolve():
+        raise ValueError("the output folder must differ from the source model folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(_SKIP_COPY) and f.name not in (META_FILE, "quantize_config.json"):
+            shutil.copy2(f, out / f.name)
 
 
 def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path, source_dir: str | Path,
@@ -56,12 +78,7 @@ def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path, sour
     from safetensors.torch import save_file
 
     out, src = Path(out_dir), Path(source_dir)
-    if out.resolve() == src.resolve():
-        raise ValueError("the output folder must differ from the source model folder")
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(_SKIP_COPY) and f.name != META_FILE:
-            shutil.copy2(f, out / f.name)
+    copy_side_files(src, out)
     layers: dict[str, dict[str, Any]] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, QuantLinear):
@@ -96,34 +113,26 @@ def _module(kind: str, sd: dict[str, torch.Tensor], name: str, info: dict[str, A
 
 def load_quantized(path: str | Path, backend, dtype: torch.dtype, device: str = "cpu",
                    prepack: bool = True) -> nn.Module:
-    """Build our model from a quantized checkpoint folder (``prepack``: the fp32 linears left
-    get oneDNN layouts, as ``load_model`` does).
+    """Build our model from a quantized checkpoint folder, ours or a Hugging Face GPTQ/AWQ one
+    (``prepack``: the fp32 linears left get oneDNN layouts, as ``load_model`` does).
 
     Raises:
-        ModelLoadError: the weights do not match the config or the layer list.
+        ModelLoadError: the weights do not match the config or the layer list, or a layout
+            our kernels cannot run.
     """
     from safetensors.torch import load_file
 
-    from engine.config import ModelConfig
     from engine.errors import ModelLoadError
-    from engine.layers.linear import can_prepack, prepack_linears
-    from engine.layers.rotary import RotaryEmbedding
-    from engine.models.llama import LlamaForCausalLM
-    from engine.quant.quantize import set_module
 
     path = Path(path)
+    if not (path / META_FILE).is_file():
+        from engine.quant.hf_format import read_hf_quantized
+        sd, qmods, tied = read_hf_quantized(path)
+        return assemble(path, sd, qmods, tied, backend, dtype, device, prepack)
     meta = read_meta(path)
     if meta.get("version") != 1:
         raise ModelLoadError(f"{META_FILE} in {str(path)!r} has unsupported version {meta.get('version')!r}")
     QuantConfig.from_dict(meta["quantization"])  # validates
-    cfg = ModelConfig.from_hf(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
-    model = model.to_empty(device="cpu")
-    if meta.get("tied_lm_head"):
-        model.lm_head.weight = model.embed_tokens.weight
-    rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-    model.rotary.cos, model.rotary.sin = rot.cos, rot.sin
     sd = load_file(str(path / WEIGHTS_FILE))
     qmods: dict[str, QuantLinear] = {}
     try:
@@ -131,9 +140,42 @@ def load_quantized(path: str | Path, backend, dtype: torch.dtype, device: str = 
             qmods[name] = _module(info["kind"], sd, name, info)
     except KeyError as e:
         raise ModelLoadError(f"quantized checkpoint {str(path)!r} lacks tensor {e}") from None
+    return assemble(path, sd, qmods, bool(meta.get("tied_lm_head")), backend, dtype, device, prepack)
+
+
+def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLinear], tied: bool, backend,
+             dtype: torch.dtype, device: str = "cpu", prepack: bool = True) -> nn.Module:
+    """Our model from ``config.json`` at ``path``, full-precision tensors ``sd`` (our names) and
+    the quantized modules ``qmods`` (our module names); ``tied``: the LM head is the embedding.
+
+    Raises:
+        ModelLoadError: tensors missing, unexpected or of the wrong shape.
+    """
+    from engine.config import ModelConfig
+    from engine.errors import ModelLoadError
+    from engine.layers.linear import can_prepack, prepack_linears
+    from engine.layers.rotary import RotaryEmbedding
+    from engine.models.llama import LlamaForCausalLM
+    from engine.quant.quantize import set_module
+
+    cfg = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend)
+    model = model.to_empty(device="cpu")
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    model.rotary.cos, model.rotary.sin = rot.cos, rot.sin
+    modules = dict(model.named_modules())
+    for name, mod in qmods.items():
+        lin = modules.get(name)
+        if not isinstance(lin, nn.Linear) or (lin.out_features, lin.in_features) != (mod.out_features, mod.in_features):
+            want = "no such linear" if not isinstance(lin, nn.Linear) else f"[{lin.out_features}, {lin.in_features}]"
+            raise ModelLoadError(f"{name}: quantized weight [{mod.out_features}, {mod.in_features}] in {str(path)!r} "
+                                 f"does not fit the model ({want})")
     params = dict(model.named_parameters())
     expected = {n for n in params if n.rpartition(".")[0] not in qmods}
-    if meta.get("tied_lm_head"):
+    if tied:
         expected.discard("lm_head.weight")
     missing, unexpected = expected - sd.keys(), sd.keys() - expected
     if missing or unexpected:

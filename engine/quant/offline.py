@@ -24,6 +24,7 @@ from engine.quant.eval import HELDOUT, perplexity
 from engine.quant.quantize import compute_weights, plan_targets, swap_in
 
 Log = Callable[[str], None]
+LAYOUTS = ("pdserve", "gptq")
 
 
 def load_plain(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -45,7 +46,7 @@ def quality(model: nn.Module, tokenizer, seqs: list[list[int]], heldout_tokens: 
 def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None = None,
             calib: str | Path | None = None, auto_protect: float | None = None, scan_unit: str = "linear",
             calib_tokens: int = 2048, seq_len: int = 512, heldout_tokens: int = 1024, log: Log = print,
-            progress: Callable[[str], None] | None = None) -> tuple[nn.Module, QuantConfig, dict[str, Any]]:
+            progress: Callable[[str], None] | None = None, layout: str = "pdserve") -> tuple[nn.Module, QuantConfig, dict[str, Any]]:
     """Quantize the model at ``model_path``; save to ``out_dir`` when given.
 
     Args:
@@ -54,6 +55,8 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
         auto_protect: a ppl-increase budget (fraction): scan and protect the fewest units; the
             last quarter of the calibration sequences is held back from fitting to measure it.
         scan_unit: "linear" or "layer" granularity for the scan.
+        layout: the saved folder's layout: "pdserve" (every format) or "gptq" (Hugging Face GPTQ,
+            INT4 only, read by vLLM, transformers, GPTQModel: engine/quant/hf_format.py).
         heldout_tokens: tokens of each held-out text scored before and after.
     Returns:
         (the quantized model, the final config with every protected name, the report).
@@ -64,6 +67,10 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
 
     from engine.quant.sensitivity import choose_protection, format_table, scan
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "gptq" and (cfg.bits != 4 or cfg.activations != "none"):
+        raise ValueError("the gptq layout holds 4-bit weight-only formats: use --bits 4 (or the pdserve layout)")
     t0 = time.monotonic()
     model = load_plain(model_path)
     tok = AutoTokenizer.from_pretrained(str(model_path))
@@ -98,9 +105,13 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
     log("change: " + ", ".join(f"{k} {100 * (after[k] / before[k] - 1):+.2f}%" for k in before))
     report["seconds"] = round(time.monotonic() - t0, 1)
     if out_dir is not None:
-        from engine.quant.checkpoint import save_quantized
-        save_quantized(model, cfg, out_dir, model_path, report)
-        log(f"saved {cfg.name} checkpoint to {out_dir} ({report['seconds']} s)")
+        if layout == "gptq":
+            from engine.quant.hf_format import save_hf_gptq
+            save_hf_gptq(model, cfg, out_dir, model_path, report)
+        else:
+            from engine.quant.checkpoint import save_quantized
+            save_quantized(model, cfg, out_dir, model_path, report)
+        log(f"saved {cfg.name} checkpoint ({layout} layout) to {out_dir} ({report['seconds']} s)")
     return model, cfg, report
 
 
