@@ -141,6 +141,26 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None, symmetri
     return QuantizedWeight(q.to(torch.uint8), scale.contiguous(), zero.contiguous(), 4, group_size, symmetric)
 
 
+def interleave4(t: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [..., K] with position 4i + j holding column j*K/4 + i (K divisible by 4).
+
+    An INT8 weight in this order, read as int32 words, has in byte j of word i the weight of
+    column j*K/4 + i: a GEMV then multiplies byte plane j by the *contiguous* slice
+    x[j*K/4 : (j+1)*K/4] (engine/models/single_token.py), and every load is full width on any
+    vector ISA. The batched path applies the same order to the activations instead.
+    """
+    *lead, k = t.shape
+    if k % 4:
+        raise ValueError(f"interleaving by 4 needs a multiple of 4 columns, got {k}")
+    return t.reshape(*lead, 4, k // 4).transpose(-1, -2).reshape(*lead, k)
+
+
+def deinterleave4(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleave4`."""
+    *lead, k = t.shape
+    return t.reshape(*lead, k // 4, 4).transpose(-1, -2).reshape(*lead, k)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K] values 0..15 -> uint8 [N, K/2]: byte = q[2j] | q[2j+1] << 4."""
     if q.shape[-1] % 2:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.quant.cpu_kernels import w8a8_available, w8a8_reduce_range
-from engine.quant.formats import QuantizedWeight, pack_int4, unpack_int4
+from engine.quant.formats import QuantizedWeight, deinterleave4, interleave4, pack_int4, unpack_int4
 
 _INNER_K_TILES = 8  # tinygemm / CPU int4 packing tile; needs K % (inner_k_tiles * 16) == 0
 
@@ -86,7 +86,16 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", qw.q.to(torch.int8).clone())
         self.register_buffer("scale", qw.scale.float().clone())
         self.register_buffer("zero", qw.zero.float().clone())
+        self.interleaved = False  # qweight's columns in interleave4 order (set_interleaved)
         self._prepare()
+
+    def set_interleaved(self, qweight: torch.Tensor) -> None:
+        """Hold ``qweight`` = interleave4(the weight) (e.g. in the one-token path's huge-page
+        buffer, which reads it as int32 words); forward then interleaves the activations the
+        same way, so both paths share one copy of the weight."""
+        if qweight.shape != self.qweight.shape or qweight.dtype != torch.int8:
+            raise ValueError(f"interleaved weight {tuple(qweight.shape)} {qweight.dtype} != {tuple(self.qweight.shape)}")
+        self.qweight, self.interleaved = qweight, True
 
     def _prepare(self) -> None:
         self._scale_act = self.scale.to(self.act_dtype)
@@ -103,7 +112,8 @@ class Int8Linear(QuantLinear):
         return out
 
     def quantized_weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.scale, self.zero, 8, None, self.symmetric)
+        q = deinterleave4(self.qweight) if self.interleaved else self.qweight
+        return QuantizedWeight(q, self.scale, self.zero, 8, None, self.symmetric)
 
     def weight_bytes(self) -> int:
         n = self.qweight.numel() + self._scale_act.numel() * self._scale_act.element_size()
@@ -112,6 +122,8 @@ class Int8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if self.interleaved:  # x W^T = interleave4(x) interleave4(W)^T: the same sum, reordered
+            x2 = interleave4(x2)
         if self.kernel == "fused":
             y = fused_int8_matmul(x2, self.qweight, self._scale_act)
         elif x2.is_cuda:  # no int8 weight-only GEMM in torch for CUDA: int8 -> act dtype, one GEMM
