@@ -122,7 +122,8 @@ def report(model: torch.nn.Module | None = None, single_token: bool = False) -> 
             fast = ", compiled fp32 GEMV (one-token)" if single_token else ""
             kinds["int8"] = f"{mod.kernel} {act}-act (batched){fast}"
         elif isinstance(mod, Int4Linear) and "int4" not in kinds:
-            kinds["int4"] = f"{mod.kernel} {str(mod.act_dtype).removeprefix('torch.')}-act"
+            fast = " (batched; one-token: inside the compiled graphs)" if single_token else ""
+            kinds["int4"] = f"{mod.kernel} {str(mod.act_dtype).removeprefix('torch.')}-act{fast}"
         elif isinstance(mod, W8A8Linear) and "w8a8" not in kinds:
             kinds["w8a8"] = (f"{torch.backends.quantized.engine} "
                              + ("7-bit act (int16 pair sums saturate here)" if mod.reduce_range else "8-bit act"))

@@ -90,8 +90,8 @@ def test_layer_done_is_called_for_every_layer(make_engine):
     assert calls[0] == 2  # the 1-token prompt and the one decode step
 
 
-@pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"quantization": "int4"}, {"compile_decode": False}],
-                         ids=["bf16", "int4", "off"])
+@pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"quantization": "w8a8"}, {"compile_decode": False}],
+                         ids=["bf16", "w8a8", "off"])
 def test_not_used_where_unsupported_or_off(make_engine, kw):
     eng = make_engine(**kw)
     assert eng.model.single_token is None
@@ -122,11 +122,48 @@ def test_compile_failure_falls_back_to_eager(make_engine, monkeypatch):
     assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
 
 
-def _int8_activations(eng, dtype: torch.dtype) -> None:
-    from engine.quant.linear import Int8Linear
+def _quant_activations(eng, dtype: torch.dtype) -> None:
+    from engine.quant.linear import Int4Linear, Int8Linear
     for mod in eng.model.modules():
-        if isinstance(mod, Int8Linear):
+        if isinstance(mod, (Int8Linear, Int4Linear)):
             mod.set_act_dtype(dtype)
+    if eng.model.single_token is not None:
+        eng.model.single_token.sync()
+
+
+def _same_as_eager(fast, eager) -> SamplingParams:
+    """16 greedy tokens of a short prompt (the eager kernels with fp32 activations are slow for
+    many rows) through the one-token path and eagerly, fp32 activations on both: the same
+    tokens, every step's logits within the bound below. Returns the sampling params used."""
+    calls = _count_calls(fast)
+    _quant_activations(fast, torch.float32)
+    _quant_activations(eager, torch.float32)
+    got, want = _record_logits(fast), _record_logits(eager)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ids = list(range(1000, 1006))
+    assert fast.generate([ids], sp)[0].token_ids == eager.generate([ids], sp)[0].token_ids
+    assert calls[0] == 15
+    # Only the fp32 summation order differs (vectorized GEMV vs the kernel's blocked sums): a sum
+    # of K terms is off by ~sqrt(K) * 2^-24 relative, and 30 layers keep that near 1e-6 of the
+    # largest logit (measured 3e-6 under both AVX2 and AVX-512 dispatch). 1e-4 leaves 30x room,
+    # while one bf16 rounding anywhere (2^-8 = 4e-3 relative) would fail it.
+    for x, y in zip(got, want):
+        assert (x - y).abs().max().item() < 1e-4 * y.abs().max().item()
+    return sp
+
+
+def test_int4_weights_take_the_compiled_path_too(make_engine):
+    """INT4 linears call the int4pack kernel from inside the compiled graphs, on the packed
+    weight moved into the huge-page buffer (shared with the batched path)."""
+    fast = make_engine(quantization="int4")
+    eager = make_engine(quantization="int4", compile_decode=False)
+    assert fast.model.single_token is not None and eager.model.single_token is None
+    assert "inside the compiled graphs" in fast.kernels
+    st, qkv = fast.model.single_token, fast.model.layers[0].self_attn.qkv_proj
+    assert st.lin["0.qkv"][0].data_ptr() == qkv._packed.data_ptr()
+    # fp32 activations on both sides: the same kernel on inputs that differ only by the fp32
+    # rounding of the fused norms and rotary, so the bound of _same_as_eager.
+    _same_as_eager(fast, eager)
 
 
 @pytest.mark.parametrize("quant", ["int8", "int8-asym"])
@@ -141,25 +178,11 @@ def test_int8_weights_take_the_compiled_path_too(make_engine, quant):
     assert st.lin["0.qkv"][0].data_ptr() == qkv.qweight.data_ptr() and qkv.interleaved
     assert st.lin["0.qkv"][0].dtype == torch.int32
     assert torch.equal(qkv.quantized_weight().q, eager.model.layers[0].self_attn.qkv_proj.qweight)
-    calls = _count_calls(fast)
     # The same INT8 model on both sides: the compiled GEMV takes fp32 activations and sums in
     # fp32; so does the eager kernel once given fp32 activations (its serving default, bf16,
     # rounds every output to bf16: 2^-8 relative, enough to move a near-tie on any CPU class).
-    # A short prompt: the eager kernel with fp32 activations is slow for many rows.
-    _int8_activations(fast, torch.float32)
-    _int8_activations(eager, torch.float32)
-    got, want = _record_logits(fast), _record_logits(eager)
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    sp = _same_as_eager(fast, eager)
     ids = list(range(1000, 1006))
-    a, b = fast.generate([ids], sp)[0], eager.generate([ids], sp)[0]
-    assert calls[0] == 15
-    assert a.token_ids == b.token_ids
-    # Only the fp32 summation order differs (vectorized GEMV vs the kernel's blocked sums): a sum
-    # of K terms is off by ~sqrt(K) * 2^-24 relative, and 30 layers keep that near 1e-6 of the
-    # largest logit (measured 3e-6 under both AVX2 and AVX-512 dispatch). 1e-4 leaves 30x room,
-    # while one bf16 rounding anywhere (2^-8 = 4e-3 relative) would fail it.
-    for x, y in zip(got, want):
-        assert (x - y).abs().max().item() < 1e-4 * y.abs().max().item()
     # Batched steps run the INT8 kernel on the moved weights, activations interleaved the same
     # way: the same products summed in another order, so (fp32 activations) the same 1e-4 bound
     # and the same tokens. (Served with bf16 activations, each linear's output is rounded to bf16
@@ -170,5 +193,5 @@ def test_int8_weights_take_the_compiled_path_too(make_engine, quant):
     assert len(got) == len(want) and any(x.shape[0] == 2 for x in got)  # batched steps were compared
     for x, y in zip(got, want):
         assert (x - y).abs().max().item() < 1e-4 * y.abs().max().item()
-    _int8_activations(fast, torch.bfloat16)
+    _quant_activations(fast, torch.bfloat16)
     assert all(len(o.token_ids) == 16 for o in fast.generate(two, sp))

@@ -33,3 +33,20 @@ def tiny_model(tiny_dir):
     from engine.layers.attention import get_attention_backend
     from engine.models.loader import load_model
     return load_model(tiny_dir, get_attention_backend("sdpa"), torch.float32, prepack=False)
+
+
+@pytest.fixture
+def greedy():
+    """greedy(eng, ids, n): ``n`` greedy tokens (ignore_eos) of ``ids`` through an LLMEngine,
+    stepped by hand; checks that every KV block came back."""
+    from engine.request import SamplingParams
+
+    def run(eng, ids: list[int], n: int) -> list[int]:
+        eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id="r")
+        toks: list[int] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks.extend(o.new_token_ids)
+        assert eng.block_manager.num_used_blocks == 0
+        return toks
+    return run

@@ -35,15 +35,8 @@ def _logits(model):
     return SequenceForward(model).logits(IDS)
 
 
-def _greedy(path, n: int = 10) -> list[int]:
-    eng = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(memory_gb=0.02)), progress=False)
-    eng.add_request(IDS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id="r")
-    toks: list[int] = []
-    while eng.has_unfinished():
-        for o in eng.step():
-            toks.extend(o.new_token_ids)
-    assert eng.block_manager.num_used_blocks == 0
-    return toks
+def _engine(path):
+    return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(memory_gb=0.02)), progress=False)
 
 
 # ---- reference packers (the formats' own layouts, one value at a time) ------------------------
@@ -137,7 +130,7 @@ def test_hf_layouts_load_the_same_integers(tiny_dir, tmp_path, int4_model, metho
     assert torch.equal(_logits(loaded), _logits(load_model(ours, SDPA, torch.float32)))
 
 
-def test_pdserve_gptq_written_as_hf_gptq_serves_the_same_tokens(tiny_dir, tmp_path):
+def test_pdserve_gptq_written_as_hf_gptq_serves_the_same_tokens(tiny_dir, tmp_path, greedy):
     """Our GPTQ (act order with static groups, LM head quantized) saved in both layouts: the HF
     folder reads back as the same integers (by the reference unpacking in the format's own
     terms) and decodes the same greedy tokens."""
@@ -164,7 +157,7 @@ def test_pdserve_gptq_written_as_hf_gptq_serves_the_same_tokens(tiny_dir, tmp_pa
     assert set(sd) >= {"model.embed_tokens.weight", "lm_head.qweight", "model.layers.0.mlp.up_proj.g_idx"}
     assert torch.equal(_logits(load_model(hf, SDPA, torch.float32)), _logits(load_model(tmp_path / "ours", SDPA,
                                                                                          torch.float32)))
-    assert _greedy(hf) == _greedy(tmp_path / "ours")
+    assert greedy(_engine(hf), IDS, 10) == greedy(_engine(tmp_path / "ours"), IDS, 10)
 
 
 def test_what_the_int4_kernel_cannot_run_is_refused(tiny_dir, tmp_path, int4_model):
@@ -235,5 +228,4 @@ def test_quantize_command_writes_a_gptq_folder_the_engine_serves(tiny_dir, tmp_p
 
 
 def _greedy_text(path, prompt: str, n: int) -> list[int]:
-    eng = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(memory_gb=0.02)), progress=False)
-    return eng.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
+    return _engine(path).generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids

@@ -14,7 +14,6 @@ from engine.quant.calib import SequenceForward
 from engine.quant.checkpoint import is_quantized_checkpoint, read_meta
 from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
 from engine.quant.offline import convert
-from engine.request import SamplingParams
 
 IDS = list(range(300, 380))
 SEQS = [list(range(1000, 1200)), list(range(5000, 5150))]
@@ -63,37 +62,27 @@ def test_checkpoint_round_trip_gives_identical_logits(tiny_dir, tmp_path):
             assert isinstance(loaded.layers[0].mlp.down_proj, W8A8Linear)
 
 
-def _greedy(eng: LLMEngine, n: int = 12) -> list[int]:
-    eng.add_request(IDS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id="r")
-    toks: list[int] = []
-    while eng.has_unfinished():
-        for o in eng.step():
-            toks.extend(o.new_token_ids)
-    assert eng.block_manager.num_used_blocks == 0
-    return toks
-
-
-def test_engine_decodes_quantized_and_from_a_checkpoint(tiny_dir, tmp_path):
+def test_engine_decodes_quantized_and_from_a_checkpoint(tiny_dir, tmp_path, greedy):
     def engine(model, q=None):
         return LLMEngine(EngineConfig(model=str(model), quantization=q, cache=CacheConfig(memory_gb=0.02)),
                          progress=False)
-    fp = _greedy(engine(tiny_dir))
+    fp = greedy(engine(tiny_dir), IDS, 12)
     q = engine(tiny_dir, "int4-g64")
     assert isinstance(q.model.layers[0].self_attn.qkv_proj, Int4Linear)
-    toks = _greedy(q)
+    toks = greedy(q, IDS, 12)
     assert len(toks) == 12 and all(0 <= t < 49152 for t in toks)
     assert len(fp) == 12
     convert(tiny_dir, QuantConfig(bits=4, group_size=64), tmp_path / "ck", heldout_tokens=128, log=lambda _m: None)
-    assert _greedy(engine(tmp_path / "ck")) == toks  # RTN offline == RTN at load
+    assert greedy(engine(tmp_path / "ck"), IDS, 12) == toks  # RTN offline == RTN at load
 
 
-def test_w8a8_at_load_is_calibrated_on_the_bundled_sample(tiny_dir):
+def test_w8a8_at_load_is_calibrated_on_the_bundled_sample(tiny_dir, greedy):
     """`decode.quantization: w8a8` used to fail at start: SmoothQuant needs calibration data,
     and none was passed at load. The loader now calibrates on the bundled sample."""
     eng = LLMEngine(EngineConfig(model=str(tiny_dir), quantization="w8a8", cache=CacheConfig(memory_gb=0.02)),
                     progress=False)
     assert isinstance(eng.model.layers[0].self_attn.qkv_proj, W8A8Linear)
-    assert len(_greedy(eng)) == 12
+    assert len(greedy(eng, IDS, 12)) == 12
 
 
 def test_auto_protect_meets_the_budget(tiny_dir):
