@@ -61,7 +61,7 @@ import {getLlama} from "node-llama-cpp";
 const [path, threads, newTokens, reps, seed] = process.argv.slice(2).map((v, i) => i ? Number(v) : v);
 const llama = await getLlama({gpu: false, build: "never", logLevel: "error"});
 const model = await llama.loadModel({modelPath: path});
-const ctx = await model.createContext({contextSize: 512, batchSize: 512, threads, sequences: 1});
+const ctx = await model.createContext({contextSize: 128 + newTokens + 16, batchSize: 512, threads, sequences: 1});
 const seq = ctx.getSequence();
 const rates = [];
 for (let r = 0; r <= reps; r++) {                       // run 0 warms up
@@ -117,7 +117,12 @@ def avx2_peer(peer_dir: Path) -> Path:
     if not (out / "node_modules").is_dir():
         out.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cp", "-al", str(peer_dir / "node_modules"), str(out / "node_modules")], check=True)
-        for lib in (out / "node_modules").rglob("libggml-cpu-*.so"):
+        libs = list((out / "node_modules").rglob("libggml-cpu-*.so"))
+        if not any(lib.name == "libggml-cpu-haswell.so" for lib in libs):
+            shutil.rmtree(out)
+            raise SystemExit("bench.vs_llamacpp: this node-llama-cpp ships no per-CPU ggml variants "
+                             "(no libggml-cpu-haswell.so): --isa avx2 cannot hold it to AVX2")
+        for lib in libs:
             if lib.name.removeprefix("libggml-cpu-").removesuffix(".so") not in GGML_AVX2_VARIANTS:
                 lib.unlink()
     script = out / "decode.mjs"

@@ -18,10 +18,11 @@ module names (q_proj, k_proj, ... unfused). Each quantized linear W [N out, K in
 
 In both, ``w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g]`` with g the group of k: exactly our
 canonical QuantizedWeight (formats.py), so reading is unpacking, and the kernel layout is then
-built as for our own folders. Only what our INT4 kernel computes exactly is accepted: 4 bits,
-groups of 32, 64 or 128 *contiguous* inputs (GPTQ act order without static groups permutes
-them: refused, with how to re-quantize); anything else is refused with the reason, never
-approximated.
+built as for our own folders. Only what our INT4 kernel runs is accepted: 4 bits, groups of
+32, 64 or 128 *contiguous* inputs (GPTQ act order without static groups permutes them: refused,
+with how to re-quantize); anything else is refused with the reason. One rounding remains: the
+CPU kernel keeps each group's scale and offset in bf16 (as for pdserve's own INT4), so a
+folder's fp16 scales lose their last 3 mantissa bits (<= 2^-9 relative per group).
 
 ``save_hf_gptq`` writes one of our INT4 models in the GPTQ v1 layout (what vLLM, TGI,
 transformers + optimum and GPTQModel read), so pdserve's quantized folders load elsewhere.
@@ -86,14 +87,15 @@ def hf_quant_config(path: str | Path) -> QuantConfig:
         if qc.get("dynamic"):
             raise ModelLoadError(f"{where}: per-module 'dynamic' overrides are not supported")
         sym = bool(qc.get("sym", True))
+        act_order = bool(qc.get("desc_act", False)) and not qc.get("static_groups", False)
     else:
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ModelLoadError(f"{where}: AWQ version {version!r} is not supported (gemm only)")
         if not qc.get("zero_point", True):
             raise ModelLoadError(f"{where}: AWQ without zero points is not supported")
-        sym = False
-    return QuantConfig(bits=4, group_size=group, symmetric=sym, method=method)
+        sym, act_order = False, False
+    return QuantConfig(bits=4, group_size=group, symmetric=sym, method=method, act_order=act_order)
 
 
 # ---- packing -----------------------------------------------------------------------------------
@@ -138,13 +140,19 @@ def gptq_weight(name: str, t: dict[str, torch.Tensor], cfg: QuantConfig, v1: boo
     k, n = t["qweight"].shape[0] * 8, t["qweight"].shape[1]
     if k % g or n % 8:
         raise ModelLoadError(f"{name}: [{n}, {k}] is not a whole number of groups of {g} / packs of 8")
-    _check(name, t, {"qweight": (k // 8, n), "qzeros": (k // g, n // 8), "scales": (k // g, n)})
+    _check(name, t, {"qweight": (k // 8, n), "qzeros": (k // g, n // 8), "scales": (k // g, n)}
+           | ({"g_idx": (k,)} if "g_idx" in t else {}))
+    if "g_idx" not in t and cfg.act_order:
+        raise ModelLoadError(f"{name}: desc_act is set but the layer has no g_idx (its column groups are unknown)")
     if "g_idx" in t and not torch.equal(t["g_idx"].long(), torch.arange(k) // g):
         raise ModelLoadError(
             f"{name}: g_idx is not sequential (GPTQ act order without static groups): the INT4 kernel needs "
             "contiguous groups; re-quantize with desc_act=False or static_groups=True (or `pdserve quantize "
             "--method gptq`, which keeps act order with static groups)")
     q = unpack_int32(t["qweight"], 0)  # [K, N]
+    # v1: zero = stored + 1, unmasked: a stored 15 (what v1 writers make of a zero point of 0)
+    # reads as 16, as the "+1" readers compute it; readers that mask it to 0 disagree, so such
+    # a folder means different weights to different tools (gptq_v2 has no such case).
     zero = unpack_int32(t["qzeros"], 1).float() + (1.0 if v1 else 0.0)  # [G, N]
     return QuantizedWeight(q.T.contiguous(), t["scales"].float().T.contiguous(), zero.T.contiguous(), 4, g,
                            cfg.symmetric)
@@ -202,12 +210,29 @@ def read_hf_quantized(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, nn
         if f"{name}.weight" in rest:
             raise ModelLoadError(f"{name}: some of its projections are quantized and some are not")
         bs = biases[name]
-        bias = None if all(b is None for b in bs) else torch.cat([b.float() for b in bs])  # type: ignore[union-attr]
+        if any(b is None for b in bs) and not all(b is None for b in bs):
+            raise ModelLoadError(f"{name}: some of its projections have a bias and some do not")
+        bias = None if bs[0] is None else torch.cat([b.float() for b in bs])  # type: ignore[union-attr]
         qmods[name] = Int4Linear(_cat(name, parts), bias)
     tied = ModelConfig.from_hf(path).tie_word_embeddings and "lm_head" not in qmods
     if tied:
         rest.pop("lm_head.weight", None)
     return rest, qmods, tied
+
+
+def _dead_groups_storable(qw: QuantizedWeight) -> QuantizedWeight:
+    """A group whose weights are all zero (q == zero throughout) has a scale floored at 1e-10
+    (formats._EPS), below fp16's range, and may have a zero point of 0, which v1 cannot store:
+    its scale does not matter, so store it as q = zero = 8 with scale 2^-14 (fp16's smallest
+    normal), the same zeros."""
+    n, k = qw.q.shape
+    g = qw.group_size
+    dead = (qw.q.view(n, k // g, g) == qw.zero[..., None].to(torch.uint8)).all(-1) & (qw.zero <= 15)
+    if not dead.any():
+        return qw
+    q = torch.where(dead[..., None], torch.full_like(qw.q.view(n, k // g, g), 8), qw.q.view(n, k // g, g))
+    return QuantizedWeight(q.view(n, k), torch.where(dead, 2.0 ** -14, qw.scale), torch.where(dead, 8.0, qw.zero),
+                           4, g, qw.symmetric)
 
 
 def save_hf_gptq(model: nn.Module, cfg: QuantConfig, out_dir: str | Path, source_dir: str | Path,
@@ -255,7 +280,7 @@ def save_hf_gptq(model: nn.Module, cfg: QuantConfig, out_dir: str | Path, source
 
     sd: dict[str, torch.Tensor] = {}
     for name, mod in qmods.items():
-        qw = mod.quantized_weight()
+        qw = _dead_groups_storable(mod.quantized_weight())
         if (qw.zero == 0).any():
             raise ValueError(f"{name}: a zero point of 0, which GPTQ v1 (zero - 1 in 4 bits) cannot store")
         if not torch.equal(qw.scale.half().float(), qw.scale):

@@ -97,6 +97,18 @@ class Int8Linear(QuantLinear):
             raise ValueError(f"interleaved weight {tuple(qweight.shape)} {qweight.dtype} != {tuple(self.qweight.shape)}")
         self.qweight, self.interleaved = qweight, True
 
+    # The state dict always holds the canonical column order, whatever this module reads.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.interleaved:
+            destination[prefix + "qweight"] = deinterleave4(self.qweight)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.interleaved:  # copied in canonical order into the shared buffer: reorder in place
+            with torch.no_grad():
+                self.qweight.copy_(interleave4(self.qweight.clone()))
+
     def _prepare(self) -> None:
         self._scale_act = self.scale.to(self.act_dtype)
         # (z s) per channel, for the asymmetric rank-1 correction
@@ -318,6 +330,8 @@ def choose_act_dtype(model: nn.Module, rows: int = 1, candidates=(torch.bfloat16
                 times[dt] = _time(lambda: mod(x))
             chosen[key] = (min(times, key=times.get), times)
         mod.set_act_dtype(chosen[key][0])
+    if getattr(model, "single_token", None) is not None:
+        model.single_token.sync()  # its INT4 calls take the scales in the chosen dtype too
     return chosen
 
 

@@ -76,6 +76,14 @@ def convert(model_path: str | Path, cfg: QuantConfig, out_dir: str | Path | None
     tok = AutoTokenizer.from_pretrained(str(model_path))
     seqs = calib_sequences(tok, load_calib_texts(calib), seq_len, calib_tokens)
     targets, protected = plan_targets(model, cfg)  # validates patterns and group sizes first
+    if layout == "gptq":  # what the layout cannot say, refused before the heavy work
+        groups = {cfg.group_for(m.in_features, n) for n, m in targets.items()}
+        if len(groups) != 1:
+            raise ValueError(f"the gptq layout has one group size; these layers would use {sorted(groups)}: "
+                             "give --group-size (one that divides every layer's input)")
+        if protected or auto_protect is not None:
+            raise ValueError("the gptq layout has no per-layer exceptions that every reader honours: "
+                             "drop --protect (or use the pdserve layout)")
     log(f"{len(targets)} linear layers to quantize ({cfg.name}, {cfg.method}), {len(protected)} protected; "
         f"calibration: {sum(map(len, seqs))} tokens in {len(seqs)} sequences")
     before = quality(model, tok, seqs, heldout_tokens)

@@ -195,3 +195,15 @@ def test_int8_weights_take_the_compiled_path_too(make_engine, quant):
         assert (x - y).abs().max().item() < 1e-4 * y.abs().max().item()
     _quant_activations(fast, torch.bfloat16)
     assert all(len(o.token_ids) == 16 for o in fast.generate(two, sp))
+
+
+def test_interleaved_int8_state_dict_stays_canonical(make_engine):
+    """The one-token path moves INT8 weights in interleaved order; the module's state dict (what
+    a checkpoint would save or load) keeps the canonical column order."""
+    fast, eager = make_engine(quantization="int8"), make_engine(quantization="int8", compile_decode=False)
+    mod, ref = fast.model.layers[1].mlp.down_proj, eager.model.layers[1].mlp.down_proj
+    assert mod.interleaved and not torch.equal(mod.qweight, ref.qweight)
+    assert torch.equal(mod.state_dict()["qweight"], ref.qweight)
+    ptr = mod.qweight.data_ptr()
+    mod.load_state_dict(ref.state_dict())  # loads in place, into the shared buffer, reordered
+    assert mod.qweight.data_ptr() == ptr and torch.equal(mod.quantized_weight().q, ref.qweight)

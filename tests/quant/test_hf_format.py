@@ -61,7 +61,8 @@ def _ref_pack_cols(v_kn: np.ndarray, order=(0, 1, 2, 3, 4, 5, 6, 7)) -> np.ndarr
 
 
 def _write_hf_folder(model, src, out, method: str, group: int, sym: bool, g_idx_perm: bool = False) -> None:
-    """Our INT4 model's integers as an HF folder in ``method``'s layout (HF names, unfused)."""
+    """Our INT4 model's integers as an HF folder in ``method``'s layout (HF names, unfused):
+    "gptq" (v1: zeros stored minus one), "gptq_v2" (zeros as they are) or "awq"."""
     from safetensors.torch import save_file
     cfg = json.loads((src / "config.json").read_text())
     q_rows = cfg["num_attention_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"])
@@ -78,9 +79,10 @@ def _write_hf_folder(model, src, out, method: str, group: int, sym: bool, g_idx_
             else [name if name == "lm_head" else f"model.{name}"]
         for hf, q, s, z in zip(hfs, qw.q.split(rows), qw.scale.split(rows), qw.zero.split(rows)):
             q_kn, z_gn = q.T.numpy().astype(np.uint8), z.T.numpy().astype(np.int64)
-            if method == "gptq":
+            if method.startswith("gptq"):
                 sd[f"{hf}.qweight"] = torch.from_numpy(_ref_pack_gptq(q_kn))
-                sd[f"{hf}.qzeros"] = torch.from_numpy(_ref_pack_cols(((z_gn - 1) & 0xF).astype(np.uint8)))
+                stored = (z_gn - 1) & 0xF if method == "gptq" else z_gn
+                sd[f"{hf}.qzeros"] = torch.from_numpy(_ref_pack_cols(stored.astype(np.uint8)))
                 k = q_kn.shape[0]
                 g_idx = torch.arange(k) // group
                 sd[f"{hf}.g_idx"] = (g_idx[torch.randperm(k)] if g_idx_perm else g_idx).to(torch.int32)
@@ -100,34 +102,59 @@ def _write_hf_folder(model, src, out, method: str, group: int, sym: bool, g_idx_
             shutil.copy(f, out / f.name)
     save_file(sd, str(out / "model.safetensors"))
     qc = ({"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": g_idx_perm, "sym": sym,
-           "checkpoint_format": "gptq"} if method == "gptq"
+           "checkpoint_format": method} if method.startswith("gptq")
           else {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
     (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
 
 
-@pytest.fixture
-def int4_model(tiny_dir):
-    """The tiny model, RTN INT4 groups of 64, asymmetric (every zero point in use), LM head fp."""
+def _int4(tiny_dir, sym: bool):
+    """The tiny model, RTN INT4 groups of 64, LM head fp (asymmetric: zero points spread over
+    1..15 by the random weights; 0 would need every weight of a group >= 0)."""
     model = load_plain(tiny_dir)
-    quantize(model, QuantConfig(bits=4, group_size=64, symmetric=False, lm_head=False))
+    quantize(model, QuantConfig(bits=4, group_size=64, symmetric=sym, lm_head=False))
     return model
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_hf_layouts_load_the_same_integers(tiny_dir, tmp_path, int4_model, method):
+@pytest.fixture
+def int4_model(tiny_dir):
+    return _int4(tiny_dir, sym=False)
+
+
+@pytest.mark.parametrize("method,sym", [("gptq", False), ("gptq", True), ("gptq_v2", False), ("awq", False)])
+def test_hf_layouts_load_the_same_integers(tiny_dir, tmp_path, method, sym):
+    model = _int4(tiny_dir, sym)
     hf = tmp_path / method
-    _write_hf_folder(int4_model, tiny_dir, hf, method, 64, sym=False)
-    assert is_quantized_checkpoint(hf) and quantization_name(None, hf) == "int4-g64-asym"
+    _write_hf_folder(model, tiny_dir, hf, method, 64, sym=sym)
+    name = "int4-g64" + ("" if sym else "-asym")
+    assert is_quantized_checkpoint(hf) and quantization_name(None, hf) == name
     loaded = load_model(hf, SDPA, torch.float32)
-    want = {n: m.quantized_weight() for n, m in int4_model.named_modules() if isinstance(m, Int4Linear)}
+    want = {n: m.quantized_weight() for n, m in model.named_modules() if isinstance(m, Int4Linear)}
     got = {n: m.quantized_weight() for n, m in loaded.named_modules() if isinstance(m, Int4Linear)}
     assert got.keys() == want.keys() and len(got) == 8  # 2 layers x (qkv, o, gate_up, down)
     for n, w in want.items():
         assert torch.equal(got[n].q, w.q), n
         assert torch.equal(got[n].scale, w.scale) and torch.equal(got[n].zero, w.zero), n
     ours = tmp_path / "ours"
-    save_quantized(int4_model, QuantConfig(bits=4, group_size=64, symmetric=False, lm_head=False), ours, tiny_dir)
+    save_quantized(model, QuantConfig(bits=4, group_size=64, symmetric=sym, lm_head=False), ours, tiny_dir)
     assert torch.equal(_logits(loaded), _logits(load_model(ours, SDPA, torch.float32)))
+
+
+def test_gptq_export_stores_all_zero_groups_and_refuses_mixed_groups(tiny_dir, model_path, tmp_path):
+    """A group of zeros gets a scale below fp16's range (the 1e-10 floor): written as the
+    same zeros with a storable scale. Layers of different group sizes: refused before any work."""
+    model = load_plain(tiny_dir)
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight[:3] = 0.0  # three rows of zero groups
+    quantize(model, QuantConfig(bits=4, group_size=64, symmetric=False, lm_head=False))
+    save_hf_gptq(model, QuantConfig(bits=4, group_size=64, symmetric=False, lm_head=False), tmp_path / "z", tiny_dir)
+    down = load_model(tmp_path / "z", SDPA, torch.float32).layers[0].mlp.down_proj.quantized_weight()
+    want = model.layers[0].mlp.down_proj.quantized_weight()
+    assert torch.equal(down.dequantize(), want.dequantize()) and (down.dequantize()[:3] == 0).all()
+    with pytest.raises(ValueError, match="one group size"):  # SmolLM2: 576 inputs take 64, 1536 take 128
+        convert(model_path, QuantConfig(bits=4, group_size=None), tmp_path / "g", layout="gptq", log=lambda _m: None)
+    with pytest.raises(ValueError, match="--protect"):
+        convert(tiny_dir, QuantConfig(bits=4, group_size=64, protect=("o_proj",)), tmp_path / "p", layout="gptq",
+                log=lambda _m: None)
 
 
 def test_pdserve_gptq_written_as_hf_gptq_serves_the_same_tokens(tiny_dir, tmp_path, greedy):
