@@ -161,10 +161,18 @@ def main(argv=None) -> dict:
     p.add_argument("--transport", default="ucx", choices=["ucx", "zmq"])
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the prefill side (default: torch's, every core). Fewer than "
+                        "the cores leaves some to the receiver, as when the decode side has cores of its own; "
+                        "on one 2-core box with both sides sharing every core, streaming cannot hide anything")
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     res = measure_overlap(args.transport, args.prompt_len, args.reps,
                           progress=lambda m: print(m, file=sys.stderr, flush=True))
-    print(json.dumps({"transport": args.transport, **res}))
+    import torch
+    print(json.dumps({"transport": args.transport, "prefill_threads": torch.get_num_threads(), **res}))
     return res
 
 
