@@ -72,7 +72,7 @@ def weights_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     # Mistral folders also ship consolidated.safetensors (the same weights, other names).
     files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
     if files:
@@ -158,7 +158,7 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     model.rotary.cos, model.rotary.sin = rot.cos.to(device), rot.sin.to(device)
 
-    ours = fuse_state_dict(_read_state_dict(path))
+    ours = fuse_state_dict(read_state_dict(path))
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
     expected = {n for n, _ in model.named_parameters()}

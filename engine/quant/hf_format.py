@@ -187,12 +187,12 @@ def read_hf_quantized(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, nn
         ModelLoadError: unsupported quantization_config, or tensors that do not fit it.
     """
     from engine.config import ModelConfig
-    from engine.models.loader import _read_state_dict, fuse_state_dict, our_name
+    from engine.models.loader import read_state_dict, fuse_state_dict, our_name
     from engine.quant.linear import Int4Linear
 
     cfg = hf_quant_config(path)
     v1 = (_raw_quant_config(path) or {}).get("checkpoint_format", "gptq") == "gptq"
-    sd = _read_state_dict(path)
+    sd = read_state_dict(path)
     qnames = {k.rpartition(".")[0] for k in sd if k.endswith(".qweight")}
     if not qnames:
         raise ModelLoadError(f"{str(path)!r} declares {cfg.method} quantization but has no *.qweight tensors")
