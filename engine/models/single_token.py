@@ -204,8 +204,9 @@ class SingleTokenDecoder:
         def weight(m: nn.Module) -> torch.Tensor:
             return m.quantized_weight().q if _is_int8(m) else m._packed if _is_int4(m) else m.weight
 
+        ws = {n: weight(m) for n, m in mods}  # once each: an interleaved INT8 one is a copy
         for dtype in (torch.float32, torch.int8, torch.uint8):
-            group = [(n, m, weight(m)) for n, m in mods if weight(m).dtype == dtype]
+            group = [(n, m, ws[n]) for n, m in mods if ws[n].dtype == dtype]
             pad = lambda k: -(-k // 64) * 64  # 64-element aligned views (the int8 kernel wants it)
             buf = hugepage_empty(sum(pad(w.numel()) for _, _, w in group), dtype)
             pos = 0
