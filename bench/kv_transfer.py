@@ -28,8 +28,12 @@ Timings are wall-clock: on the 2-core development machine any other busy process
 Prints progress on stderr, a table on stdout, and as the last stdout line one flat JSON object:
 ``memcpy_gbps``, ``<t>_gbps`` (raw, largest size: 8,192 tokens by default), ``<t>_gbps_<T>``,
 ``<t>_fmt_gbps[_<T>]``, ``<t>_mac_gbps[_<T>]``, ``<t>_machdr_gbps[_<T>]``,
-``mac_cost_fraction`` (1 - ucx mac / ucx fmt at the largest size), ``ucx_vs_memcpy`` (floor 0.2), and ``overlap_hidden_fraction``
-(reserved: null until layer streaming vs send-after-prefill is measured).
+``mac_cost_fraction`` (1 - ucx mac / ucx fmt at the largest size), ``ucx_vs_memcpy`` (floor 0.2), and
+``overlap_hidden_fraction``: the share of the transfer that layer streaming hides end to end in a
+real prefill (bench/kv_overlap.py), by default with the prefill's forward on every core but the
+last and its transfer (the transfer thread, the UCX progress thread) and the receiver on the
+last, as ``prefill.transfer_cpus`` runs a worker; ``overlap_hidden_fraction_inline`` /
+``_thread`` per way of sending, ``overlap_send`` and ``overlap_cores`` say which was reported.
 Runs as ``python bench/kv_transfer.py [--quick]``.
 """
 
@@ -215,17 +219,24 @@ def main(argv: list[str] | None = None) -> None:
                     help="transport for the streaming-vs-send-after-prefill run on the real model "
                          "(bench/kv_overlap.py); 'none' skips it")
     ap.add_argument("--overlap-prompt", type=int, default=2048, help="prompt length of the overlap run")
+    ap.add_argument("--overlap-cores", default=None, choices=["split", "shared"],
+                    help="where the overlap run's two sides run (bench/kv_overlap.py --cores; default "
+                         "split with 2+ cores: the transfer and the receiver on a core of their own)")
+    ap.add_argument("--overlap-reps", type=int, default=None,
+                    help="repetitions of the overlap run (default 2, 1 with --quick; the end-to-end "
+                         "fraction is a ~1%% difference of prefill times: 20 give a stable median)")
     args = ap.parse_args(argv)
     reps = args.reps or (2 if args.quick else 5)
 
     overlap: dict = {}
     if args.overlap_transport != "none":
-        # First, with the engine's normal thread count: a real prefill computes while KV streams.
-        from bench.kv_overlap import measure_overlap
-        log(f"overlap: real prefill of {args.overlap_prompt} tokens, {args.overlap_transport}, "
-            "streaming vs send-after")
-        overlap = measure_overlap(args.overlap_transport, args.overlap_prompt, reps=1 if args.quick else 2,
-                                  progress=log)
+        # First: a real prefill computes while KV streams (inline, transfer thread, after).
+        from bench.kv_overlap import measure_overlap, split_cores
+        cores = args.overlap_cores or ("split" if split_cores() else "shared")
+        log(f"overlap: real prefill of {args.overlap_prompt} tokens, {args.overlap_transport}, cores {cores}: "
+            "streaming (inline, transfer thread) vs send-after")
+        overlap = measure_overlap(args.overlap_transport, args.overlap_prompt,
+                                  reps=args.overlap_reps or (1 if args.quick else 2), progress=log, cores=cores)
     torch.set_num_threads(1)
 
     log("memcpy (256 MiB torch copy_)")
@@ -255,10 +266,12 @@ def main(argv: list[str] | None = None) -> None:
                     "reps": reps, "quick": args.quick,
                     "overlap_hidden_fraction": overlap.get("hidden_fraction"),
                     "overlap_transport": args.overlap_transport, "overlap_prompt_tokens": args.overlap_prompt,
+                    "overlap_cores": overlap.get("cores"), "overlap_send": overlap.get("send"),
+                    "overlap_prefill_threads": overlap.get("prefill_threads"),
                     "overlap_exposed_hidden_fraction": overlap.get("exposed_hidden_fraction"),
+                    **{f"overlap_{k}_{m}": overlap.get(f"{k}_{m}") for m in ("inline", "thread")
+                       for k in ("hidden_fraction", "exposed_hidden_fraction", "compute_s", "exposed_s")},
                     "overlap_compute_s": overlap.get("compute_s"),
-                    "overlap_stream_compute_s": overlap.get("stream_compute_s"),
-                    "overlap_exposed_stream_s": overlap.get("exposed_stream_s"),
                     "overlap_exposed_after_s": overlap.get("exposed_after_s")})
 
     print(f"KV transfer, SmolLM2-135M shape ({BYTES_PER_TOKEN} B/token), GB/s (median of {reps})")
@@ -273,13 +286,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{label:<10} {fmt[:-1] or 'raw':<6} "
                   + " ".join(f"{c:>8.2f}" if c is not None else f"{'-':>8}" for c in cells) + f"  {ratio:>8.0%}")
     if overlap:
-        hf = overlap["hidden_fraction"]
-        print(f"layer streaming ({args.overlap_transport}, {args.overlap_prompt}-token real prefill "
-              f"{overlap['compute_s']:.2f}s): transfer exposed after the prefill "
-              f"{overlap['exposed_stream_s'] * 1e3:.0f} ms streaming vs {overlap['exposed_after_s'] * 1e3:.0f} ms "
-              f"send-after (hidden after the forward: {overlap['exposed_hidden_fraction']:.0%}); but streaming "
-              f"slows the forward to {overlap['stream_compute_s']:.2f}s, so end to end it hides "
-              f"{'n/a' if hf is None else f'{hf:.0%}'}")
+        print(f"layer streaming ({args.overlap_transport}, {args.overlap_prompt}-token real prefill, cores "
+              f"{overlap['cores']}, forward on {overlap['prefill_threads']} threads {overlap['compute_s']:.2f}s): "
+              f"KV complete {overlap['exposed_after_s'] * 1e3:.0f} ms after the forward when sent after it")
+        for m in ("inline", "thread"):
+            hf = overlap[f"hidden_fraction_{m}"]
+            print(f"  {m:<6}: forward {overlap[f'compute_s_{m}']:.2f}s, KV complete "
+                  f"{overlap[f'exposed_s_{m}'] * 1e3:.0f} ms after it; hidden end to end "
+                  f"{'n/a' if hf is None else f'{hf:.0%}'}{'  (reported)' if overlap['send'] == m else ''}")
     print(json.dumps(results))
 
 

@@ -96,14 +96,24 @@ class UcxTransport(ReceiveSide, FrameTransport):
         device: CUDA device that device frames are received into; default ``cuda:<current>``
             when CUDA is available and the UCX transports include cuda, else None (no device
             frames either way).
+        progress_cpus: cores the progress thread runs on (default: those of the thread that
+            creates the transport). The progress thread does the copying of every message
+            and spins while one is in flight: on a CPU worker, give it a core the forward does
+            not use, or it preempts the forward by as much as the transfer it should hide
+            (bench/kv_overlap.py).
     Raises:
-        ValueError: ``device`` given but not a CUDA device, CUDA missing, or excluded by ``tls``.
+        ValueError: ``device`` given but not a CUDA device, CUDA missing, or excluded by ``tls``;
+            ``progress_cpus`` empty or naming a core this machine does not have.
     """
 
     name = "ucx"
 
     def __init__(self, tls: str | None = None, linger_s: float = 1.0, pool_bytes: int = 512 << 20,
-                 device: str | None = None) -> None:
+                 device: str | None = None, progress_cpus: set[int] | None = None) -> None:
+        ncpu = os.cpu_count() or 1
+        if progress_cpus is not None and not (progress_cpus and set(progress_cpus) <= set(range(ncpu))):
+            raise ValueError(f"progress_cpus {progress_cpus!r}: give cores of this machine (0..{ncpu - 1}), or None")
+        self._progress_cpus = set(progress_cpus) if progress_cpus else None
         cuda_tls = ucx_device.tls_allows_cuda(tls or os.environ.get("UCX_TLS", "all"))
         if device is not None:
             device = ucx_device.check_device(device)
@@ -262,6 +272,8 @@ class UcxTransport(ReceiveSide, FrameTransport):
     # ---- progress thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._progress_cpus:
+                os.sched_setaffinity(0, self._progress_cpus)  # 0: this thread only (Linux)
             if self.device is not None:
                 ucx_device.bind_thread(self.device)
             last_completion = time.monotonic()

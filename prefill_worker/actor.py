@@ -21,7 +21,8 @@ class PrefillActor(WorkerActor):
 
     def _make(self, engine, transport, lease_s, options, auth):
         from prefill_worker.worker import PrefillWorker
-        return PrefillWorker(engine, transport, lease_s, auth)
+        cpus = set(options.transfer_cpus)
+        return PrefillWorker(engine, transport, lease_s, auth, transfer_thread=bool(cpus), transfer_cpus=cpus or None)
 
     def _records(self, step_result) -> list[Record | None]:
         from kvtransfer.base import TransferState

@@ -7,6 +7,10 @@ Lifecycle of a request here (the engine's queues plus one table):
     (blocks freed).
 ``transfers`` maps request id -> (decode address, tokens sent so far). The Ray actor around
 this class (the cluster issue) only forwards calls; everything here is testable in-process.
+
+Where a layer's KV is gathered and sent: on the step's own thread between two layers
+(default), or with ``transfer_thread`` on a thread of its own while the next layers compute
+(``kv_stream.py``), which pays only where that thread has a core the forward does not use.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
 from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
+from prefill_worker.kv_stream import LayerJob, LayerStreamer
 
 log = logging.getLogger("pdserve.worker")
 CONNECT_ON_SUBMIT_S = 5.0  # a handshake in the step loop: short, it holds every other request meanwhile
@@ -39,10 +44,13 @@ class PrefillWorker:
     (``connect``, or ``submit`` to a decode worker not connected yet, bounded)."""
 
     def __init__(self, engine: LLMEngine, transport: FrameTransport, lease_s: float = LEASE_S,
-                 auth: PlaneAuth | None = None) -> None:
+                 auth: PlaneAuth | None = None, transfer_thread: bool = False,
+                 transfer_cpus: set[int] | None = None) -> None:
         self.engine = engine
         self.sender = KVSender(transport, KVLayout.of_engine(engine), lease_s=lease_s, auth=auth)
         self.transfers: dict[str, _Outgoing] = {}
+        self.streamer = (LayerStreamer(self.sender, engine.runner.kv_caches, engine.block_manager.block_size,
+                                       transfer_cpus) if transfer_thread else None)
         self._unreachable: dict[str, float] = {}  # decode address -> until when a submit to it fails at once
 
     def connect(self, decode_address: str) -> None:
@@ -83,7 +91,10 @@ class PrefillWorker:
         self.engine.abort(request_id)
 
     def _send_layer(self, layer: int, plan: StepPlan) -> None:
+        """The engine's ``layer_done`` hook: send (or, with the transfer thread, queue) this
+        layer's new KV of every request of the step that has a transfer."""
         bs = self.engine.block_manager.block_size
+        last = layer == len(self.engine.runner.kv_caches) - 1
         for s in plan.scheduled:
             req = s.request
             t = self.transfers.get(req.request_id)
@@ -92,18 +103,26 @@ class PrefillWorker:
             # A prefix-cache hit was never computed here: its KV goes with the first chunk.
             start = 0 if t.sent == 0 else req.num_computed_tokens
             end = req.num_computed_tokens + s.num_new_tokens
-            try:
-                k, v = gather_layer(self.engine.runner.kv_caches[layer], req.block_ids, bs, start, end)
-                self.sender.send_layer(req.request_id, layer, k, v, token_start=start)
-            except Exception as e:  # one request's bad transfer (e.g. an id its header cannot hold)
-                # fails that request only: never the step, which would end the worker process
-                log.warning("rid=%s event=transfer_error error=%r", req.request_id, e)
-                self.transfers.pop(req.request_id)
-                self.sender.abort(req.request_id)  # FAILED: the step below aborts it and frees
-                continue
-            if layer == len(self.engine.runner.kv_caches) - 1:
+            if self.streamer is not None:
+                self.streamer.put(LayerJob(req.request_id, layer, tuple(req.block_ids), start, end))
+            else:
+                try:
+                    k, v = gather_layer(self.engine.runner.kv_caches[layer], req.block_ids, bs, start, end)
+                    self.sender.send_layer(req.request_id, layer, k, v, token_start=start)
+                except Exception as e:  # one request's bad transfer (e.g. an id its header cannot hold)
+                    self._transfer_failed(req.request_id, e)
+                    continue
+            if last:
                 t.sent = end
-        self.sender.progress()
+        if self.streamer is None:
+            self.sender.progress()
+
+    def _transfer_failed(self, request_id: str, error: Exception) -> None:
+        """A request whose KV could not be sent: its transfer FAILS (the step after aborts it
+        and frees its blocks). It fails that request only, never the step (i.e. the worker)."""
+        log.warning("rid=%s event=transfer_error error=%r", request_id, error)
+        if self.transfers.pop(request_id, None) is not None:
+            self.sender.abort(request_id)
 
     def step(self) -> tuple[list[RequestOutput], list[tuple[str, TransferState]]]:
         """One engine step with KV streaming, then transfer bookkeeping.
@@ -113,6 +132,9 @@ class PrefillWorker:
             first token already ends the request; transfers that ended: their blocks are freed)
         """
         outputs = self.engine.step(layer_done=self._send_layer) if self.engine.scheduler.has_work() else []
+        if self.streamer is not None:  # every queued layer is out before any block may move
+            for rid, e in self.streamer.flush().items():
+                self._transfer_failed(rid, e)
         for o in outputs:  # the first token follows the last layer's KV: decode starts from both
             if o.request_id in self.transfers and o.new_token_ids:
                 self.sender.end(o.request_id, {"first_token": o.new_token_ids[0]})
@@ -127,4 +149,6 @@ class PrefillWorker:
         return outputs, ended
 
     def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()  # before the transport it sends on
         self.sender.close()

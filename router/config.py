@@ -37,6 +37,10 @@ class PrefillPool:
     kv_cache_gb: float = 0.5
     block_size: int = _engine(CacheConfig, "block_size")
     max_batched_tokens: int = _engine(SchedulerConfig, "max_num_batched_tokens")
+    # Cores (of its node) for each worker's KV transfer: a thread gathering and sending each
+    # layer while the next ones compute, and the UCX progress thread; the forward runs on the
+    # node's other cores. Empty: sent between layers on the forward's thread (prefill_worker/kv_stream.py).
+    transfer_cpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
+    "prefill.transfer_cpus": (lambda v: all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
+                              and len(set(v)) == len(v), "a list of distinct core numbers (>= 0), or []"),
     "decode.speculative.method": (lambda v: v in ("none", *SPECULATIVE_METHODS),
                                   _one_of(("none", *SPECULATIVE_METHODS))),
     "decode.speculative.num_speculative_tokens": (lambda v: 1 <= v <= 8, "an integer in 1..8"),
@@ -251,6 +257,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             raise ConfigError(f"{path}: must be a string, got {value!r}")
         if isinstance(default, bool) and not isinstance(value, bool):
             raise ConfigError(f"{path}: must be true or false, got {value!r}")
+        if isinstance(default, tuple):
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{path}: must be a list, got {value!r}")
+            value = tuple(value)
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             _check_number(path, value, type(default))
             value = float(value) if isinstance(default, float) else value

@@ -173,9 +173,11 @@ class Pools(Liveness):
         opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
                              role == "colocated", key=self.key, kv_integrity=kt.integrity,
                              faults=kt.fault_injection,
+                             transfer_cpus=cfg.prefill.transfer_cpus if role == "prefill" else (),
                              # (a decode pool's quantized checkpoint is its own folder: as given)
                              resolve_model=engine_cfg.model == self.model_path, model=cfg.model)
-        actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=pool.threads,
+        cpus = pool.threads + (len(cfg.prefill.transfer_cpus) if role == "prefill" else 0)  # (the transfer's own)
+        actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=cpus,
                             max_restarts=-1, max_task_retries=0,
                             **({"num_gpus": 1} if cfg.device == "cuda" else {})).remote(engine_cfg, opts)
         w = self.workers[wid] = Worker(wid, role, actor)

@@ -25,6 +25,8 @@ class WorkerActor(StepLoop):
         from engine.llm_engine import LLMEngine
         from kvtransfer.base import get_transport
         torch.set_num_threads(options.threads)  # several workers share a node's cores
+        if options.transfer_cpus:  # the KV transfer's cores: the forward keeps off them
+            _pin_forward(set(options.transfer_cpus))
         if options.metrics is not None and not options.metrics[0]:  # "": this node's address
             options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
         if options.resolve_model:
@@ -34,6 +36,8 @@ class WorkerActor(StepLoop):
         auth = PlaneAuth(options.key, options.kv_integrity) if options.key else None
         # KV endpoints listen on this node's address: peers on other nodes reach them there.
         where = {"host": ray.util.get_node_ip_address()} if options.transport == "zmq" else {}
+        if options.transfer_cpus and options.transport == "ucx":  # its progress thread copies every message
+            where = {"progress_cpus": set(options.transfer_cpus)}
         self._start(self._make(LLMEngine(config, progress=False), get_transport(options.transport, **where), lease_s,
                                options, auth), options)
 
@@ -41,3 +45,15 @@ class WorkerActor(StepLoop):
               auth: PlaneAuth | None) -> Any:
         """The worker core (``PrefillWorker``, ``DecodeWorker``) around a loaded engine."""
         raise NotImplementedError
+
+
+def _pin_forward(transfer_cpus: set[int]) -> None:
+    """Run this thread, and every thread it starts from now on (torch's, the step loop), on
+    the process's cores but ``transfer_cpus``. Raises ValueError naming the cores when that
+    leaves none, or names a core the process cannot use."""
+    import os
+    have = os.sched_getaffinity(0)
+    if not transfer_cpus <= have or not have - transfer_cpus:
+        raise ValueError(f"prefill.transfer_cpus {sorted(transfer_cpus)}: this worker may use cores "
+                         f"{sorted(have)}; the transfer's must be among them and leave the forward at least one")
+    os.sched_setaffinity(0, have - transfer_cpus)

@@ -55,6 +55,9 @@ class WorkerOptions:
     router: RouterLink | None = None  # None: records wait for poll()
     metrics: tuple[str, int] | None = None  # serve /metrics on (host, port; 0 = a free port)
     colocated: bool = False  # decode workers only: also prefill (mode: colocated)
+    # prefill workers only: cores for the KV transfer thread and the UCX progress thread; the
+    # forward runs on the process's other cores (prefill_worker/kv_stream.py). Empty: inline.
+    transfer_cpus: tuple[int, ...] = ()
     # The cluster key (the router's; at least 16 bytes): MACs reports and every KV message
     # (kvtransfer.auth). None: trust the network (tests in one process).
     key: bytes | None = None

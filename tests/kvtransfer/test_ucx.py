@@ -237,6 +237,24 @@ def test_tls_option_is_passed_to_ucx(make):
     assert bytes(frames[0]) == payload
 
 
+def test_progress_thread_runs_on_the_cores_it_is_given(make):
+    """progress_cpus pins the progress thread (it copies every message: a CPU prefill worker
+    gives it a core off the forward's) and only it; messages still flow. Cores the machine
+    lacks, or none, are refused at construction."""
+    last = max(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    server, client = make(), make(progress_cpus={last})
+    payload = os.urandom(1 << 20)
+    client.send(client.connect(server.bind()), [payload])
+    assert bytes(recv_wait(server)[1][0]) == payload
+    assert os.sched_getaffinity(client._thread.native_id) == {last}
+    assert os.sched_getaffinity(server._thread.native_id) == before  # unpinned: its creator's
+    assert os.sched_getaffinity(0) == before  # the caller's thread is untouched
+    for bad in (set(), {os.cpu_count() + 7}):
+        with pytest.raises(ValueError, match="progress_cpus"):
+            UcxTransport(progress_cpus=bad)
+
+
 def test_two_processes_move_256_mib_intact(make):
     """A child process receives 8 x 32 MiB, replies with each message's xxh3; then exits."""
     parent = make()

@@ -34,6 +34,10 @@ def test_local_yaml_documents_every_key_with_its_default():
     ({"decode": 3}, "decode: expected a mapping"),
     ({"prefill.kv_cache_gb": float("nan")}, "prefill.kv_cache_gb: expected a finite number"),
     ({"kv_transfer.lease_s": float("inf")}, "kv_transfer.lease_s: expected a finite number"),
+    ({"prefill.transfer_cpus": 1}, "prefill.transfer_cpus: must be a list"),
+    ({"prefill.transfer_cpus": [1, 1]}, "prefill.transfer_cpus: must be a list of distinct core numbers"),
+    ({"prefill.transfer_cpus": [-1]}, "prefill.transfer_cpus: must be a list of distinct core numbers"),
+    ({"prefill.transfer_cpus": [True]}, "prefill.transfer_cpus: must be a list of distinct core numbers"),
 ])
 def test_bad_keys_and_values_are_named(override, needle):
     with pytest.raises(ConfigError, match=None) as e:
@@ -45,6 +49,7 @@ def test_overrides_and_numbers_coerce():
     cfg = load_config(LOCAL, {"decode.kv_cache_gb": 2, "mode": "colocated", "kv_transfer.transport": "inproc"})
     assert cfg.decode.kv_cache_gb == 2.0 and isinstance(cfg.decode.kv_cache_gb, float)
     assert cfg.mode == "colocated"
+    assert load_config(LOCAL, {"prefill.transfer_cpus": [1]}).prefill.transfer_cpus == (1,)  # a tuple: frozen
 
 
 def test_override_into_an_empty_section(tmp_path):

@@ -5,6 +5,8 @@ output, leak-free."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 
 import pytest
@@ -18,7 +20,12 @@ from worker.step_loop import WorkerOptions
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
 
-def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path, make_engine, tokenizer):
+@pytest.mark.parametrize("transport,transfer_cpus", [("zmq", False), ("ucx", True)])
+def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path, make_engine, tokenizer,
+                                                         transport, transfer_cpus):
+    """Real actors, KV authenticated as in a cluster; over UCX with ``prefill.transfer_cpus``
+    (the last core): the prefill's forward threads keep off it, its transfer thread and UCX
+    progress thread run on it, and the output is the same."""
     ray = ray_session
     from decode_worker.actor import DecodeActor
     from prefill_worker.actor import PrefillActor
@@ -26,10 +33,20 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
     want = {f"r{i}": o.token_ids for i, o in enumerate(make_engine().generate(PROMPTS, sp))}
     cfg = EngineConfig(model=str(model_path), cache=CacheConfig(memory_gb=0.05),
                        scheduler=SchedulerConfig(max_num_batched_tokens=512))
-    opts = WorkerOptions(transport="zmq", key=new_secret())  # the KV plane authenticated, as in a cluster
+    opts = WorkerOptions(transport=transport, key=new_secret())  # the KV plane authenticated, as in a cluster
+    last = max(os.sched_getaffinity(0))
+    popts = dataclasses.replace(opts, transfer_cpus=(last,) if transfer_cpus else ())
     decode = DecodeActor.options(resources={"decode": 1}, num_cpus=0).remote(cfg, opts)
-    prefill = PrefillActor.options(resources={"prefill": 1}, num_cpus=0).remote(cfg, opts)
+    prefill = PrefillActor.options(resources={"prefill": 1}, num_cpus=0).remote(cfg, popts)
     try:
+        if transfer_cpus:
+            def threads(self) -> dict[str, set[int]]:  # runs in the actor: its threads' cores
+                import threading
+                return {t.name: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
+                        if t.name in ("step-loop", "kv-stream", "ucx-progress")}
+            cores = ray.get(prefill.__ray_call__.remote(threads))
+            assert cores["kv-stream"] == cores["ucx-progress"] == {last}
+            assert last not in cores["step-loop"] and cores["step-loop"]
         address = ray.get(decode.address.remote())
         ray.get(prefill.connect.remote(address))
         for rid, text in zip(want, PROMPTS):

@@ -27,15 +27,20 @@ def _engine(model_path, block_size: int, budget: int) -> LLMEngine:
                                   scheduler=SchedulerConfig(max_num_batched_tokens=budget)), progress=False)
 
 
-@pytest.mark.parametrize("transport", ["zmq", "ucx"])
-def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport, connect_kv):
+@pytest.mark.parametrize("transport,transfer_thread", [("zmq", False), ("ucx", False), ("ucx", True)])
+def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport, transfer_thread, connect_kv):
     sp = SamplingParams(max_tokens=20, temperature=0)
     ref_engine = _engine(model_path, 16, 2048)
     want = [o.token_ids for o in ref_engine.generate(PROMPTS, sp)]
     # Small prefill budget: prompts prefill in several chunks, each streamed as it is computed.
     # Authenticated as in the cluster: every message MAC'd, data with each transfer's secret.
     auth = PlaneAuth(new_secret())
-    pw = PrefillWorker(_engine(model_path, 4, 6), get_transport(transport), auth=auth)
+    # With the transfer thread (on the last core, with UCX's progress thread: as
+    # prefill.transfer_cpus runs it), layers are gathered and sent beside the forward.
+    last = {max(os.sched_getaffinity(0))} if transfer_thread else None
+    pw = PrefillWorker(_engine(model_path, 4, 6),
+                       get_transport(transport, **({"progress_cpus": last} if last else {})), auth=auth,
+                       transfer_thread=transfer_thread, transfer_cpus=last)
     dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport(transport), auth=auth)
     try:
         connect_kv(pw.sender, dw.receiver)
@@ -91,12 +96,14 @@ def test_decode_worker_frees_blocks_when_the_transfer_fails(model_path):
         dw.close()
 
 
-def test_a_transfer_that_cannot_be_sent_fails_its_request_only(model_path, tokenizer, connect_kv):
+@pytest.mark.parametrize("transfer_thread", [False, True])
+def test_a_transfer_that_cannot_be_sent_fails_its_request_only(model_path, tokenizer, connect_kv, transfer_thread):
     """An id too long for a KV frame header (the router refuses such ids; a worker must still
     not trust it): that request's transfer fails and its blocks are freed on both sides at
-    once, the worker goes on, and a request beside it completes."""
+    once, the worker goes on, and a request beside it completes. On the transfer thread too:
+    its error comes back to the step, which fails that request only."""
     sp = SamplingParams(max_tokens=4, temperature=0)
-    pw = PrefillWorker(_engine(model_path, 16, 2048), get_transport("zmq"))
+    pw = PrefillWorker(_engine(model_path, 16, 2048), get_transport("zmq"), transfer_thread=transfer_thread)
     dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport("zmq"))
     try:
         connect_kv(pw.sender, dw.receiver)
