@@ -112,6 +112,9 @@ class RouterConfig:
     # How often the router asks every worker which requests hold KV blocks and frees those of
     # no live request (a leak any other path missed; counted in pdserve_router_swept_blocks).
     sweep_s: float = 30.0
+    # Place prompts by the prefill tokens a worker would actually compute: its queue plus the
+    # prompt's part not in its prefix cache (router/prefix_index.py). false: by the queue alone.
+    prefix_aware: bool = True
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients", registry=reg)
         self.retries = Counter("pdserve_request_reruns", "Re-runs after a lost worker or failed transfer",
                                registry=reg)
+        self.prefix_hit_tokens = Counter("pdserve_router_prefix_hit_tokens", "Prompt tokens the worker chosen to "
+                                         "prefill likely held in its prefix cache (the router's estimate, "
+                                         "router.prefix_aware)", registry=reg)
         self.swept_blocks = Counter("pdserve_router_swept_blocks", "KV blocks the periodic sweep freed: held by "
                                     "no live request (a path that should have freed them did not)", registry=reg)
         self.ttft = Histogram("pdserve_request_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,

@@ -14,11 +14,17 @@ cluster states. Never round-robin:
 Both take a ``prefer``red worker id (another choice of the same prompt, router.openai_http):
 it wins if it can take the request at all, so that the prompt's blocks, in its prefix cache
 by then, are shared instead of computed again.
+
+Prefix-aware (``cached``: worker id -> prompt tokens it likely holds, router.prefix_index):
+a worker that prefills is scored by the prompt tokens it would actually compute, queued ones
+plus this prompt's uncached ones, so a cached prefix draws its prompts until the queue there
+costs more than computing the prompt elsewhere. Without ``cached`` (prefix-blind): as above.
+For a colocated worker this cost comes before headroom (it still must fit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -39,18 +45,29 @@ class WorkerLoad:
         return -(-tokens // self.block_size)
 
 
-def pick_prefill(workers: Sequence[WorkerLoad], prompt_tokens: int, prefer: str | None = None) -> WorkerLoad | None:
-    """Least queued prompt tokens among workers with room for the prompt (``prefer`` first);
-    None if none can."""
+def prefill_cost(w: WorkerLoad, prompt_tokens: int, cached: Mapping[str, int] | None) -> int:
+    """Prompt tokens ``w`` computes before this prompt's first token: its queue, plus the
+    prompt's uncached part when ``cached`` is given (prefix-aware), else the queue alone."""
+    if cached is None:
+        return w.queued_prompt_tokens
+    return w.queued_prompt_tokens + prompt_tokens - min(cached.get(w.worker_id, 0), prompt_tokens)
+
+
+def pick_prefill(workers: Sequence[WorkerLoad], prompt_tokens: int, prefer: str | None = None,
+                 cached: Mapping[str, int] | None = None) -> WorkerLoad | None:
+    """Least prefill cost (``prefill_cost``) among workers with room for the prompt
+    (``prefer`` first); None if none can."""
     ok = [w for w in workers if w.accepting and w.role in ("prefill", "colocated")
           and w.free_blocks >= w.blocks_for(prompt_tokens)]
     if not ok:
         return None
-    return min(ok, key=lambda w: (w.worker_id != prefer, w.queued_prompt_tokens, -w.free_blocks, w.worker_id))
+    return min(ok, key=lambda w: (w.worker_id != prefer, prefill_cost(w, prompt_tokens, cached), -w.free_blocks,
+                                  w.worker_id))
 
 
 def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: int,
-                reserve_fraction: float = 1.0, prefer: str | None = None) -> WorkerLoad | None:
+                reserve_fraction: float = 1.0, prefer: str | None = None,
+                cached: Mapping[str, int] | None = None) -> WorkerLoad | None:
     """Most projected headroom among workers that can reserve the request now.
 
     Args:
@@ -60,6 +77,8 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         reserve_fraction: share of ``max_tokens`` that must fit at admission (1.0: all of it;
             smaller admits more requests and relies on preemption if they all run long).
         prefer: a worker id that wins if it can take the request.
+        cached: colocated workers only (they prefill too): prompt tokens each likely holds;
+            then the least prefill cost wins, headroom breaks ties (module doc).
     Returns:
         The chosen worker, or None when no worker can take the request now (the router
         queues it).
@@ -75,7 +94,8 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         headroom = w.free_blocks * w.block_size - promised - need_tokens
         if w.free_blocks < w.blocks_for(need_tokens) or headroom < 0:
             continue
-        key = (w.worker_id != prefer, -headroom, w.remaining_decode_tokens, w.worker_id)
+        cost = prefill_cost(w, prompt_tokens, cached) if cached is not None else 0
+        key = (w.worker_id != prefer, cost, -headroom, w.remaining_decode_tokens, w.worker_id)
         if best_key is None or key < best_key:
             best, best_key = w, key
     return best

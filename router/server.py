@@ -41,6 +41,7 @@ from router.autoscale import PoolController
 from router.config import ClusterConfig
 from router.jobs import Aborted, Job, Lost
 from router.placement import pick_decode, pick_prefill
+from router.prefix_index import PrefixIndex, block_hashes
 from router.pools import Pools, Worker
 from router.requests import Limits, prompt_ids, request_id, sampling_params
 from worker.protocol import Failed, Record
@@ -82,6 +83,8 @@ class Router(pb_grpc.GenerationServicer):
         self._stranded_before: dict[str, set[str]] = {}  # the last sweep's finds (worker → engine ids)
         self.limits: Limits | None = None
         self.colocated = cfg.mode == "colocated"
+        # What each prefilling worker likely holds in its prefix cache (None: prefix-blind)
+        self.prefix = PrefixIndex() if cfg.router.prefix_aware else None
         from router.metrics import RouterMetrics
         self.metrics = RouterMetrics(self)
         self.recent: collections.deque[tuple[float, float | None, float | None]] = collections.deque(maxlen=4096)
@@ -122,6 +125,8 @@ class Router(pb_grpc.GenerationServicer):
                 job.put(worker, r)
 
     def _on_lost(self, worker: Worker) -> None:
+        if self.prefix is not None:  # a restart empties its cache; a lost one is gone
+            self.prefix.forget(worker.worker_id)
         for job in self.jobs.values():
             if worker is job.prefill or worker is job.decode:
                 job.put(worker, Lost())
@@ -278,15 +283,19 @@ class Router(pb_grpc.GenerationServicer):
         roles = ("colocated",) if self.colocated else ("decode",)
         frac = self.cfg.decode.reserve_fraction
         queued, since = False, time.monotonic()
+        # The prompt's full blocks in the prefilling pool's block size (prefix-aware placement)
+        bs = (self.cfg.decode if self.colocated else self.cfg.prefill).block_size
+        hashes = block_hashes(ids, bs) if self.prefix is not None else []
         try:
             while True:
                 if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
                     raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
                 prefer = job.prefer or ("", "")
                 # (a decode worker receives a prompt's whole KV: only a colocated one shares it)
-                d = pick_decode(self.pools.loads(*roles), len(ids), params.max_tokens, frac,
-                                prefer[1] if self.colocated else None)
-                p = None if self.colocated or d is None else self._pick_prefill(len(ids), prefer[0])
+                loads = self.pools.loads(*roles)
+                d = pick_decode(loads, len(ids), params.max_tokens, frac, prefer[1] if self.colocated else None,
+                                self._cached(loads, hashes, bs) if self.colocated else None)
+                p = None if self.colocated or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
                 if d is None or (p is None and not self.colocated):
                     if not queued:
                         if self.queued >= self.cfg.router.max_queue:
@@ -309,6 +318,7 @@ class Router(pb_grpc.GenerationServicer):
                         if dw.state != "ready":  # lost while it answered: no Lost reaches this job
                             continue
                         job.placed(dw, dw)
+                        self._placed_prefix(d, hashes, bs)
                         return
                     # the transfer's secret, or None: not now
                     secret = await self.pools.call(dw, dw.actor.reserve.remote(job.key, ids, params, job.time_left()))
@@ -339,6 +349,7 @@ class Router(pb_grpc.GenerationServicer):
                         dw.actor.abort.remote(job.key)
                     continue
                 job.placed(pw, dw)
+                self._placed_prefix(p, hashes, bs)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
                 pw.actor.submit.remote(job.key, ids, params, dw.address, secret, job.time_left())
@@ -347,11 +358,25 @@ class Router(pb_grpc.GenerationServicer):
             if queued:
                 self.queued -= 1
 
-    def _pick_prefill(self, prompt_tokens: int, prefer: str | None = None):
+    def _pick_prefill(self, prompt_tokens: int, prefer: str | None = None, hashes: list[int] = (),
+                      block_size: int = 16):
         loads = self.pools.loads("prefill")
         # No prefill worker has room now: the least loaded queues it in its own engine.
-        return pick_prefill(loads, prompt_tokens, prefer) or min(
+        return pick_prefill(loads, prompt_tokens, prefer, self._cached(loads, hashes, block_size)) or min(
             (w for w in loads if w.accepting), key=lambda w: w.queued_prompt_tokens, default=None)
+
+    def _cached(self, loads, hashes: list[int], block_size: int) -> dict[str, int] | None:
+        """Prompt tokens each worker likely holds (None: prefix-blind placement)."""
+        if self.prefix is None:
+            return None
+        self.prefix.prune(set(self.pools.workers))  # retired workers leave the table
+        return {w.worker_id: self.prefix.hit_blocks(w.worker_id, hashes) * block_size for w in loads}
+
+    def _placed_prefix(self, w, hashes: list[int], block_size: int) -> None:
+        """The prompt went to ``w`` (a WorkerLoad) to prefill: it will hold its blocks."""
+        if self.prefix is not None and hashes:
+            self.metrics.prefix_hit_tokens.inc(self.prefix.hit_blocks(w.worker_id, hashes) * block_size)
+            self.prefix.record(w.worker_id, hashes, w.total_blocks)
 
     # ---- the other RPCs ----------------------------------------------------------------------
     async def _caller(self, context) -> str:

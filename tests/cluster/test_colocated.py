@@ -57,3 +57,30 @@ def test_full_cluster_queues_then_refuses_with_resource_exhausted(stub, cluster,
     assert collect(queued)["finish_reason"] == "length"
     calls[1].cancel()
     wait_idle(stub, cluster)
+
+
+def test_prompts_sharing_a_prefix_go_where_it_is_cached(stub, cluster, hf_model, tokenizer, wait_idle):
+    """Prefix-aware placement (router.prefix_aware, the default): with the worker that holds a
+    long system prompt busy, a prefix-blind router sends the next prompt with that system
+    prompt to the idle worker (more headroom); the aware one sends it where all but its
+    question is cached, and the answer is still HF's."""
+    import torch
+    system = "You are a careful assistant who answers briefly and never makes things up. " * 16
+    long_run = make_request(system + "Write a long story about the sea.", request_id="holder",
+                            max_tokens=150, ignore_eos=True, temperature=0)
+    holder = stub.Generate(long_run)
+    next(holder)  # it runs (and holds the system prompt's blocks) while the question comes
+    holder_worker = cluster.router.jobs["holder"].decode.worker_id
+    question = system + "Question: what is the capital of France? Answer:"
+    out = collect(stub.Generate(make_request(question, max_tokens=12, temperature=0)))
+    ids = torch.tensor([tokenizer(question)["input_ids"]])
+    with torch.inference_mode():
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert out["token_ids"] == ref[0, ids.shape[1]:].tolist()
+    holder.cancel()
+    u = out["usage"]
+    # Computed the question only (and the system prompt's last, partial block)
+    uncached = u["prompt_tokens"] - u["cached_prompt_tokens"]
+    assert u["prefill_worker"] == holder_worker and uncached <= len(tokenizer(question[len(system):])["input_ids"]) + 16, u
+    assert cluster.router.metrics.prefix_hit_tokens._value.get() >= u["cached_prompt_tokens"]  # the estimate held
+    wait_idle(stub, cluster)

@@ -1,0 +1,74 @@
+"""Which prompt prefixes each worker holds, as the router estimates them (prefix-aware placement).
+
+Why the router keeps it rather than the workers publishing their caches: every prompt a
+worker prefills was placed there by this router, so it already knows what each worker
+computed; no new worker→router message, nothing to order against the reports, and a
+restarted router starts blind and learns again. It is an estimate: a worker evicts cached
+blocks under memory pressure that the router does not see. Being wrong costs a miss (the
+worker computes the prompt, as it would have without the index), never a wrong answer:
+the worker's own prefix cache decides what is reused.
+
+The unit is the worker's: a full block of ``block_size`` prompt tokens, named by a chained
+hash (block i's hash covers tokens 0..(i+1)*block_size, as the engine's prefix cache names
+blocks), so a hit is always a *leading* run of blocks. Per worker the index keeps at most
+its KV capacity in blocks, least recently placed evicted first (the engine's cache also
+evicts least recently used blocks first).
+
+Tables (exactly these): ``_held`` worker id → its block hashes in recency order (an
+``OrderedDict`` used as an LRU set).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks (a partial last block is never shared)."""
+    out, h = [], 0
+    for i in range(len(token_ids) // block_size):
+        # Tuples of ints hash the same in every process (no PYTHONHASHSEED salt): reproducible.
+        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        out.append(h)
+    return out
+
+
+class PrefixIndex:
+    """Estimated cached prompt blocks per worker (module doc)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, OrderedDict[int, None]] = {}
+
+    def hit_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (its ``block_hashes``) the worker likely holds."""
+        held = self._held.get(worker_id)
+        n = 0
+        if held:
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+        return n
+
+    def record(self, worker_id: str, hashes: Sequence[int], capacity_blocks: int) -> None:
+        """The worker was given this prompt: it will hold these blocks (most recent now);
+        beyond ``capacity_blocks`` the least recently placed are forgotten."""
+        held = self._held.setdefault(worker_id, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > max(0, capacity_blocks):
+            held.popitem(last=False)
+
+    def forget(self, worker_id: str) -> None:
+        """The worker lost its cache (restarted, lost, retired, or switched roles)."""
+        self._held.pop(worker_id, None)
+
+    def prune(self, worker_ids: set[str]) -> None:
+        """Forget every worker not in ``worker_ids`` (retired: the table follows the pools)."""
+        for wid in [w for w in self._held if w not in worker_ids]:
+            del self._held[wid]
+
+    def size(self, worker_id: str) -> int:
+        return len(self._held.get(worker_id, ()))

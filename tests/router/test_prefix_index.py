@@ -1,0 +1,87 @@
+"""Prefix-aware placement: the router's estimate of cached prefixes (router.prefix_index) and
+the scoring that uses it (router.placement), on synthetic loads."""
+
+from __future__ import annotations
+
+import random
+
+from router.placement import WorkerLoad, pick_decode, pick_prefill
+from router.prefix_index import PrefixIndex, block_hashes
+
+BS = 16
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 50000) for _ in range(n)]
+
+
+def test_hashes_name_whole_prefixes_of_full_blocks():
+    a = tokens(100, 1)
+    assert len(block_hashes(a, BS)) == 6  # the partial 7th block is never shared
+    b = a[:64] + tokens(36, 2)
+    assert block_hashes(a, BS)[:4] == block_hashes(b, BS)[:4] and block_hashes(a, BS)[4] != block_hashes(b, BS)[4]
+    # equal block contents after a different start: not the same prefix
+    c = tokens(16, 3) + a[16:]
+    assert block_hashes(c, BS)[1] != block_hashes(a, BS)[1]
+    assert block_hashes(a, BS) == block_hashes(list(a), BS)  # deterministic
+
+
+def test_hits_are_a_leading_run_and_capacity_evicts_least_recent():
+    idx = PrefixIndex()
+    sys_a, sys_b = tokens(64, 10), tokens(64, 11)
+    idx.record("w0", block_hashes(sys_a + tokens(32, 12), BS), capacity_blocks=10)
+    assert idx.hit_blocks("w0", block_hashes(sys_a + tokens(40, 13), BS)) == 4
+    assert idx.hit_blocks("w1", block_hashes(sys_a, BS)) == 0
+    # a prompt whose first block differs hits nothing, even if later blocks were seen
+    assert idx.hit_blocks("w0", block_hashes(tokens(16, 14) + sys_a[16:], BS)) == 0
+    idx.record("w0", block_hashes(sys_b, BS), capacity_blocks=10)  # 6 + 4 = 10 blocks: all kept
+    assert idx.size("w0") == 10 and idx.hit_blocks("w0", block_hashes(sys_a, BS)) == 4
+    idx.record("w0", block_hashes(sys_a, BS), capacity_blocks=10)  # sys_a now most recent
+    idx.record("w0", block_hashes(tokens(48, 15), BS), capacity_blocks=10)  # 3 more: the oldest 3 go
+    assert idx.size("w0") == 10
+    assert idx.hit_blocks("w0", block_hashes(sys_a, BS)) == 4  # refreshed: kept
+    # LRU order was tail(2), sys_b(4), sys_a(4): the tail and sys_b's first block went, and a
+    # prefix without its first block is no hit at all
+    assert idx.hit_blocks("w0", block_hashes(sys_b, BS)) == 0
+    idx.forget("w0")
+    assert idx.hit_blocks("w0", block_hashes(sys_a, BS)) == 0
+    idx.record("w1", block_hashes(sys_a, BS), 10)
+    idx.prune({"w2"})
+    assert idx.size("w1") == 0
+
+
+def prefill(wid, queued, free=1000):
+    return WorkerLoad(wid, "prefill", free, 1000, BS, queued_prompt_tokens=queued)
+
+
+def test_prefill_scored_by_tokens_it_would_compute():
+    ws = [prefill("a", 0), prefill("b", 300)]
+    # blind: the empty queue wins
+    assert pick_prefill(ws, 1000).worker_id == "a"
+    # b holds 800 of the prompt's 1000 tokens: 300 + 200 < 0 + 1000
+    assert pick_prefill(ws, 1000, cached={"b": 800}).worker_id == "b"
+    # until its queue costs more than computing the prompt elsewhere
+    ws = [prefill("a", 0), prefill("b", 900)]
+    assert pick_prefill(ws, 1000, cached={"b": 800}).worker_id == "a"
+    # a cached count beyond the prompt (a stale estimate) never makes the cost negative
+    assert pick_prefill([prefill("a", 0), prefill("b", 150)], 100, cached={"b": 10**6}).worker_id == "a"
+    # a worker without room is never chosen for its cache
+    assert pick_prefill([prefill("a", 0), prefill("b", 0, free=3)], 1000, cached={"b": 1000}).worker_id == "a"
+
+
+def colocated(wid, free, queued=0, remaining=0):
+    return WorkerLoad(wid, "colocated", free, 1000, BS, queued_prompt_tokens=queued,
+                      remaining_decode_tokens=remaining)
+
+
+def test_colocated_cost_before_headroom_but_it_must_fit():
+    ws = [colocated("busy", free=300, remaining=2000), colocated("idle", free=900)]
+    assert pick_decode(ws, 600, 64).worker_id == "idle"  # blind: headroom
+    assert pick_decode(ws, 600, 64, cached={"busy": 592}).worker_id == "busy"
+    # no room once its promised growth counts: the cache does not matter
+    ws = [colocated("busy", free=300, remaining=4400), colocated("idle", free=900)]
+    assert pick_decode(ws, 600, 64, cached={"busy": 592}).worker_id == "idle"
+    # no hits anywhere: equal costs, headroom decides as before
+    ws = [colocated("a", free=500), colocated("b", free=900)]
+    assert pick_decode(ws, 100, 64, cached={}).worker_id == "b"
