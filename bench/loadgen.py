@@ -29,7 +29,7 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class RequestSpec:
-    kind: str  # "chat", "long", "fixed", "file": stats are also reported per kind
+    kind: str  # "chat", "long", "fixed", "shared", "file": stats are also reported per kind
     max_tokens: int
     token_ids: tuple[int, ...] = ()
     prompt: str | None = None
@@ -43,6 +43,8 @@ class Result:
     batch_times: list[float] = field(default_factory=list)  # one entry per streamed message with tokens
     end: float = 0.0
     error: str | None = None  # gRPC status name of a failed request
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage)
+    prefill_worker: str = ""  # the worker that prefilled it (usage)
 
     @property
     def ttft(self) -> float | None:
@@ -80,15 +82,27 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
 
 
 def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens: str = "256",
-                  max_tokens: str = "64", long_share: float = 0.2, long_tokens: int = 1536) -> list[RequestSpec]:
+                  max_tokens: str = "64", long_share: float = 0.2, long_tokens: int = 1536,
+                  prefix_groups: int = 6, prefix_tokens: int = 1536) -> list[RequestSpec]:
     """``n`` requests from a dataset: ``random`` (random token prompts of ``prompt_tokens``,
     ``max_tokens`` new tokens), ``mix`` (short chat turns with ``long_share`` long documents
-    of ``long_tokens`` that want short answers), or a JSONL file path (``{"prompt": ...}`` or
-    ``{"token_ids": [...]}`` per line, optional ``"max_tokens"``; used round-robin).
-    Prompts are distinct, so the prefix cache never helps."""
+    of ``long_tokens`` that want short answers), ``shared-prefix`` (as SGLang's generated
+    shared prefix: ``prefix_groups`` system prompts of ``prefix_tokens``, each request one of
+    them, drawn at random, plus a question of its own of 32-96 tokens; 16-48 new tokens; the
+    first ``prefix_groups`` requests take each group once, in order), or a JSONL file path
+    (``{"prompt": ...}`` or ``{"token_ids": [...]}`` per line, optional ``"max_tokens"``; used
+    round-robin). Prompts of the other datasets are distinct: the prefix cache never helps."""
     if n < 1:
         raise BenchError(f"the number of requests must be >= 1, got {n}")
     rng = random.Random(seed)
+    if dataset == "shared-prefix":
+        if prefix_groups < 1 or prefix_tokens < 1:
+            raise BenchError(f"shared-prefix: groups and prefix tokens must be >= 1, got {prefix_groups}, "
+                             f"{prefix_tokens}")
+        systems = [_random_ids(rng, prefix_tokens, vocab) for _ in range(prefix_groups)]
+        return [RequestSpec("shared", rng.randint(16, 48),
+                            systems[i if i < prefix_groups else rng.randrange(prefix_groups)]
+                            + _random_ids(rng, rng.randint(32, 96), vocab)) for i in range(n)]
     if dataset == "random":
         (plo, phi), (mlo, mhi) = parse_range(prompt_tokens, "prompt tokens"), parse_range(max_tokens, "max tokens")
         return [RequestSpec("fixed", rng.randint(mlo, mhi), _random_ids(rng, rng.randint(plo, phi), vocab))
@@ -138,6 +152,8 @@ async def _one(stub, spec: RequestSpec, results: list[Result], done: Callable[[]
                 now = time.perf_counter()
                 r.token_times.extend([now] * len(msg.token_ids))
                 r.batch_times.append(now)
+            if msg.HasField("usage"):
+                r.cached_tokens, r.prefill_worker = msg.usage.cached_prompt_tokens, msg.usage.prefill_worker
     except grpc.aio.AioRpcError as e:
         r.error = e.code().name
     r.end = time.perf_counter()
@@ -226,7 +242,10 @@ def summarize(results: Sequence[Result], wall_s: float, ttft_slo_s: float, tpot_
                 "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
                 "output_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
                 "slo_attainment": met / len(rs) if rs else 0.0,
-                "goodput_rps": met / wall_s if wall_s > 0 else 0.0})
+                "goodput_rps": met / wall_s if wall_s > 0 else 0.0,
+                # share of the prompt tokens found in the server's prefix cache
+                "prefix_hit_rate": (sum(r.cached_tokens for r in ok) / max(1, sum(len(r.spec.token_ids) for r in ok))
+                                    if ok and all(r.spec.prompt is None for r in ok) else None)})
     return out
 
 

@@ -11,7 +11,9 @@ the other:
 
 TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
 column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
-``p99_tpot_ratio_disagg_vs_colocated``, ``--ttft-overhead`` adds ``cluster_ttft_overhead_ms_512``
+``p99_tpot_ratio_disagg_vs_colocated``, ``--prefix-compare`` runs the shared-prefix dataset on one
+cluster config with prefix-blind and prefix-aware placement (``router.prefix_aware``) and adds
+``ttft_p90_ratio_prefix_blind_vs_aware``, ``--ttft-overhead`` adds ``cluster_ttft_overhead_ms_512``
 (bench/ttft_overhead.py) and, on a cluster it started, ``openai_http_overhead_ms_512`` (the OpenAI
 API's TTFT over gRPC's), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
 latency over time, goodput vs rate).
@@ -36,7 +38,13 @@ COMPARE = {
                   "decode.max_batched_tokens": 8192},
     "colocated-chunked": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": True},
 }
-SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked"}
+# --prefix-compare: two colocated workers (each prefills what it decodes) whose caches hold about
+# half of the groups each: placement decides whether a prompt finds its system prompt cached.
+PREFIX_CLUSTER = {"mode": "colocated", "decode.replicas": 2, "decode.threads": 1}
+PREFIX_COMPARE = {"prefix-blind": {**PREFIX_CLUSTER, "router.prefix_aware": False},
+                  "prefix-aware": {**PREFIX_CLUSTER, "router.prefix_aware": True}}
+SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked",
+         "prefix-blind": "blind", "prefix-aware": "aware"}
 
 
 def log(msg: str) -> None:
@@ -55,14 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="run the workload on disaggregated, colocated and colocated-chunked clusters")
     p.add_argument("--chunk", type=int, default=256, help="token budget of colocated-chunked (default 256)")
+    p.add_argument("--prefix-compare", action="store_true",
+                   help="run the shared-prefix dataset on two colocated workers with prefix-blind, then "
+                        "prefix-aware placement (router.prefix_aware), after a warm-up of one request per group")
+    p.add_argument("--prefix-kv-gb", type=float, default=0.25,
+                   help="--prefix-compare: KV cache per worker (default 0.25 GB: ~5,400 tokens of the bundled "
+                        "model, about half of the default groups)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="mix",
-                   help="random | mix (short chats + long documents; default) | a JSONL file of prompts")
+                   help="random | mix (short chats + long documents; default) | shared-prefix (system prompts "
+                        "shared by groups of requests) | a JSONL file of prompts")
     w.add_argument("--num-requests", type=int, default=32, help="requests to send (default 32)")
     w.add_argument("--prompt-tokens", default="256", help="random dataset: N or LO:HI (default 256)")
     w.add_argument("--max-tokens", default="64", help="random/file datasets: N or LO:HI (default 64)")
     w.add_argument("--long-share", type=float, default=0.2, help="mix: share of long documents (default 0.2)")
     w.add_argument("--long-tokens", type=int, default=1536, help="mix: long document length (default 1536)")
+    w.add_argument("--prefix-groups", type=int, default=6, help="shared-prefix: system prompts (default 6)")
+    w.add_argument("--prefix-tokens", type=int, default=1536, help="shared-prefix: system prompt length (default 1536)")
     w.add_argument("--seed", type=int, default=0)
     a = p.add_argument_group("arrivals (one of)")
     a.add_argument("--rate", type=float, help="open loop: Poisson arrivals at this many requests/s")
@@ -106,9 +123,12 @@ def bench_server(server: str, args, vocab: int) -> dict:
     """Every rate of the run against one server: summaries and raw results."""
     runs = []
     for rate in _rates(args):
-        specs = make_workload(args.num_requests, args.dataset, vocab, args.seed, args.prompt_tokens,
-                              args.max_tokens, args.long_share, args.long_tokens)
+        specs = _workload(args, vocab)
         conc = None if rate is not None else (args.concurrency or 4)
+        if args.dataset == "shared-prefix" and args.prefix_compare:
+            # Warm-up, not counted: each system prompt once, one at a time, so both placements
+            # start from caches that hold every group somewhere (steady state, not cold start).
+            asyncio.run(run(server, specs[:args.prefix_groups], concurrency=1, seed=args.seed))
         with _bar(len(specs), f"{'rate %g/s' % rate if rate else 'concurrency %d' % conc}") as bar:
             results, wall = asyncio.run(run(server, specs, rate=rate, concurrency=conc, duration_s=args.duration,
                                             seed=args.seed, progress=lambda d, t: bar.update(1)))
@@ -120,6 +140,11 @@ def bench_server(server: str, args, vocab: int) -> dict:
         runs.append({"rate": rate, "summary": summary, "results": results})
     return {"runs": runs, "max_goodput_rate": max_goodput_rate(
         [(r["rate"], r["summary"]["all"]) for r in runs if r["rate"] is not None])}
+
+
+def _workload(args, vocab: int):
+    return make_workload(args.num_requests, args.dataset, vocab, args.seed, args.prompt_tokens, args.max_tokens,
+                         args.long_share, args.long_tokens, args.prefix_groups, args.prefix_tokens)
 
 
 def _start(cfg):
@@ -141,25 +166,30 @@ def _main(args) -> int:
     from cli.client import connect
     from router.config import load_config
     _rates(args)  # refuse nonsense before starting anything
-    make_workload(args.num_requests, args.dataset, 1000, 0, args.prompt_tokens, args.max_tokens, args.long_share,
-                  args.long_tokens)
-    if args.server and args.compare:
-        raise BenchError("--compare starts its own clusters: drop --server")
+    if args.prefix_compare:
+        if args.compare:
+            raise BenchError("give --compare or --prefix-compare, not both")
+        args.dataset = "shared-prefix"
+    _workload(args, 1000)
+    if args.server and (args.compare or args.prefix_compare):
+        raise BenchError("--compare and --prefix-compare start their own clusters: drop --server")
     out: dict = {}
     results: dict[str, dict] = {}
-    names = list(COMPARE) if args.compare else [None]
+    modes = COMPARE if args.compare else PREFIX_COMPARE if args.prefix_compare else {}
+    names = list(modes) or [None]
     started = False
     for name in names:
         cluster = None
         server = args.server
-        cfg = load_config(args.config, {**COMPARE.get(name, {}), "metrics.port": 0,
+        cfg = load_config(args.config, {**modes.get(name, {}), "metrics.port": 0,
                                         **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked"
-                                           else {})})
+                                           else {}),
+                                        **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
         if server is None:
             from router.app import init_ray
             if not started:
-                init_ray(cfg if name is None else load_config(args.config, {"prefill.replicas": 1,
-                                                                            "decode.replicas": 1}))
+                init_ray(cfg if name is None or args.prefix_compare
+                         else load_config(args.config, {"prefill.replicas": 1, "decode.replicas": 1}))
                 started = True
             log(f"starting a {name or cfg.mode} cluster ...")
             cluster, server = _start(cfg)
@@ -224,6 +254,11 @@ def _report(results: dict[str, dict], args) -> dict:
         ch = flat.get(f"chunked_tpot_ms_p99{kind}")
         if d and ch:
             flat["p99_tpot_ratio_disagg_vs_chunked"] = d / ch
+    if "prefix-blind" in results and "prefix-aware" in results:
+        b, a = flat.get("blind_ttft_ms_p90"), flat.get("aware_ttft_ms_p90")
+        if b and a:
+            flat["ttft_p90_ratio_prefix_blind_vs_aware"] = b / a
+            print(f"\nTTFT p90, shared prefixes: prefix-blind / prefix-aware = {b / a:.2f}")
     return flat
 
 

@@ -71,6 +71,7 @@ class Job:
     decode_id: str = ""
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    uncached: int = 0  # prompt tokens this attempt's prefill computes, as placement estimated them
     first_token_time: float | None = None
     last_token_time: float | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between streamed token batches
@@ -115,6 +116,11 @@ class Job:
         self.prefill, self.decode = prefill, decode
         self.prefill_id, self.decode_id = prefill.worker_id, decode.worker_id
         self.state = JobState.RUNNING
+
+    @property
+    def prefilling(self) -> bool:
+        """Placed, and no token of this attempt yet: its prompt is in its prefill worker's queue."""
+        return self.state == JobState.RUNNING and len(self.generated) == self.base
 
     def heard_from(self, worker: Any) -> None:
         """A record of this attempt came from ``worker``. Decode runs only once the KV and the

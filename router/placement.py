@@ -18,8 +18,10 @@ by then, are shared instead of computed again.
 Prefix-aware (``cached``: worker id -> prompt tokens it likely holds, router.prefix_index):
 a worker that prefills is scored by the prompt tokens it would actually compute, queued ones
 plus this prompt's uncached ones, so a cached prefix draws its prompts until the queue there
-costs more than computing the prompt elsewhere. Without ``cached`` (prefix-blind): as above.
-For a colocated worker this cost comes before headroom (it still must fit).
+costs more than computing the prompt elsewhere. Equal costs (a prompt cached nowhere) go to
+the worker believed to cache the least (``held``: worker id -> blocks), so distinct prefixes
+spread over the workers instead of all evicting each other on one. Without ``cached``
+(prefix-blind): as above. For a colocated worker this cost comes before headroom (it must fit).
 """
 
 from __future__ import annotations
@@ -54,20 +56,30 @@ def prefill_cost(w: WorkerLoad, prompt_tokens: int, cached: Mapping[str, int] | 
 
 
 def pick_prefill(workers: Sequence[WorkerLoad], prompt_tokens: int, prefer: str | None = None,
-                 cached: Mapping[str, int] | None = None) -> WorkerLoad | None:
+                 cached: Mapping[str, int] | None = None, held: Mapping[str, int] | None = None) -> WorkerLoad | None:
     """Least prefill cost (``prefill_cost``) among workers with room for the prompt
-    (``prefer`` first); None if none can."""
+    (``prefer`` first; then the least ``held``); None if none can."""
+    held = held or {}
     ok = [w for w in workers if w.accepting and w.role in ("prefill", "colocated")
           and w.free_blocks >= w.blocks_for(prompt_tokens)]
     if not ok:
         return None
-    return min(ok, key=lambda w: (w.worker_id != prefer, prefill_cost(w, prompt_tokens, cached), -w.free_blocks,
-                                  w.worker_id))
+    return min(ok, key=lambda w: (w.worker_id != prefer, prefill_cost(w, prompt_tokens, cached),
+                                  held.get(w.worker_id, 0), -w.free_blocks, w.worker_id))
+
+
+def admission_tokens(w: WorkerLoad, prompt_tokens: int, max_tokens: int, reserve_fraction: float,
+                     cached: Mapping[str, int] | None = None) -> int:
+    """Tokens of new KV ``w`` must reserve for a request: its prompt and that share of
+    ``max_tokens``, less the prompt's blocks it likely holds already (``cached``; shared, not
+    allocated again: counting them would turn a worker away from the prompts it is best at)."""
+    shared = min(cached.get(w.worker_id, 0), prompt_tokens) if cached is not None else 0
+    return prompt_tokens - shared + int(round(reserve_fraction * max_tokens))
 
 
 def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: int,
                 reserve_fraction: float = 1.0, prefer: str | None = None,
-                cached: Mapping[str, int] | None = None) -> WorkerLoad | None:
+                cached: Mapping[str, int] | None = None, held: Mapping[str, int] | None = None) -> WorkerLoad | None:
     """Most projected headroom among workers that can reserve the request now.
 
     Args:
@@ -78,16 +90,17 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
             smaller admits more requests and relies on preemption if they all run long).
         prefer: a worker id that wins if it can take the request.
         cached: colocated workers only (they prefill too): prompt tokens each likely holds;
-            then the least prefill cost wins, headroom breaks ties (module doc).
+            then the least prefill cost wins, then the least ``held``, then headroom (module doc).
+            A worker needs no new blocks for what it holds: they are shared.
     Returns:
         The chosen worker, or None when no worker can take the request now (the router
         queues it).
     """
-    need_tokens = prompt_tokens + int(round(reserve_fraction * max_tokens))
     best, best_key = None, None
     for w in workers:
         if not (w.accepting and w.role in ("decode", "colocated")):
             continue
+        need_tokens = admission_tokens(w, prompt_tokens, max_tokens, reserve_fraction, cached)
         # Tokens still free once the running requests have grown by (the same share of) what
         # they may still generate: with reserve_fraction 1 no admitted request is ever preempted.
         promised = int(round(reserve_fraction * w.remaining_decode_tokens))
@@ -95,7 +108,8 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         if w.free_blocks < w.blocks_for(need_tokens) or headroom < 0:
             continue
         cost = prefill_cost(w, prompt_tokens, cached) if cached is not None else 0
-        key = (w.worker_id != prefer, cost, -headroom, w.remaining_decode_tokens, w.worker_id)
+        key = (w.worker_id != prefer, cost, (held or {}).get(w.worker_id, 0), -headroom,
+               w.remaining_decode_tokens, w.worker_id)
         if best_key is None or key < best_key:
             best, best_key = w, key
     return best

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 import time
@@ -40,7 +41,7 @@ from router.auth import FrontDoor
 from router.autoscale import PoolController
 from router.config import ClusterConfig
 from router.jobs import Aborted, Job, Lost
-from router.placement import pick_decode, pick_prefill
+from router.placement import admission_tokens, pick_decode, pick_prefill
 from router.prefix_index import PrefixIndex, block_hashes
 from router.pools import Pools, Worker
 from router.requests import Limits, prompt_ids, request_id, sampling_params
@@ -293,8 +294,10 @@ class Router(pb_grpc.GenerationServicer):
                 prefer = job.prefer or ("", "")
                 # (a decode worker receives a prompt's whole KV: only a colocated one shares it)
                 loads = self.pools.loads(*roles)
+                if self.colocated:
+                    loads, cached, held = self._prefix_view(loads, hashes, bs)
                 d = pick_decode(loads, len(ids), params.max_tokens, frac, prefer[1] if self.colocated else None,
-                                self._cached(loads, hashes, bs) if self.colocated else None)
+                                *((cached, held) if self.colocated else (None, None)))
                 p = None if self.colocated or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
                 if d is None or (p is None and not self.colocated):
                     if not queued:
@@ -310,7 +313,8 @@ class Router(pb_grpc.GenerationServicer):
                     await self.pools.wait_change(RETRY_WAIT_S)
                     continue
                 dw = self.pools.workers[d.worker_id]
-                need = d.blocks_for(len(ids) + int(round(frac * params.max_tokens)))
+                need = d.blocks_for(admission_tokens(d, len(ids), params.max_tokens, frac,
+                                                     cached if self.colocated else None))
                 self.pools.reserved(dw.worker_id, need)
                 try:
                     if self.colocated:
@@ -318,7 +322,7 @@ class Router(pb_grpc.GenerationServicer):
                         if dw.state != "ready":  # lost while it answered: no Lost reaches this job
                             continue
                         job.placed(dw, dw)
-                        self._placed_prefix(d, hashes, bs)
+                        self._placed_prefix(job, d, hashes, bs)
                         return
                     # the transfer's secret, or None: not now
                     secret = await self.pools.call(dw, dw.actor.reserve.remote(job.key, ids, params, job.time_left()))
@@ -349,7 +353,7 @@ class Router(pb_grpc.GenerationServicer):
                         dw.actor.abort.remote(job.key)
                     continue
                 job.placed(pw, dw)
-                self._placed_prefix(p, hashes, bs)
+                self._placed_prefix(job, p, hashes, bs)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
                 pw.actor.submit.remote(job.key, ids, params, dw.address, secret, job.time_left())
@@ -360,22 +364,37 @@ class Router(pb_grpc.GenerationServicer):
 
     def _pick_prefill(self, prompt_tokens: int, prefer: str | None = None, hashes: list[int] = (),
                       block_size: int = 16):
-        loads = self.pools.loads("prefill")
+        loads, cached, held = self._prefix_view(self.pools.loads("prefill"), hashes, block_size)
         # No prefill worker has room now: the least loaded queues it in its own engine.
-        return pick_prefill(loads, prompt_tokens, prefer, self._cached(loads, hashes, block_size)) or min(
+        return pick_prefill(loads, prompt_tokens, prefer, cached, held) or min(
             (w for w in loads if w.accepting), key=lambda w: w.queued_prompt_tokens, default=None)
 
-    def _cached(self, loads, hashes: list[int], block_size: int) -> dict[str, int] | None:
-        """Prompt tokens each worker likely holds (None: prefix-blind placement)."""
-        if self.prefix is None:
-            return None
-        self.prefix.prune(set(self.pools.workers))  # retired workers leave the table
-        return {w.worker_id: self.prefix.hit_blocks(w.worker_id, hashes) * block_size for w in loads}
+    def _prefix_view(self, loads: list, hashes: list[int], block_size: int) -> tuple[list, dict | None, dict | None]:
+        """Prefix-aware placement's view of the prefilling workers: (loads whose queued prompt
+        tokens are the uncached tokens this router placed there that wait for their first
+        token, prompt tokens of this prompt each likely holds, blocks each is believed to
+        cache); prefix-blind: (loads as reported, None, None).
 
-    def _placed_prefix(self, w, hashes: list[int], block_size: int) -> None:
-        """The prompt went to ``w`` (a WorkerLoad) to prefill: it will hold its blocks."""
+        Why not the workers' reported queues: they count whole prompts (a waiting prompt has
+        not looked its prefix up yet), so a worker holding a prefix would look busy with the
+        very prompts its cache makes cheap, and lag a report behind a burst."""
+        if self.prefix is None:
+            return loads, None, None
+        self.prefix.prune(set(self.pools.workers))  # retired workers leave the table
+        queued = collections.Counter()
+        for job in self.jobs.values():  # (live requests: one place holds this fact)
+            if job.prefilling:
+                queued[job.prefill_id] += job.uncached
+        return ([dataclasses.replace(w, queued_prompt_tokens=queued[w.worker_id]) for w in loads],
+                {w.worker_id: self.prefix.hit_blocks(w.worker_id, hashes) * block_size for w in loads},
+                {w.worker_id: self.prefix.size(w.worker_id) for w in loads})
+
+    def _placed_prefix(self, job: Job, w, hashes: list[int], block_size: int) -> None:
+        """The job's prompt went to ``w`` (a WorkerLoad) to prefill: it will hold its blocks."""
         if self.prefix is not None and hashes:
-            self.metrics.prefix_hit_tokens.inc(self.prefix.hit_blocks(w.worker_id, hashes) * block_size)
+            hit = self.prefix.hit_blocks(w.worker_id, hashes) * block_size
+            job.uncached = len(job.prompt_ids) + len(job.generated) - hit
+            self.metrics.prefix_hit_tokens.inc(hit)
             self.prefix.record(w.worker_id, hashes, w.total_blocks)
 
     # ---- the other RPCs ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -35,6 +36,30 @@ log = logging.getLogger("pdserve.worker")
 TOKEN_RATE_WINDOW_S = 5.0
 HEARTBEAT_S = 0.05  # an idle worker's load report interval
 EXPIRY_CHECK_S = 0.05  # how often client deadlines are checked (a deadline is met this late at most)
+# How often freed heap memory goes back to the OS (``release_heap``). glibc keeps what a long
+# prefill's activations freed (100-200 MB here) in its arenas and reuses it unevenly, so a
+# serving worker's RSS creeps for hours without it (the soak, issue 16); a trim costs ~ms.
+TRIM_S = 30.0
+
+
+def release_heap() -> bool:
+    """Return the C heap's free memory to the OS (glibc ``malloc_trim``); False where the C
+    library has none (musl, macOS): nothing to do there."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -231,6 +256,7 @@ class StepLoop:
 
     def _loop(self, sink: Any) -> None:
         last_beat = 0.0
+        next_trim = time.monotonic() + TRIM_S
         while self.running:
             with self.lock:
                 if self.inbox:
@@ -246,6 +272,9 @@ class StepLoop:
                 if sink is not None and (self.outbox or now - last_beat >= HEARTBEAT_S):
                     self._send(sink, now)
                     last_beat = now
+            if time.monotonic() >= next_trim:  # between steps, outside the lock: calls go on
+                release_heap()
+                next_trim = time.monotonic() + TRIM_S
             if not busy and not self.inbox:
                 time.sleep(0.0005)  # idle: keep polling the network, give the core back
 

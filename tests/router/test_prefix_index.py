@@ -80,8 +80,31 @@ def test_colocated_cost_before_headroom_but_it_must_fit():
     assert pick_decode(ws, 600, 64).worker_id == "idle"  # blind: headroom
     assert pick_decode(ws, 600, 64, cached={"busy": 592}).worker_id == "busy"
     # no room once its promised growth counts: the cache does not matter
-    ws = [colocated("busy", free=300, remaining=4400), colocated("idle", free=900)]
+    ws = [colocated("busy", free=300, remaining=4790), colocated("idle", free=900)]
     assert pick_decode(ws, 600, 64, cached={"busy": 592}).worker_id == "idle"
     # no hits anywhere: equal costs, headroom decides as before
     ws = [colocated("a", free=500), colocated("b", free=900)]
     assert pick_decode(ws, 100, 64, cached={}).worker_id == "b"
+
+
+def test_prompts_cached_nowhere_spread_by_what_each_worker_holds():
+    """Equal costs (no hit anywhere): the worker believed to cache less takes the new prefix,
+    so distinct system prompts spread over the pool instead of evicting each other on one."""
+    ws = [prefill("a", 0), prefill("b", 0)]
+    assert pick_prefill(ws, 1000, cached={}, held={"a": 96}).worker_id == "b"
+    cs = [colocated("a", free=900), colocated("b", free=900)]
+    assert pick_decode(cs, 600, 64, cached={}, held={"a": 96, "b": 10}).worker_id == "b"
+    # a hit still beats an empty worker
+    assert pick_decode(cs, 600, 64, cached={"a": 592}, held={"a": 96, "b": 10}).worker_id == "a"
+
+
+def test_blocks_a_worker_holds_are_not_reserved_again():
+    """A colocated worker busy with prompts that share a system prompt: its free blocks cannot
+    hold the whole prompt again, but the prompt's cached part is shared, so it still takes it."""
+    ws = [colocated("holder", free=40), colocated("empty", free=900)]
+    assert pick_decode(ws, 600, 32).worker_id == "empty"  # blind: 632 tokens do not fit in 640 - ...
+    assert pick_decode(ws, 600, 32, cached={"holder": 576}).worker_id == "holder"
+    w = ws[0]
+    from router.placement import admission_tokens
+    assert admission_tokens(w, 600, 32, 1.0, {"holder": 576}) == 600 - 576 + 32
+    assert admission_tokens(w, 600, 32, 1.0, {"holder": 10**6}) == 32  # a stale estimate: never below max_tokens
