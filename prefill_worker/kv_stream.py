@@ -22,6 +22,7 @@ step thread then fails its transfer, as the inline path does).
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
+
+log = logging.getLogger("pdserve.worker")
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,17 @@ class LayerStreamer:
 
     def flush(self) -> dict[str, Exception]:
         """Wait until every queued layer is sent; returns {request id: error} of the requests
-        whose send failed since the last flush (the caller fails them)."""
-        self._jobs.join()
+        whose send failed since the last flush (the caller fails them).
+
+        Raises:
+            RuntimeError: the thread is gone with layers still queued (never a silent hang).
+        """
+        done = self._jobs.all_tasks_done  # (queue.Queue's own condition: join() with a liveness check)
+        with done:
+            while self._jobs.unfinished_tasks:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the KV transfer thread is gone with layers still queued")
+                done.wait(0.5)
         errors, self._errors = self._errors, {}
         return errors
 
@@ -74,7 +86,10 @@ class LayerStreamer:
 
     def _run(self) -> None:
         if self.cpus:
-            os.sched_setaffinity(0, self.cpus)  # 0: this thread only (Linux)
+            try:
+                os.sched_setaffinity(0, self.cpus)  # 0: this thread only (Linux)
+            except OSError as e:  # cores this process may not use: send unpinned, say so
+                log.warning("event=transfer_thread_unpinned cpus=%s error=%r", sorted(self.cpus), e)
         while True:
             job = self._jobs.get()
             try:

@@ -131,10 +131,12 @@ class PrefillWorker:
             (outputs: first tokens, finish_reason "prefilled" — or a normal finish when the
             first token already ends the request; transfers that ended: their blocks are freed)
         """
-        outputs = self.engine.step(layer_done=self._send_layer) if self.engine.scheduler.has_work() else []
-        if self.streamer is not None:  # every queued layer is out before any block may move
-            for rid, e in self.streamer.flush().items():
-                self._transfer_failed(rid, e)
+        try:
+            outputs = self.engine.step(layer_done=self._send_layer) if self.engine.scheduler.has_work() else []
+        finally:  # every queued layer is out before any block may move, even after an error
+            errors = self.streamer.flush() if self.streamer is not None else {}
+        for rid, e in errors.items():
+            self._transfer_failed(rid, e)
         for o in outputs:  # the first token follows the last layer's KV: decode starts from both
             if o.request_id in self.transfers and o.new_token_ids:
                 self.sender.end(o.request_id, {"first_token": o.new_token_ids[0]})

@@ -72,6 +72,7 @@ class Job:
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     uncached: int = 0  # prompt tokens this attempt's prefill computes, as placement estimated them
+    prefix_hashes: list[int] = field(default_factory=list)  # its prompt's block hashes (router.prefix_index)
     first_token_time: float | None = None
     last_token_time: float | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between streamed token batches

@@ -15,13 +15,15 @@ Both take a ``prefer``red worker id (another choice of the same prompt, router.o
 it wins if it can take the request at all, so that the prompt's blocks, in its prefix cache
 by then, are shared instead of computed again.
 
-Prefix-aware (``cached``: worker id -> prompt tokens it likely holds, router.prefix_index):
-a worker that prefills is scored by the prompt tokens it would actually compute, queued ones
-plus this prompt's uncached ones, so a cached prefix draws its prompts until the queue there
-costs more than computing the prompt elsewhere. Equal costs (a prompt cached nowhere) go to
-the worker believed to cache the least (``held``: worker id -> blocks), so distinct prefixes
-spread over the workers instead of all evicting each other on one. Without ``cached``
-(prefix-blind): as above. For a colocated worker this cost comes before headroom (it must fit).
+Prefix-aware (a ``PrefixView``, router.prefix_index): a worker that prefills is scored by the
+prompt tokens it would actually compute, queued ones plus this prompt's uncached ones, so a
+cached prefix draws its prompts until the queue there costs more than computing the prompt
+elsewhere. A colocated worker still must fit the request; among equal costs more headroom
+wins, then the worker believed to cache least (so distinct prefixes spread over idle workers
+instead of evicting each other on one). It reserves no new blocks for the part of the prompt
+that live requests there already hold (shared blocks); a prefix only cached, not in use,
+sits in blocks the worker counts as free, and taking it uses them up. Without a view
+(prefix-blind): as above.
 """
 
 from __future__ import annotations
@@ -47,39 +49,49 @@ class WorkerLoad:
         return -(-tokens // self.block_size)
 
 
-def prefill_cost(w: WorkerLoad, prompt_tokens: int, cached: Mapping[str, int] | None) -> int:
+@dataclass(frozen=True)
+class PrefixView:
+    """What prefix-aware placement knows of one prompt, per worker id (router.prefix_index)."""
+
+    cached: Mapping[str, int]  # the prompt's tokens each likely holds in its prefix cache
+    held: Mapping[str, int]  # blocks each is believed to cache, of every prompt
+    in_use: Mapping[str, int]  # the prompt's tokens each holds in blocks of live requests there
+
+
+def prefill_cost(w: WorkerLoad, prompt_tokens: int, prefix: PrefixView | None) -> int:
     """Prompt tokens ``w`` computes before this prompt's first token: its queue, plus the
-    prompt's uncached part when ``cached`` is given (prefix-aware), else the queue alone."""
-    if cached is None:
+    prompt's uncached part with a ``prefix`` view, else the queue alone (prefix-blind)."""
+    if prefix is None:
         return w.queued_prompt_tokens
-    return w.queued_prompt_tokens + prompt_tokens - min(cached.get(w.worker_id, 0), prompt_tokens)
+    return w.queued_prompt_tokens + prompt_tokens - min(prefix.cached.get(w.worker_id, 0), prompt_tokens)
 
 
 def pick_prefill(workers: Sequence[WorkerLoad], prompt_tokens: int, prefer: str | None = None,
-                 cached: Mapping[str, int] | None = None, held: Mapping[str, int] | None = None) -> WorkerLoad | None:
+                 prefix: PrefixView | None = None) -> WorkerLoad | None:
     """Least prefill cost (``prefill_cost``) among workers with room for the prompt
-    (``prefer`` first; then the least ``held``); None if none can."""
-    held = held or {}
+    (``prefer`` first; then the least held); None if none can."""
+    held = prefix.held if prefix is not None else {}
     ok = [w for w in workers if w.accepting and w.role in ("prefill", "colocated")
           and w.free_blocks >= w.blocks_for(prompt_tokens)]
     if not ok:
         return None
-    return min(ok, key=lambda w: (w.worker_id != prefer, prefill_cost(w, prompt_tokens, cached),
+    return min(ok, key=lambda w: (w.worker_id != prefer, prefill_cost(w, prompt_tokens, prefix),
                                   held.get(w.worker_id, 0), -w.free_blocks, w.worker_id))
 
 
 def admission_tokens(w: WorkerLoad, prompt_tokens: int, max_tokens: int, reserve_fraction: float,
-                     cached: Mapping[str, int] | None = None) -> int:
+                     prefix: PrefixView | None = None) -> int:
     """Tokens of new KV ``w`` must reserve for a request: its prompt and that share of
-    ``max_tokens``, less the prompt's blocks it likely holds already (``cached``; shared, not
-    allocated again: counting them would turn a worker away from the prompts it is best at)."""
-    shared = min(cached.get(w.worker_id, 0), prompt_tokens) if cached is not None else 0
-    return prompt_tokens - shared + int(round(reserve_fraction * max_tokens))
+    ``max_tokens``, less the prompt's part that live requests there hold (shared blocks are
+    not allocated again; counting them would turn a worker away from the prompts it is best
+    at). A prefix merely cached is not subtracted: its blocks count as free there."""
+    shared = min(prefix.in_use.get(w.worker_id, 0), prompt_tokens - 1) if prefix is not None else 0
+    return prompt_tokens - max(0, shared) + int(round(reserve_fraction * max_tokens))
 
 
 def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: int,
                 reserve_fraction: float = 1.0, prefer: str | None = None,
-                cached: Mapping[str, int] | None = None, held: Mapping[str, int] | None = None) -> WorkerLoad | None:
+                prefix: PrefixView | None = None) -> WorkerLoad | None:
     """Most projected headroom among workers that can reserve the request now.
 
     Args:
@@ -89,9 +101,8 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         reserve_fraction: share of ``max_tokens`` that must fit at admission (1.0: all of it;
             smaller admits more requests and relies on preemption if they all run long).
         prefer: a worker id that wins if it can take the request.
-        cached: colocated workers only (they prefill too): prompt tokens each likely holds;
-            then the least prefill cost wins, then the least ``held``, then headroom (module doc).
-            A worker needs no new blocks for what it holds: they are shared.
+        prefix: colocated workers only (they prefill too): prefix-aware placement; the least
+            prefill cost wins, then headroom, then the least held (module doc).
     Returns:
         The chosen worker, or None when no worker can take the request now (the router
         queues it).
@@ -100,16 +111,16 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
     for w in workers:
         if not (w.accepting and w.role in ("decode", "colocated")):
             continue
-        need_tokens = admission_tokens(w, prompt_tokens, max_tokens, reserve_fraction, cached)
+        need_tokens = admission_tokens(w, prompt_tokens, max_tokens, reserve_fraction, prefix)
         # Tokens still free once the running requests have grown by (the same share of) what
         # they may still generate: with reserve_fraction 1 no admitted request is ever preempted.
         promised = int(round(reserve_fraction * w.remaining_decode_tokens))
         headroom = w.free_blocks * w.block_size - promised - need_tokens
         if w.free_blocks < w.blocks_for(need_tokens) or headroom < 0:
             continue
-        cost = prefill_cost(w, prompt_tokens, cached) if cached is not None else 0
-        key = (w.worker_id != prefer, cost, (held or {}).get(w.worker_id, 0), -headroom,
-               w.remaining_decode_tokens, w.worker_id)
+        cost = prefill_cost(w, prompt_tokens, prefix) if prefix is not None else 0
+        held = prefix.held.get(w.worker_id, 0) if prefix is not None else 0
+        key = (w.worker_id != prefer, cost, -headroom, held, w.remaining_decode_tokens, w.worker_id)
         if best_key is None or key < best_key:
             best, best_key = w, key
     return best

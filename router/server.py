@@ -40,8 +40,8 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.auth import FrontDoor
 from router.autoscale import PoolController
 from router.config import ClusterConfig
-from router.jobs import Aborted, Job, Lost
-from router.placement import admission_tokens, pick_decode, pick_prefill
+from router.jobs import Aborted, Job, JobState, Lost
+from router.placement import PrefixView, admission_tokens, pick_decode, pick_prefill
 from router.prefix_index import PrefixIndex, block_hashes
 from router.pools import Pools, Worker
 from router.requests import Limits, prompt_ids, request_id, sampling_params
@@ -293,11 +293,11 @@ class Router(pb_grpc.GenerationServicer):
                     raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
                 prefer = job.prefer or ("", "")
                 # (a decode worker receives a prompt's whole KV: only a colocated one shares it)
-                loads = self.pools.loads(*roles)
+                loads, view = self.pools.loads(*roles), None
                 if self.colocated:
-                    loads, cached, held = self._prefix_view(loads, hashes, bs)
+                    loads, view = self._prefix_view(loads, hashes, len(ids), bs)
                 d = pick_decode(loads, len(ids), params.max_tokens, frac, prefer[1] if self.colocated else None,
-                                *((cached, held) if self.colocated else (None, None)))
+                                view)
                 p = None if self.colocated or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
                 if d is None or (p is None and not self.colocated):
                     if not queued:
@@ -313,16 +313,17 @@ class Router(pb_grpc.GenerationServicer):
                     await self.pools.wait_change(RETRY_WAIT_S)
                     continue
                 dw = self.pools.workers[d.worker_id]
-                need = d.blocks_for(admission_tokens(d, len(ids), params.max_tokens, frac,
-                                                     cached if self.colocated else None))
+                need = d.blocks_for(admission_tokens(d, len(ids), params.max_tokens, frac, view))
                 self.pools.reserved(dw.worker_id, need)
+                # Known before the call's round trip, so placements meanwhile see the prefix there
+                hit = self._expect_prefix(job, d if self.colocated else p, hashes, len(ids), bs)
                 try:
                     if self.colocated:
                         await self.pools.call(dw, dw.actor.submit.remote(job.key, ids, params, job.time_left()))
                         if dw.state != "ready":  # lost while it answered: no Lost reaches this job
                             continue
                         job.placed(dw, dw)
-                        self._placed_prefix(job, d, hashes, bs)
+                        self.metrics.prefix_hit_tokens.inc(hit)
                         return
                     # the transfer's secret, or None: not now
                     secret = await self.pools.call(dw, dw.actor.reserve.remote(job.key, ids, params, job.time_left()))
@@ -353,7 +354,7 @@ class Router(pb_grpc.GenerationServicer):
                         dw.actor.abort.remote(job.key)
                     continue
                 job.placed(pw, dw)
-                self._placed_prefix(job, p, hashes, bs)
+                self.metrics.prefix_hit_tokens.inc(hit)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
                 pw.actor.submit.remote(job.key, ids, params, dw.address, secret, job.time_left())
@@ -364,38 +365,47 @@ class Router(pb_grpc.GenerationServicer):
 
     def _pick_prefill(self, prompt_tokens: int, prefer: str | None = None, hashes: list[int] = (),
                       block_size: int = 16):
-        loads, cached, held = self._prefix_view(self.pools.loads("prefill"), hashes, block_size)
+        loads, view = self._prefix_view(self.pools.loads("prefill"), hashes, prompt_tokens, block_size)
         # No prefill worker has room now: the least loaded queues it in its own engine.
-        return pick_prefill(loads, prompt_tokens, prefer, cached, held) or min(
+        return pick_prefill(loads, prompt_tokens, prefer, view) or min(
             (w for w in loads if w.accepting), key=lambda w: w.queued_prompt_tokens, default=None)
 
-    def _prefix_view(self, loads: list, hashes: list[int], block_size: int) -> tuple[list, dict | None, dict | None]:
-        """Prefix-aware placement's view of the prefilling workers: (loads whose queued prompt
-        tokens are the uncached tokens this router placed there that wait for their first
-        token, prompt tokens of this prompt each likely holds, blocks each is believed to
-        cache); prefix-blind: (loads as reported, None, None).
+    def _prefix_view(self, loads: list, hashes: list[int], prompt_tokens: int,
+                     block_size: int) -> tuple[list, PrefixView | None]:
+        """Prefix-aware placement's view of the prefilling workers for one prompt: (loads whose
+        queued prompt tokens are the uncached tokens this router placed there that wait for
+        their first token, a ``PrefixView``); prefix-blind: (loads as reported, None).
 
         Why not the workers' reported queues: they count whole prompts (a waiting prompt has
         not looked its prefix up yet), so a worker holding a prefix would look busy with the
         very prompts its cache makes cheap, and lag a report behind a burst."""
         if self.prefix is None:
-            return loads, None, None
+            return loads, None
         self.prefix.prune(set(self.pools.workers))  # retired workers leave the table
-        queued = collections.Counter()
-        for job in self.jobs.values():  # (live requests: one place holds this fact)
+        # The engine looks up at most the blocks before the prompt's last token (it computes
+        # that one to sample from): a prompt of whole blocks finds one block less.
+        most = (prompt_tokens - 1) // block_size
+        queued, in_use = collections.Counter(), collections.Counter()
+        for job in self.jobs.values():  # (live requests: one place holds these facts)
             if job.prefilling:
                 queued[job.prefill_id] += job.uncached
-        return ([dataclasses.replace(w, queued_prompt_tokens=queued[w.worker_id]) for w in loads],
-                {w.worker_id: self.prefix.hit_blocks(w.worker_id, hashes) * block_size for w in loads},
-                {w.worker_id: self.prefix.size(w.worker_id) for w in loads})
+            if job.state == JobState.RUNNING and job.prefix_hashes:
+                n = min(most, _common_prefix(job.prefix_hashes, hashes))
+                in_use[job.prefill_id] = max(in_use[job.prefill_id], n * block_size)
+        view = PrefixView(
+            cached={w.worker_id: min(most, self.prefix.hit_blocks(w.worker_id, hashes)) * block_size for w in loads},
+            held={w.worker_id: self.prefix.size(w.worker_id) for w in loads}, in_use=in_use)
+        return [dataclasses.replace(w, queued_prompt_tokens=queued[w.worker_id]) for w in loads], view
 
-    def _placed_prefix(self, job: Job, w, hashes: list[int], block_size: int) -> None:
-        """The job's prompt went to ``w`` (a WorkerLoad) to prefill: it will hold its blocks."""
-        if self.prefix is not None and hashes:
-            hit = self.prefix.hit_blocks(w.worker_id, hashes) * block_size
-            job.uncached = len(job.prompt_ids) + len(job.generated) - hit
-            self.metrics.prefix_hit_tokens.inc(hit)
-            self.prefix.record(w.worker_id, hashes, w.total_blocks)
+    def _expect_prefix(self, job: Job, w, hashes: list[int], prompt_tokens: int, block_size: int) -> int:
+        """The job's prompt goes to ``w`` (a WorkerLoad) to prefill: it will hold the prompt's
+        blocks. Returns the prompt tokens it likely finds cached there."""
+        if self.prefix is None:
+            return 0
+        hit = min((prompt_tokens - 1) // block_size, self.prefix.hit_blocks(w.worker_id, hashes)) * block_size
+        job.uncached, job.prefix_hashes = prompt_tokens - hit, hashes
+        self.prefix.record(w.worker_id, hashes, w.total_blocks)
+        return hit
 
     # ---- the other RPCs ----------------------------------------------------------------------
     async def _caller(self, context) -> str:
@@ -525,3 +535,12 @@ async def _maybe_await(x: Any) -> None:
     if asyncio.iscoroutine(x):
         await x
 
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading block hashes two prompts share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

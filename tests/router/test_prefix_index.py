@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import random
 
-from router.placement import WorkerLoad, pick_decode, pick_prefill
+from router.placement import PrefixView, WorkerLoad, admission_tokens, pick_decode, pick_prefill
 from router.prefix_index import PrefixIndex, block_hashes
 
 BS = 16
+
+
+def view(cached=None, held=None, in_use=None) -> PrefixView:
+    return PrefixView(cached or {}, held or {}, in_use or {})
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -60,14 +64,14 @@ def test_prefill_scored_by_tokens_it_would_compute():
     # blind: the empty queue wins
     assert pick_prefill(ws, 1000).worker_id == "a"
     # b holds 800 of the prompt's 1000 tokens: 300 + 200 < 0 + 1000
-    assert pick_prefill(ws, 1000, cached={"b": 800}).worker_id == "b"
+    assert pick_prefill(ws, 1000, prefix=view(cached={"b": 800})).worker_id == "b"
     # until its queue costs more than computing the prompt elsewhere
     ws = [prefill("a", 0), prefill("b", 900)]
-    assert pick_prefill(ws, 1000, cached={"b": 800}).worker_id == "a"
+    assert pick_prefill(ws, 1000, prefix=view(cached={"b": 800})).worker_id == "a"
     # a cached count beyond the prompt (a stale estimate) never makes the cost negative
-    assert pick_prefill([prefill("a", 0), prefill("b", 150)], 100, cached={"b": 10**6}).worker_id == "a"
+    assert pick_prefill([prefill("a", 0), prefill("b", 150)], 100, prefix=view(cached={"b": 10**6})).worker_id == "a"
     # a worker without room is never chosen for its cache
-    assert pick_prefill([prefill("a", 0), prefill("b", 0, free=3)], 1000, cached={"b": 1000}).worker_id == "a"
+    assert pick_prefill([prefill("a", 0), prefill("b", 0, free=3)], 1000, prefix=view(cached={"b": 1000})).worker_id == "a"
 
 
 def colocated(wid, free, queued=0, remaining=0):
@@ -78,33 +82,38 @@ def colocated(wid, free, queued=0, remaining=0):
 def test_colocated_cost_before_headroom_but_it_must_fit():
     ws = [colocated("busy", free=300, remaining=2000), colocated("idle", free=900)]
     assert pick_decode(ws, 600, 64).worker_id == "idle"  # blind: headroom
-    assert pick_decode(ws, 600, 64, cached={"busy": 592}).worker_id == "busy"
+    assert pick_decode(ws, 600, 64, prefix=view(cached={"busy": 592})).worker_id == "busy"
     # no room once its promised growth counts: the cache does not matter
     ws = [colocated("busy", free=300, remaining=4790), colocated("idle", free=900)]
-    assert pick_decode(ws, 600, 64, cached={"busy": 592}).worker_id == "idle"
+    assert pick_decode(ws, 600, 64, prefix=view(cached={"busy": 592})).worker_id == "idle"
     # no hits anywhere: equal costs, headroom decides as before
     ws = [colocated("a", free=500), colocated("b", free=900)]
-    assert pick_decode(ws, 100, 64, cached={}).worker_id == "b"
+    assert pick_decode(ws, 100, 64, prefix=view(cached={})).worker_id == "b"
 
 
 def test_prompts_cached_nowhere_spread_by_what_each_worker_holds():
     """Equal costs (no hit anywhere): the worker believed to cache less takes the new prefix,
     so distinct system prompts spread over the pool instead of evicting each other on one."""
     ws = [prefill("a", 0), prefill("b", 0)]
-    assert pick_prefill(ws, 1000, cached={}, held={"a": 96}).worker_id == "b"
+    assert pick_prefill(ws, 1000, prefix=view(cached={}, held={"a": 96})).worker_id == "b"
     cs = [colocated("a", free=900), colocated("b", free=900)]
-    assert pick_decode(cs, 600, 64, cached={}, held={"a": 96, "b": 10}).worker_id == "b"
+    assert pick_decode(cs, 600, 64, prefix=view(cached={}, held={"a": 96, "b": 10})).worker_id == "b"
     # a hit still beats an empty worker
-    assert pick_decode(cs, 600, 64, cached={"a": 592}, held={"a": 96, "b": 10}).worker_id == "a"
+    assert pick_decode(cs, 600, 64, prefix=view(cached={"a": 592}, held={"a": 96, "b": 10})).worker_id == "a"
 
 
-def test_blocks_a_worker_holds_are_not_reserved_again():
+def test_blocks_live_requests_hold_are_not_reserved_again():
     """A colocated worker busy with prompts that share a system prompt: its free blocks cannot
-    hold the whole prompt again, but the prompt's cached part is shared, so it still takes it."""
-    ws = [colocated("holder", free=40), colocated("empty", free=900)]
-    assert pick_decode(ws, 600, 32).worker_id == "empty"  # blind: 632 tokens do not fit in 640 - ...
-    assert pick_decode(ws, 600, 32, cached={"holder": 576}).worker_id == "holder"
+    hold the whole prompt again, but the part its live requests hold is shared, so it still
+    takes the prompt. A prefix only cached there sits in blocks the worker counts as free:
+    taking it uses them up, so nothing is subtracted then."""
+    ws = [colocated("holder", free=39), colocated("empty", free=900)]
+    assert pick_decode(ws, 600, 32).worker_id == "empty"  # 632 tokens do not fit in 39 x 16 = 624
+    assert pick_decode(ws, 600, 32, prefix=view(cached={"holder": 576})).worker_id == "empty"
+    live = view(cached={"holder": 576}, in_use={"holder": 576})
+    assert pick_decode(ws, 600, 32, prefix=live).worker_id == "holder"
     w = ws[0]
-    from router.placement import admission_tokens
-    assert admission_tokens(w, 600, 32, 1.0, {"holder": 576}) == 600 - 576 + 32
-    assert admission_tokens(w, 600, 32, 1.0, {"holder": 10**6}) == 32  # a stale estimate: never below max_tokens
+    assert admission_tokens(w, 600, 32, 1.0, live) == 600 - 576 + 32
+    assert admission_tokens(w, 600, 32, 1.0, view(cached={"holder": 576})) == 600 + 32
+    # a stale estimate: the prompt's last token is always computed, and max_tokens reserved
+    assert admission_tokens(w, 600, 32, 1.0, view(in_use={"holder": 10**6})) == 1 + 32
