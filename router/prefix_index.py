@@ -16,12 +16,20 @@ evicts least recently used blocks first).
 
 Tables (exactly these): ``_held`` worker id → its block hashes in recency order (an
 ``OrderedDict`` used as an LRU set).
+
+:func:`prefix_view` turns it, with the router's live jobs, into what placement scores a
+prompt by (``placement.PrefixView``); :func:`expect_prefix` records a placement.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from router.jobs import Job, JobState
+from router.placement import PrefixView, WorkerLoad
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -72,3 +80,49 @@ class PrefixIndex:
 
     def size(self, worker_id: str) -> int:
         return len(self._held.get(worker_id, ()))
+
+
+def prefix_view(index: PrefixIndex, jobs: Iterable[Job], loads: list[WorkerLoad], hashes: list[int],
+                prompt_tokens: int, block_size: int) -> tuple[list[WorkerLoad], PrefixView]:
+    """What prefix-aware placement knows of one prompt: (loads whose queued prompt tokens are
+    the uncached tokens the router placed there that wait for their first token, the view).
+
+    Why not the workers' reported queues: they count whole prompts (a waiting prompt has not
+    looked its prefix up yet), so a worker holding a prefix would look busy with the very
+    prompts its cache makes cheap, and they lag a report behind a burst.
+    """
+    # The engine looks up at most the blocks before the prompt's last token (it computes that
+    # one to sample from): a prompt of whole blocks finds one block less.
+    most = (prompt_tokens - 1) // block_size
+    queued, in_use = collections.Counter(), collections.Counter()
+    for job in jobs:  # (the live requests: one place holds these facts)
+        if job.prefilling:
+            queued[job.prefill_id] += job.uncached
+        if job.state == JobState.RUNNING and job.prefix_hashes:
+            n = min(most, common_prefix(job.prefix_hashes, hashes))
+            in_use[job.prefill_id] = max(in_use[job.prefill_id], n * block_size)
+    view = PrefixView(
+        cached={w.worker_id: min(most, index.hit_blocks(w.worker_id, hashes)) * block_size for w in loads},
+        held={w.worker_id: index.size(w.worker_id) for w in loads}, in_use=in_use)
+    return [dataclasses.replace(w, queued_prompt_tokens=queued[w.worker_id]) for w in loads], view
+
+
+def expect_prefix(index: PrefixIndex, job: Job, w: WorkerLoad, hashes: list[int], prompt_tokens: int,
+                  block_size: int) -> int:
+    """The job's prompt goes to ``w`` to prefill: it will hold the prompt's blocks (recorded
+    before the call's round trip, so placements meanwhile see them). Returns the prompt
+    tokens it likely finds cached there."""
+    hit = min((prompt_tokens - 1) // block_size, index.hit_blocks(w.worker_id, hashes)) * block_size
+    job.uncached, job.prefix_hashes = prompt_tokens - hit, hashes
+    index.record(w.worker_id, hashes, w.total_blocks)
+    return hit
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading block hashes two prompts share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

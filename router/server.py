@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import logging
 import time
@@ -40,9 +39,9 @@ from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.auth import FrontDoor
 from router.autoscale import PoolController
 from router.config import ClusterConfig
-from router.jobs import Aborted, Job, JobState, Lost
+from router.jobs import Aborted, Job, Lost
 from router.placement import PrefixView, admission_tokens, pick_decode, pick_prefill
-from router.prefix_index import PrefixIndex, block_hashes
+from router.prefix_index import PrefixIndex, block_hashes, expect_prefix, prefix_view
 from router.pools import Pools, Worker
 from router.requests import Limits, prompt_ids, request_id, sampling_params
 from worker.protocol import Failed, Record
@@ -372,40 +371,16 @@ class Router(pb_grpc.GenerationServicer):
 
     def _prefix_view(self, loads: list, hashes: list[int], prompt_tokens: int,
                      block_size: int) -> tuple[list, PrefixView | None]:
-        """Prefix-aware placement's view of the prefilling workers for one prompt: (loads whose
-        queued prompt tokens are the uncached tokens this router placed there that wait for
-        their first token, a ``PrefixView``); prefix-blind: (loads as reported, None).
-
-        Why not the workers' reported queues: they count whole prompts (a waiting prompt has
-        not looked its prefix up yet), so a worker holding a prefix would look busy with the
-        very prompts its cache makes cheap, and lag a report behind a burst."""
+        """(loads, view) for prefix-aware placement (``prefix_index.prefix_view``); prefix-blind:
+        (loads as reported, None)."""
         if self.prefix is None:
             return loads, None
         self.prefix.prune(set(self.pools.workers))  # retired workers leave the table
-        # The engine looks up at most the blocks before the prompt's last token (it computes
-        # that one to sample from): a prompt of whole blocks finds one block less.
-        most = (prompt_tokens - 1) // block_size
-        queued, in_use = collections.Counter(), collections.Counter()
-        for job in self.jobs.values():  # (live requests: one place holds these facts)
-            if job.prefilling:
-                queued[job.prefill_id] += job.uncached
-            if job.state == JobState.RUNNING and job.prefix_hashes:
-                n = min(most, _common_prefix(job.prefix_hashes, hashes))
-                in_use[job.prefill_id] = max(in_use[job.prefill_id], n * block_size)
-        view = PrefixView(
-            cached={w.worker_id: min(most, self.prefix.hit_blocks(w.worker_id, hashes)) * block_size for w in loads},
-            held={w.worker_id: self.prefix.size(w.worker_id) for w in loads}, in_use=in_use)
-        return [dataclasses.replace(w, queued_prompt_tokens=queued[w.worker_id]) for w in loads], view
+        return prefix_view(self.prefix, self.jobs.values(), loads, hashes, prompt_tokens, block_size)
 
     def _expect_prefix(self, job: Job, w, hashes: list[int], prompt_tokens: int, block_size: int) -> int:
-        """The job's prompt goes to ``w`` (a WorkerLoad) to prefill: it will hold the prompt's
-        blocks. Returns the prompt tokens it likely finds cached there."""
-        if self.prefix is None:
-            return 0
-        hit = min((prompt_tokens - 1) // block_size, self.prefix.hit_blocks(w.worker_id, hashes)) * block_size
-        job.uncached, job.prefix_hashes = prompt_tokens - hit, hashes
-        self.prefix.record(w.worker_id, hashes, w.total_blocks)
-        return hit
+        """The job's prompt goes to ``w`` to prefill; returns the tokens it likely finds cached."""
+        return 0 if self.prefix is None else expect_prefix(self.prefix, job, w, hashes, prompt_tokens, block_size)
 
     # ---- the other RPCs ----------------------------------------------------------------------
     async def _caller(self, context) -> str:
@@ -535,12 +510,3 @@ async def _maybe_await(x: Any) -> None:
     if asyncio.iscoroutine(x):
         await x
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading block hashes two prompts share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -117,3 +117,37 @@ def test_blocks_live_requests_hold_are_not_reserved_again():
     assert admission_tokens(w, 600, 32, 1.0, view(cached={"holder": 576})) == 600 + 32
     # a stale estimate: the prompt's last token is always computed, and max_tokens reserved
     assert admission_tokens(w, 600, 32, 1.0, view(in_use={"holder": 10**6})) == 1 + 32
+
+
+def test_view_counts_only_what_waits_and_what_live_requests_hold():
+    """prefix_view over the router's jobs: the queue is the uncached tokens of prompts still
+    waiting for their first token; in_use is the prompt's leading blocks that running
+    requests on a worker hold; hits stop before the prompt's last token."""
+    from router.jobs import Job, JobState
+    from router.prefix_index import expect_prefix, prefix_view
+    from engine.request import SamplingParams
+    idx = PrefixIndex()
+    system = tokens(64, 20)
+    a = [colocated("a", free=900), colocated("b", free=900)]
+
+    def job(rid, ids, worker):
+        j = Job(rid, list(ids), SamplingParams(max_tokens=8))
+        j.prefill_id = j.decode_id = worker
+        j.state = JobState.RUNNING
+        return j
+
+    j1 = job("r1", system + tokens(20, 21), "a")
+    assert expect_prefix(idx, j1, a[0], block_hashes(j1.prompt_ids, BS), len(j1.prompt_ids), BS) == 0
+    prompt = system + tokens(16, 22)  # 80 tokens: 5 whole blocks, the engine looks up 4
+    loads, v = prefix_view(idx, [j1], a, block_hashes(prompt, BS), len(prompt), BS)
+    assert [w.queued_prompt_tokens for w in loads] == [84, 0]  # j1 waits for its first token
+    assert v.cached == {"a": 64, "b": 0} and v.in_use == {"a": 64}
+    j1.generated.append(7)  # its first token: no longer queued, still holding its blocks
+    loads, v = prefix_view(idx, [j1], a, block_hashes(prompt, BS), len(prompt), BS)
+    assert [w.queued_prompt_tokens for w in loads] == [0, 0] and v.in_use == {"a": 64}
+    j1.state = JobState.DONE  # ended: its blocks are only cached now
+    _, v = prefix_view(idx, [j1], a, block_hashes(prompt, BS), len(prompt), BS)
+    assert v.in_use == {} and v.cached["a"] == 64
+    whole = system  # exactly 4 blocks: 3 can be found cached
+    _, v = prefix_view(idx, [], a, block_hashes(whole, BS), len(whole), BS)
+    assert v.cached["a"] == 48
