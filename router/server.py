@@ -139,6 +139,10 @@ class Router(pb_grpc.GenerationServicer):
                 yield response
         except Reject as e:
             await context.abort(e.code, str(e))
+        except Exception as e:  # a bug: INTERNAL naming it (not gRPC's bare UNKNOWN), the trace in the log
+            log.exception("rid=%s event=internal_error", request.request_id or "-")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the router ({type(e).__name__}: {e}); "
+                                                          "see its log")
 
     async def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
                        prefer: tuple[str, str] | None = None):
