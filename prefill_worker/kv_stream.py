@@ -46,6 +46,12 @@ class LayerJob:
     end: int
 
 
+def send_job(sender: KVSender, kv_caches: Sequence, block_size: int, job: LayerJob) -> None:
+    """Gather one layer's token range out of the paged cache and send it (inline or on the thread)."""
+    k, v = gather_layer(kv_caches[job.layer], job.block_ids, block_size, job.start, job.end)
+    sender.send_layer(job.request_id, job.layer, k, v, token_start=job.start)
+
+
 class LayerStreamer:
     """One daemon thread sending queued layers through ``sender`` (module doc), on ``cpus``
     (default: the creating thread's cores)."""
@@ -102,8 +108,7 @@ class LayerStreamer:
 
     def _send(self, job: LayerJob) -> None:
         try:
-            k, v = gather_layer(self.kv_caches[job.layer], job.block_ids, self.block_size, job.start, job.end)
-            self.sender.send_layer(job.request_id, job.layer, k, v, token_start=job.start)
+            send_job(self.sender, self.kv_caches, self.block_size, job)
             self.sender.progress()  # take acks, renew leases, as the inline path does per layer
         except Exception as e:  # one request's bad transfer: never the thread (it serves all)
             self._errors[job.request_id] = e

@@ -24,9 +24,8 @@ from engine.request import SamplingParams
 from engine.scheduler import StepPlan
 from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
-from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
-from prefill_worker.kv_stream import LayerJob, LayerStreamer
+from prefill_worker.kv_stream import LayerJob, LayerStreamer, send_job
 
 log = logging.getLogger("pdserve.worker")
 CONNECT_ON_SUBMIT_S = 5.0  # a handshake in the step loop: short, it holds every other request meanwhile
@@ -103,12 +102,12 @@ class PrefillWorker:
             # A prefix-cache hit was never computed here: its KV goes with the first chunk.
             start = 0 if t.sent == 0 else req.num_computed_tokens
             end = req.num_computed_tokens + s.num_new_tokens
+            job = LayerJob(req.request_id, layer, tuple(req.block_ids), start, end)
             if self.streamer is not None:
-                self.streamer.put(LayerJob(req.request_id, layer, tuple(req.block_ids), start, end))
+                self.streamer.put(job)
             else:
                 try:
-                    k, v = gather_layer(self.engine.runner.kv_caches[layer], req.block_ids, bs, start, end)
-                    self.sender.send_layer(req.request_id, layer, k, v, token_start=start)
+                    send_job(self.sender, self.engine.runner.kv_caches, bs, job)
                 except Exception as e:  # one request's bad transfer (e.g. an id its header cannot hold)
                     self._transfer_failed(req.request_id, e)
                     continue
