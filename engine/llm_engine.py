@@ -68,7 +68,8 @@ class LLMEngine:
                              f"(paged KV in flash-attn), got {config.cache.block_size}")
         backend = get_attention_backend(config.attention_backend)
         self.model = load_model(self.model_path, backend, self.dtype, config.device,
-                                quantization=config.quantization, single_token=config.compile_decode)
+                                quantization=config.quantization, single_token=config.compile_decode,
+                                compile_rows=config.compiled_rows)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
 

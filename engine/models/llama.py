@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         ``layer_done(i)`` is called once layer i's K/V are in the cache, so a KV sender can
         stream layer i while layers i+1.. compute.
         """
-        if self.single_token is not None and input_ids.shape[0] == 1:
+        if self.single_token is not None and 1 <= input_ids.shape[0] <= self.single_token.max_rows:
             return self.single_token.forward(input_ids, positions, meta, kv_caches, layer_done)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
@@ -122,6 +122,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in fp32."""
-        if self.single_token is not None and hidden.shape[0] == 1:
+        if self.single_token is not None and 1 <= hidden.shape[0] <= self.single_token.max_rows:
             return self.single_token.logits(hidden)
         return self.lm_head(self.norm(hidden)).float()

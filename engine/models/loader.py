@@ -128,7 +128,7 @@ def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                device: str = "cpu", quantization=None, prepack: bool = True,
-               single_token: bool = False) -> LlamaForCausalLM:
+               single_token: bool = False, compile_rows: int = 1) -> LlamaForCausalLM:
     """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
 
     A quantized checkpoint folder (engine/quant/checkpoint.py) loads as saved; otherwise
@@ -136,7 +136,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     with round-to-nearest (W8A8: SmoothQuant, calibrated here on the bundled sample) before the
     remaining fp32 linears are prepacked (``prepack=False``
     keeps plain ``nn.Linear``, e.g. for offline quantization). ``single_token`` adds the compiled
-    batch-1 decode path (engine/models/single_token.py) where the model supports it, compiled here.
+    decode path (engine/models/single_token.py) for steps of up to ``compile_rows`` tokens where
+    the model supports it, compiled here.
 
     Raises:
         ModelLoadError: unsupported config, or weights that do not match it.
@@ -146,7 +147,7 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
         if quantization is not None:
             raise ValueError(f"{str(path)!r} is already a quantized checkpoint: leave quantization unset")
         return _with_single_token(load_quantized(path, backend, dtype, device, prepack=False),
-                                  single_token, prepack and can_prepack(dtype, device))
+                                  single_token, prepack and can_prepack(dtype, device), compile_rows)
     cfg = ModelConfig.from_hf(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
@@ -176,7 +177,7 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     if quantization is not None:
         from engine.quant import quantize
         quantize(model, quantization, _load_calibration(path, quantization))
-    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device))
+    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows)
 
 
 LOAD_CALIB_TOKENS = 2048  # SmoothQuant at load: ~2 s on SmolLM2-135M, 2 CPU cores
@@ -197,10 +198,12 @@ def _load_calibration(path: Path, quantization) -> list[list[int]] | None:
     return calib_sequences(tokenizer, load_calib_texts(None), max_tokens=LOAD_CALIB_TOKENS)
 
 
-def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool) -> LlamaForCausalLM:
-    """Attach the compiled one-token path (if asked for and supported), prepack, compile."""
+def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool,
+                       compile_rows: int = 1) -> LlamaForCausalLM:
+    """Attach the compiled decode path (if asked for and supported), prepack, compile."""
     if single_token and SingleTokenDecoder.supports(model):
-        model.single_token = SingleTokenDecoder(model)  # copies the plain weights: before prepacking
+        # copies the plain weights: before prepacking
+        model.single_token = SingleTokenDecoder(model, compile_rows)
     if prepack:
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)

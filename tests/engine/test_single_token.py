@@ -1,5 +1,6 @@
-"""The compiled one-token decode path (engine/models/single_token.py) against the eager path
-and HF: same logits, same greedy tokens, KV streaming hooks per layer, and refusals."""
+"""The compiled decode path (engine/models/single_token.py: one token, small batches, verify
+steps) against the eager path and HF: same logits, same greedy tokens, KV streaming hooks per
+layer, and refusals."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from tests.engine.test_architectures import CASES, _save_tiny
 
 
 def _count_calls(eng) -> list[int]:
-    """Wrap the engine's one-token path; the list holds the number of calls made."""
-    calls = [0]
+    """Wrap the engine's compiled path; the list holds the token count of each call made."""
+    calls: list[int] = []
     st = eng.model.single_token
     inner = st.forward
 
-    def counted(*a, **k):
-        calls[0] += 1
-        return inner(*a, **k)
+    def counted(input_ids, *a, **k):
+        calls.append(input_ids.shape[0])
+        return inner(input_ids, *a, **k)
     st.forward = counted
     return calls
 
@@ -46,7 +47,7 @@ def test_single_request_greedy_matches_hf_through_the_compiled_path(make_engine,
     calls = _count_calls(eng)
     out = eng.generate([prompt], SamplingParams(max_tokens=64, temperature=0))[0]
     assert out.token_ids == ref
-    assert calls[0] == len(ref) - 1  # every decode step after the prefill went through it
+    assert calls.count(1) == len(ref) - 1  # every decode step after the prefill went through it
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "llama-tied", "qwen2-bias", "llama3-rope-scaling"])
@@ -67,15 +68,55 @@ def test_logits_equal_the_eager_path(case, tmp_path, model_path, make_engine):
         assert (x - y).abs().max().item() < 1e-4
 
 
-def test_batched_steps_keep_the_eager_path(make_engine):
-    eng = make_engine()
+def _batched_same_as_eager(fast, eager, prompts, max_tokens: int = 12, rel: float = 1e-4) -> list[int]:
+    """Greedy tokens of ``prompts`` decoded together through both engines: the same tokens, every
+    step's logits within ``rel`` of the largest. Returns the token counts of the compiled calls."""
+    calls = _count_calls(fast)
+    got, want = _record_logits(fast), _record_logits(eager)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in fast.generate(prompts, sp)] == [o.token_ids for o in eager.generate(prompts, sp)]
+    assert len(got) == len(want) == max_tokens
+    for x, y in zip(got, want):
+        assert x.shape == y.shape
+        assert (x - y).abs().max().item() < rel * y.abs().max().item()
+    return calls
+
+
+def test_small_batches_take_the_compiled_path(make_engine):
+    """Three requests decoding: 3-token steps through the compiled graphs. Summation order is all
+    that differs: the bound of _same_as_eager below."""
+    fast, eager = make_engine(), make_engine(compile_decode=False)
+    assert fast.model.single_token.max_rows == 4
+    prompts = [list(range(300, 340)), list(range(500, 517)), list(range(700, 764))]
+    calls = _batched_same_as_eager(fast, eager, prompts)
+    assert calls.count(3) == 11  # every decode step after the first token, all three together
+
+
+def test_steps_beyond_max_rows_keep_the_eager_path(make_engine):
+    eng = make_engine(compile_decode_rows=2)
+    assert eng.model.single_token.max_rows == 2
     calls = _count_calls(eng)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    alone = [eng.generate([p], sp)[0].token_ids for p in ([5, 6, 7, 8], [9, 10, 11])]
-    n_alone = calls[0]
-    together = [o.token_ids for o in eng.generate([[5, 6, 7, 8], [9, 10, 11]], sp)]
-    assert calls[0] == n_alone  # two requests decoding: one batched forward, not the fast path
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+    alone = [eng.generate([p], sp)[0].token_ids for p in prompts]
+    calls.clear()
+    together = [o.token_ids for o in eng.generate(prompts, sp)]
+    assert calls == []  # three requests decoding: one eager batched forward, not the fast path
     assert together == alone
+
+
+def test_verify_steps_take_the_compiled_path(make_engine):
+    """n-gram speculation at batch 1: each 1+K verify step runs the compiled graphs, and greedy
+    output is the eager engine's (speculation never changes greedy tokens)."""
+    from engine.config import SpeculativeConfig
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    fast, eager = make_engine(speculative=spec), make_engine(speculative=spec, compile_decode=False)
+    assert fast.model.single_token.max_rows == 5  # compile_decode_rows 4, and the 1+4 verify step
+    calls = _count_calls(fast)
+    prompt = [11, 12, 13, 14, 15] * 8  # repetitive: the n-gram draft always proposes
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert fast.generate([prompt], sp)[0].token_ids == eager.generate([prompt], sp)[0].token_ids
+    assert 5 in calls  # verify steps of 1 + 4 draft tokens
 
 
 def test_layer_done_is_called_for_every_layer(make_engine):
@@ -87,7 +128,7 @@ def test_layer_done_is_called_for_every_layer(make_engine):
         seen.clear()
         eng.step(layer_done=lambda i, plan: seen.append(i))
         assert seen == list(range(eng.model_config.num_layers))
-    assert calls[0] == 2  # the 1-token prompt and the one decode step
+    assert calls == [1, 1]  # the 1-token prompt and the one decode step
 
 
 @pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"quantization": "w8a8"}, {"compile_decode": False}],
@@ -142,7 +183,7 @@ def _same_as_eager(fast, eager) -> SamplingParams:
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ids = list(range(1000, 1006))
     assert fast.generate([ids], sp)[0].token_ids == eager.generate([ids], sp)[0].token_ids
-    assert calls[0] == 15
+    assert calls.count(1) == 15
     # Only the fp32 summation order differs (vectorized GEMV vs the kernel's blocked sums): a sum
     # of K terms is off by ~sqrt(K) * 2^-24 relative, and 30 layers keep that near 1e-6 of the
     # largest logit (measured 3e-6 under both AVX2 and AVX-512 dispatch). 1e-4 leaves 30x room,
@@ -168,7 +209,7 @@ def test_int4_weights_take_the_compiled_path_too(make_engine):
 
 @pytest.mark.parametrize("quant", ["int8", "int8-asym"])
 def test_int8_weights_take_the_compiled_path_too(make_engine, quant):
-    fast = make_engine(quantization=quant)
+    fast = make_engine(quantization=quant, compile_decode_rows=1)  # batched steps: the INT8 kernel
     eager = make_engine(quantization=quant, compile_decode=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
     assert "compiled fp32 GEMV" in fast.kernels and "compiled" not in eager.kernels
@@ -207,3 +248,17 @@ def test_interleaved_int8_state_dict_stays_canonical(make_engine):
     ptr = mod.qweight.data_ptr()
     mod.load_state_dict(ref.state_dict())  # loads in place, into the shared buffer, reordered
     assert mod.qweight.data_ptr() == ptr and torch.equal(mod.quantized_weight().q, ref.qweight)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_small_batches_take_the_compiled_path(make_engine, quant):
+    """A batch of three through the compiled graphs, INT8 (one pass over the weight words
+    updating every row) and INT4 (the int4pack kernel on all rows): fp32 activations on both
+    sides, so only summation order and the fused norms' rounding differ (the bound of
+    _same_as_eager)."""
+    fast, eager = make_engine(quantization=quant), make_engine(quantization=quant, compile_decode=False)
+    _quant_activations(fast, torch.float32)
+    _quant_activations(eager, torch.float32)
+    prompts = [list(range(1000, 1006)), list(range(2000, 2011)), list(range(3000, 3004))]
+    calls = _batched_same_as_eager(fast, eager, prompts, max_tokens=8)
+    assert calls.count(3) == 7
