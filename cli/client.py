@@ -91,7 +91,8 @@ def make_request(prompt: str | None = None, *, token_ids: Sequence[int] | None =
 def usage_dict(u: pb.Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "cached_prompt_tokens": u.cached_prompt_tokens, "ttft_s": u.ttft_s, "mean_tpot_s": u.mean_tpot_s,
-            "prefill_worker": u.prefill_worker, "decode_worker": u.decode_worker}
+            "prefill_worker": u.prefill_worker, "decode_worker": u.decode_worker,
+            "prefill_placement": u.prefill_placement}
 
 
 def collect(responses: Iterable[pb.GenerateResponse], on_text=None) -> dict:

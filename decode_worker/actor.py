@@ -51,7 +51,8 @@ class DecodeActor(WorkerActor):
         return self._call(reserve)
 
     def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> None:
-        """Colocated mode: prefill and decode here."""
+        """Prefill and decode here: colocated mode, or a short prompt the router keeps off the
+        prefill pool in disaggregated mode (router.local_prefill_tokens)."""
         self._post(lambda: self.worker.engine.add_request(prompt_ids, params,
                                                           request_id=self._admit(key, timeout_s)), key)
 

@@ -79,6 +79,8 @@ class DecodePool:
     # one-token steps through compiled kernels (fp32 CPU): faster batch-1 decode for a second
     # copy of the decoder weights in memory and a few seconds of compiling at worker start
     compile_decode: bool = _engine(EngineConfig, "compile_decode")
+    # ... and steps of up to this many tokens (small batches; a verify step always): 1..32
+    compile_decode_rows: int = _engine(EngineConfig, "compile_decode_rows")
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,11 @@ class RouterConfig:
     # Place prompts by the prefill tokens a worker would actually compute: its queue plus the
     # prompt's part not in its prefix cache (router/prefix_index.py). false: by the queue alone.
     prefix_aware: bool = True
+    # Disaggregated mode: a prompt of at most this many tokens is prefilled by the decode worker
+    # chosen for it (no prefill-pool queue, no KV transfer), between its decode steps: the most
+    # prompt tokens its running streams wait for (router/placement.py prefill_where). 0: off,
+    # every prompt goes through the prefill pool.
+    local_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "decode.compile_decode_rows": (lambda v: 1 <= v <= 32, "in 1..32"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
     "prefill.transfer_cpus": (lambda v: all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
                               and len(set(v)) == len(v), "a list of distinct core numbers (>= 0), or []"),
@@ -205,6 +213,7 @@ _RULES: dict[str, tuple[Any, str]] = {
                                   _one_of(("none", *SPECULATIVE_METHODS))),
     "decode.speculative.num_speculative_tokens": (lambda v: 1 <= v <= 8, "an integer in 1..8"),
     "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
+    "router.local_prefill_tokens": (lambda v: v >= 0, ">= 0 (0: off)"),
     "decode.speculative.adaptive": (lambda v: isinstance(v, bool), "true or false"),
     "decode.quantization": (lambda v: _quantization_ok(v), "none, int8, int8-asym, int4, int4-g32|g64|g128[-asym], "
                             "w8a8, or a quantized checkpoint folder (pdserve quantize --out)"),

@@ -69,6 +69,7 @@ class Job:
     decode: Any = None
     prefill_id: str = ""  # the workers of the latest attempt (kept after it ends)
     decode_id: str = ""
+    placement: str = ""  # where its prompt was prefilled and why (proto Usage.prefill_placement)
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     uncached: int = 0  # prompt tokens this attempt's prefill computes, as placement estimated them
@@ -113,9 +114,10 @@ class Job:
             self.stream.step(self.generated)
             self.stream.mark_sent(len(self.text))
 
-    def placed(self, prefill: Any, decode: Any) -> None:
+    def placed(self, prefill: Any, decode: Any, placement: str = "") -> None:
         self.prefill, self.decode = prefill, decode
         self.prefill_id, self.decode_id = prefill.worker_id, decode.worker_id
+        self.placement = placement
         self.state = JobState.RUNNING
 
     @property
@@ -212,7 +214,8 @@ class Job:
         ttft, tpot = self.ttft or 0.0, self.tpot or 0.0
         usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=n,
                          cached_prompt_tokens=self.cached_tokens, ttft_s=ttft, mean_tpot_s=tpot,
-                         prefill_worker=self.prefill_id, decode_worker=self.decode_id)
+                         prefill_worker=self.prefill_id, decode_worker=self.decode_id,
+                         prefill_placement=self.placement)
         return pb.GenerateResponse(request_id=self.request_id, finish_reason=FINISH[finish], usage=usage)
 
 

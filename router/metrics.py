@@ -33,6 +33,9 @@ class RouterMetrics:
         self.prefix_hit_tokens = Counter("pdserve_router_prefix_hit_tokens", "Prompt tokens the worker chosen to "
                                          "prefill likely held in its prefix cache (the router's estimate, "
                                          "router.prefix_aware)", registry=reg)
+        self.prefill_placements = Counter("pdserve_router_prefill_placements", "Disaggregated requests by where "
+                                          "their prompt was prefilled (pool, local: the decode worker) and why "
+                                          "(router.placement.prefill_where)", ["where", "reason"], registry=reg)
         self.swept_blocks = Counter("pdserve_router_swept_blocks", "KV blocks the periodic sweep freed: held by "
                                     "no live request (a path that should have freed them did not)", registry=reg)
         self.ttft = Histogram("pdserve_request_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,

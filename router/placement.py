@@ -15,6 +15,13 @@ Both take a ``prefer``red worker id (another choice of the same prompt, router.o
 it wins if it can take the request at all, so that the prompt's blocks, in its prefix cache
 by then, are shared instead of computed again.
 
+Conditional disaggregation (``prefill_where``): in disaggregated mode a prompt whose uncached
+part is short is prefilled by the decode worker chosen for it instead of the prefill pool: no
+queue at the pool, no transfer, no second hop, at the price of that many prompt tokens computed
+between the worker's decode steps (the bound on the stall its running streams see, so it is the
+one knob: ``router.local_prefill_tokens``). A decode worker already holding a backlog of local
+prompt tokens sends the next ones to the pool.
+
 Prefix-aware (a ``PrefixView``, router.prefix_index): a worker that prefills is scored by the
 prompt tokens it would actually compute, queued ones plus this prompt's uncached ones, so a
 cached prefix draws its prompts until the queue there costs more than computing the prompt
@@ -124,3 +131,20 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         if best_key is None or key < best_key:
             best, best_key = w, key
     return best
+
+
+def prefill_where(uncached_tokens: int, decode: WorkerLoad, local_tokens: int) -> tuple[str, str]:
+    """Where a disaggregated request's prompt is prefilled: ("pool" | "local", reason).
+
+    ``local_tokens`` (``router.local_prefill_tokens``; 0: off) is the most uncached prompt
+    tokens a decode worker prefills itself. Reasons: ``short`` (local); ``off``, ``long`` (more
+    than that), ``decode_busy`` (the worker's queued prompt tokens plus these would pass twice
+    the limit: its streams would stall for longer than the knob allows) for the pool.
+    """
+    if local_tokens <= 0:
+        return "pool", "off"
+    if uncached_tokens > local_tokens:
+        return "pool", "long"
+    if decode.queued_prompt_tokens + uncached_tokens > 2 * local_tokens:
+        return "pool", "decode_busy"
+    return "local", "short"

@@ -50,9 +50,10 @@ class Worker:
     status: WorkerStatus | None = None  # its latest report's; None until one arrives
     last_seen: float = field(default_factory=time.monotonic)
     # Blocks the router promised this worker that its reports do not show yet: (the call's
-    # number, blocks). A report drops those its status has admitted (``WorkerStatus.admitted``):
-    # a report sent before the worker took a call must not erase that call's reservation.
-    pending: list[tuple[int, int]] = field(default_factory=list)
+    # number, blocks, prompt tokens it will prefill). A report drops those its status has
+    # admitted (``WorkerStatus.admitted``): a report sent before the worker took a call must
+    # not erase that call's reservation.
+    pending: list[tuple[int, int, int]] = field(default_factory=list)
     calls: int = 0  # admitting calls (reserve, submit) made to its current incarnation
     restarts: int = 0
     info: ModelInfo | None = None  # model_info() of its current incarnation
@@ -60,7 +61,7 @@ class Worker:
 
     @property
     def reserved_blocks(self) -> int:
-        return sum(b for _, b in self.pending)
+        return sum(b for _, b, _ in self.pending)
 
     def reported(self, status: WorkerStatus | None) -> None:
         """A new status (None: none yet, a new incarnation); reservations it shows are dropped."""
@@ -69,15 +70,16 @@ class Worker:
             self.pending, self.calls = [], 0
         else:
             self.calls = max(self.calls, status.admitted)
-            self.pending = [(n, b) for n, b in self.pending if n > status.admitted]
+            self.pending = [(n, b, t) for n, b, t in self.pending if n > status.admitted]
 
     def load(self) -> WorkerLoad:
         s = self.status
         if s is None:
             return WorkerLoad(self.worker_id, self.role, 0, 0, 16, 0, 0, accepting=False)
         free = s.kv_blocks_free - self.reserved_blocks
+        queued = s.queued_prompt_tokens + sum(t for _, _, t in self.pending)
         return WorkerLoad(self.worker_id, self.role, max(0, free), s.kv_blocks_total, s.block_size,
-                          s.queued_prompt_tokens, s.remaining_decode_tokens, accepting=self.state == "ready")
+                          queued, s.remaining_decode_tokens, accepting=self.state == "ready")
 
 
 def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
@@ -91,7 +93,7 @@ def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, E
     from engine.quant import split_quantization
     decode_model, quantization = split_quantization(d.quantization, model_path)  # a checkpoint replaces the model
     decode = EngineConfig(**{**common, "model": decode_model}, quantization=quantization,
-                          compile_decode=d.compile_decode,
+                          compile_decode=d.compile_decode, compile_decode_rows=d.compile_decode_rows,
                           cache=CacheConfig(block_size=d.block_size, memory_gb=d.kv_cache_gb),
                           scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
                                                     max_num_seqs=d.max_num_seqs,
@@ -249,13 +251,14 @@ class Pools(Liveness):
     def loads(self, *roles: str) -> list[WorkerLoad]:
         return [w.load() for w in self.workers.values() if w.role in roles]
 
-    def reserved(self, worker_id: str, blocks: int, new_call: bool = True) -> None:
-        """The router is about to make an admitting call (reserve, colocated submit) for
-        ``blocks`` there (``new_call=False``: more blocks for the call just made); they count
-        until a report shows the worker took that call."""
+    def reserved(self, worker_id: str, blocks: int, new_call: bool = True, prompt_tokens: int = 0) -> None:
+        """The router is about to make an admitting call (reserve, a submit that prefills there)
+        for ``blocks`` there (``new_call=False``: more blocks for the call just made), and
+        ``prompt_tokens`` it will prefill; they count until a report shows the worker took that
+        call (so placements in the call's round trip see that queue too)."""
         w = self.workers[worker_id]
         w.calls += new_call
-        w.pending.append((w.calls, blocks))
+        w.pending.append((w.calls, blocks, prompt_tokens))
 
     def any_alive(self, *roles: str) -> bool:
         """Some worker of these roles is ready or coming back (a request may wait for it)."""

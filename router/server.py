@@ -40,7 +40,7 @@ from router.auth import FrontDoor
 from router.autoscale import PoolController
 from router.config import ClusterConfig
 from router.jobs import Aborted, Job, Lost
-from router.placement import PrefixView, admission_tokens, pick_decode, pick_prefill
+from router.placement import PrefixView, admission_tokens, pick_decode, pick_prefill, prefill_where
 from router.prefix_index import PrefixIndex, block_hashes, expect_prefix, prefix_view
 from router.pools import Pools, Worker
 from router.requests import Limits, prompt_ids, request_id, sampling_params
@@ -301,8 +301,12 @@ class Router(pb_grpc.GenerationServicer):
                     loads, view = self._prefix_view(loads, hashes, len(ids), bs)
                 d = pick_decode(loads, len(ids), params.max_tokens, frac, prefer[1] if self.colocated else None,
                                 view)
-                p = None if self.colocated or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
-                if d is None or (p is None and not self.colocated):
+                # Disaggregated: the decode worker prefills a short prompt itself (placement.prefill_where)
+                where, why = ("colocated", "") if self.colocated or d is None else \
+                    prefill_where(len(ids), d, self.cfg.router.local_prefill_tokens)
+                here = where != "pool"  # the decode (or colocated) worker prefills
+                p = None if here or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
+                if d is None or (p is None and not here):
                     if not queued:
                         if self.queued >= self.cfg.router.max_queue:
                             raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -317,16 +321,19 @@ class Router(pb_grpc.GenerationServicer):
                     continue
                 dw = self.pools.workers[d.worker_id]
                 need = d.blocks_for(admission_tokens(d, len(ids), params.max_tokens, frac, view))
-                self.pools.reserved(dw.worker_id, need)
                 # Known before the call's round trip, so placements meanwhile see the prefix there
-                hit = self._expect_prefix(job, d if self.colocated else p, hashes, len(ids), bs)
+                # (the router keeps no index of what a decode worker caches: a local prefill
+                # counts as a miss)
+                hit = 0 if where == "local" else self._expect_prefix(job, d if self.colocated else p, hashes,
+                                                                      len(ids), bs)
+                self.pools.reserved(dw.worker_id, need, prompt_tokens=len(ids) - hit if here else 0)
                 try:
-                    if self.colocated:
+                    if here:
                         await self.pools.call(dw, dw.actor.submit.remote(job.key, ids, params, job.time_left()))
                         if dw.state != "ready":  # lost while it answered: no Lost reaches this job
                             continue
-                        job.placed(dw, dw)
-                        self.metrics.prefix_hit_tokens.inc(hit)
+                        job.placed(dw, dw, where if self.colocated else f"{where}:{why}")
+                        self._placed(where, why, hit)
                         return
                     # the transfer's secret, or None: not now
                     secret = await self.pools.call(dw, dw.actor.reserve.remote(job.key, ids, params, job.time_left()))
@@ -356,8 +363,8 @@ class Router(pb_grpc.GenerationServicer):
                     if dw.state in ("ready", "draining"):
                         dw.actor.abort.remote(job.key)
                     continue
-                job.placed(pw, dw)
-                self.metrics.prefix_hit_tokens.inc(hit)
+                job.placed(pw, dw, f"{where}:{why}")
+                self._placed(where, why, hit)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
                 pw.actor.submit.remote(job.key, ids, params, dw.address, secret, job.time_left())
@@ -365,6 +372,11 @@ class Router(pb_grpc.GenerationServicer):
         finally:
             if queued:
                 self.queued -= 1
+
+    def _placed(self, where: str, why: str, hit: int) -> None:
+        self.metrics.prefix_hit_tokens.inc(hit)
+        if where != "colocated":
+            self.metrics.prefill_placements.labels(where, why).inc()
 
     def _pick_prefill(self, prompt_tokens: int, prefer: str | None = None, hashes: list[int] = (),
                       block_size: int = 16):

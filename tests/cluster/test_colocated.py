@@ -31,6 +31,7 @@ def test_colocated_greedy_requests_match_hf(stub, cluster, greedy_reference, wai
     for out, (_, ref) in zip(outs, greedy_reference):
         assert out["token_ids"] == ref
         assert out["usage"]["prefill_worker"] == out["usage"]["decode_worker"]  # one worker did both
+        assert out["usage"]["prefill_placement"] == "colocated"
     roles = {w.role for w in stub.GetClusterStatus(pb.GetClusterStatusRequest()).workers}
     assert roles == {"colocated"}
     wait_idle(stub, cluster)

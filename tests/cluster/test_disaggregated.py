@@ -45,6 +45,37 @@ def test_concurrent_greedy_requests_match_hf(stub, cluster, greedy_reference, wa
     wait_idle(stub, cluster)
 
 
+def test_short_prompts_prefill_on_their_decode_worker(stub, cluster, greedy_reference, wait_idle, tokenizer):
+    """router.local_prefill_tokens (conditional disaggregation): prompts of at most 16 tokens
+    are prefilled by the decode worker chosen for them, longer ones by the prefill pool; every
+    output still equals HF's, each decision is in the usage message and counted in /metrics."""
+    import dataclasses
+    r = cluster.router
+    counted = r.metrics.prefill_placements
+    before = {k: counted.labels(*k)._value.get() for k in (("local", "short"), ("pool", "long"))}
+    old = r.cfg
+    r.cfg = dataclasses.replace(old, router=dataclasses.replace(old.router, local_prefill_tokens=16))
+    try:
+        outs = run_all(stub, [make_request(p, max_tokens=64, temperature=0) for p, _ in greedy_reference])
+    finally:
+        r.cfg = old
+    lengths = [len(tokenizer(p)["input_ids"]) for p, _ in greedy_reference]
+    assert any(n <= 16 for n in lengths) and any(n > 16 for n in lengths)
+    for out, (_, ref), n in zip(outs, greedy_reference, lengths):
+        assert out["token_ids"] == ref
+        u = out["usage"]
+        if n <= 16:
+            assert u["prefill_placement"] == "local:short" and u["prefill_worker"] == u["decode_worker"]
+        else:
+            assert u["prefill_placement"] == "pool:long" and u["prefill_worker"].startswith("prefill-")
+    assert counted.labels("local", "short")._value.get() - before[("local", "short")] == sum(n <= 16 for n in lengths)
+    assert counted.labels("pool", "long")._value.get() - before[("pool", "long")] == sum(n > 16 for n in lengths)
+    # off again (the default): every prompt through the pool
+    out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=4, temperature=0)))
+    assert out["usage"]["prefill_placement"] == "pool:off" and out["usage"]["prefill_worker"].startswith("prefill-")
+    wait_idle(stub, cluster)
+
+
 def test_text_streams_with_the_tokens(stub, tokenizer):
     deltas = []
     out = collect(stub.Generate(make_request("The capital of France is", max_tokens=12)), deltas.append)

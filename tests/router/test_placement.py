@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.placement import WorkerLoad, pick_decode, pick_prefill
+from router.placement import WorkerLoad, pick_decode, pick_prefill, prefill_where
 
 
 def decode(wid, free, total=1000, remaining=0, accepting=True):
@@ -67,3 +67,33 @@ def test_a_preferred_worker_wins_only_if_it_can_take_the_request():
     ps = [prefill("idle", 0), prefill("holder", 4000), prefill("full", 0, free=2)]
     assert pick_prefill(ps, 512, prefer="holder").worker_id == "holder"
     assert pick_prefill(ps, 512, prefer="full").worker_id == "idle"
+
+
+def test_prefill_where_keeps_short_prompts_on_their_decode_worker():
+    d = WorkerLoad("d", "decode", 500, 1000, 16)
+    assert prefill_where(40, d, local_tokens=0) == ("pool", "off")  # the default: every prompt to the pool
+    assert prefill_where(64, d, local_tokens=64) == ("local", "short")
+    assert prefill_where(65, d, local_tokens=64) == ("pool", "long")
+    # a worker already prefilling a backlog locally: its streams would stall past twice the knob
+    busy = WorkerLoad("d", "decode", 500, 1000, 16, queued_prompt_tokens=100)
+    assert prefill_where(28, busy, local_tokens=64) == ("local", "short")  # 128 = 2 x 64: still allowed
+    assert prefill_where(29, busy, local_tokens=64) == ("pool", "decode_busy")
+
+
+def test_pending_calls_count_in_a_workers_queue_until_its_report_shows_them():
+    """A submit that prefills on a worker is in its queue estimate from the moment the router
+    makes the call, not only once a report shows it (placements in the round trip see it)."""
+    from router.pools import Worker
+    from worker.protocol import WorkerStatus
+    w = Worker("decode-0", "decode", actor=None, state="ready")
+    w.reported(_status(WorkerStatus, admitted=0, queued=10))
+    w.calls, w.pending = 1, [(1, 4, 30)]  # what Pools.reserved(.., 4, prompt_tokens=30) records
+    load = w.load()
+    assert load.queued_prompt_tokens == 40 and load.free_blocks == 96
+    w.reported(_status(WorkerStatus, admitted=1, queued=40))  # the worker took the call
+    assert w.load().queued_prompt_tokens == 40 and w.load().free_blocks == 100
+
+
+def _status(cls, admitted: int, queued: int):
+    return cls(role="decode", incarnation="i", pid=1, kv_blocks_used=100, kv_blocks_total=200, block_size=16,
+               queued_prompt_tokens=queued, admitted=admitted)
