@@ -9,10 +9,11 @@ One background thread ("ucx-progress") owns the UCX worker; the caller never tou
 never blocks::
 
     caller                            progress thread
-    connect(addr) ─────────► _outbox ──► record the peer (ucx_peers.py; endpoint made on first send)
+    connect(addr) ─────────► _outbox ──► record the peer (ucx_peers.py; connection made on first send)
     send(peer, frames) ──► _outbox ──► post header + one tagged send per non-empty frame;
                                        keep the caller's buffers until each send completes
-    disconnect(peer) ──────► _outbox ──► close our endpoint, forget the peer
+    disconnect(peer) ──────► _outbox ──► end our connection, forget the peer (the UCX endpoint
+                                       stays for the next connection to that address: ucx_peers.py)
                                        probe headers from any peer ─► post one tagged recv per
                                        frame into a pooled buffer of the announced length
     recv() ◄────────────── _inbox ◄── message complete and first in its sender's order,
@@ -40,13 +41,17 @@ frames before allocating anything, logs an error and counts them in ``refused_de
 sender's sends of them stay in flight until its ``close``. Stream details: ``ucx_device.py``.
 
 Dropped connections. Endpoint error handling is off (it would disable shared memory), so UCX
-itself reports no dead peer. This side reports a peer dropped (``dropped``; its endpoint is
-closed and the peer forgotten, or for a peer that reconnected, its earlier endpoint's state)
-when: an endpoint to it cannot be made (its process is gone); a send to it or a receive from
-it fails; a message goes to a peer this side does not know (never connected, disconnected, or
-forgotten: ``ucx_peers.py``); or it made a new endpoint to us (its first message carries its
-address again) while messages of its earlier one are still incomplete: those are cut, left to
-finish in the background, never delivered. Sends to a peer that died silently stay in flight
+itself reports no dead peer. A connection is this side's conversation with a peer: it starts
+with a hello (our address) and a fresh seq, on the UCX endpoint kept for that peer's address
+(``ucx_peers.py``: a new endpoint per connection would map the peer's shared memory again).
+This side reports a peer dropped (``dropped``; our connection to it ends and the peer is
+forgotten, or for a peer that reconnected, its earlier connection's state) when: an endpoint
+to it cannot be made, or its process has exited (its address says which: then no kept
+endpoint is reused); a send to it (then its endpoint is closed for good) or a receive from it
+fails; a message goes to a peer this side does not know (never connected, disconnected, or
+forgotten: ``ucx_peers.py``); or it started a new connection to us (its first message carries
+its address again) while messages of its earlier one are still incomplete: those are cut, left
+to finish in the background, never delivered. Sends to a peer that died silently stay in flight
 until ``close`` cancels them after ``linger_s`` (UCX cannot cancel them one by one): a peer
 that just stops is noticed by the lifecycle's lease, or by whoever calls ``disconnect``.
 There is no flow control: a receiver that stops calling ``recv`` accumulates messages.
@@ -74,7 +79,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 from kvtransfer import ucx_device, ucx_wire as wire  # noqa: E402
 from kvtransfer.base import MAX_DROP_REPORTS, Buffer, FrameTransport, register_transport  # noqa: E402
-from kvtransfer.ucx_peers import PeerTable  # noqa: E402
+from kvtransfer.ucx_peers import PeerTable, this_process  # noqa: E402
 from kvtransfer.ucx_recv import ReceiveSide, _check  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -129,13 +134,14 @@ class UcxTransport(ReceiveSide, FrameTransport):
         self._worker.init_blocking_progress_mode()  # creates the epoll fd the idle wait uses
         self.uid = secrets.randbits(32)
         self._addr_bytes = self._worker.address.tobytes()
-        self.address = wire.format_address(self.uid, self._addr_bytes)
+        self.address = wire.format_address(self.uid, self._addr_bytes, this_process())
         self.linger_s = linger_s
-        self._outbox: deque[tuple] = deque()  # (_SEND, uid, buffers, lengths, kinds, CUDA events) | (_CONNECT, uid, address) | (_DISCONNECT, uid)
+        # (_SEND, uid, buffers, lengths, kinds, CUDA events) | (_CONNECT, uid, address, process) | (_DISCONNECT, uid)
+        self._outbox: deque[tuple] = deque()
         self._inbox: deque[tuple[str, list[Buffer] | str]] = deque()  # frames, or why a peer dropped
         self._dropped: deque[tuple[str, str]] = deque(maxlen=MAX_DROP_REPORTS)  # caller's side of the marks
         # Owned by the progress thread only:
-        self._peers = PeerTable()
+        self._peers = PeerTable(self._make_endpoint, _close_endpoint)
         self._sending: list[tuple[int, object, object, object]] = []  # (uid, endpoint, request, buffer kept alive)
         self._init_receive_side()  # _receiving, _cut, _banned (ucx_recv.py)
         self.unroutable = 0  # messages dropped: their peer was unreachable or unknown
@@ -167,13 +173,13 @@ class UcxTransport(ReceiveSide, FrameTransport):
             ValueError: ``address`` is not a ucx address.
         """
         self._check_open()
-        uid, addr = wire.parse_address(address)
-        self._outbox.append((_CONNECT, uid, addr))
+        uid, addr, process = wire.parse_address(address)
+        self._outbox.append((_CONNECT, uid, addr, process))
         self._wake()
         return wire.peer_id(uid)
 
     def disconnect(self, peer: str) -> None:
-        """Close our endpoint to ``peer`` and forget it (queued messages to it still go first;
+        """End our connection to ``peer`` and forget it (queued messages to it still go first;
         sends in flight finish in the background). No-op for an unknown or malformed id."""
         if not self._closed and (uid := _uid(peer)) is not None:
             self._outbox.append((_DISCONNECT, uid))
@@ -312,9 +318,9 @@ class UcxTransport(ReceiveSide, FrameTransport):
             if kind == _SEND:
                 self._post_send(uid, *rest[:3], now)
             elif kind == _CONNECT:
-                self._peers.dial(uid, rest[0], now)
+                self._peers.dial(uid, rest[0], rest[1], now)
             else:
-                self._forget(uid)
+                self._peers.forget(uid)
             completed = True
         completed = self._probe_headers() or completed
         if self._sending:
@@ -322,13 +328,15 @@ class UcxTransport(ReceiveSide, FrameTransport):
             for uid, ep, req, keep in self._sending:
                 if not req.completed:
                     still.append((uid, ep, req, keep))
-                elif not _check(req, "send") and (p := self._peers.get(uid)) is not None and p.ep is ep:
-                    self._lost(uid, "a send to it failed")  # not for an endpoint already closed
+                elif not _check(req, "send"):
+                    current = (p := self._peers.get(uid)) is not None and p.ep is ep
+                    self._peers.discard(ep)  # broken: the next connection to its address makes a new one
+                    if current:  # the peer's connection is on it (not one already ended)
+                        self._lost(uid, "a send to it failed")
             completed = completed or len(still) < len(self._sending)
             self._sending = still
         received, receiving = self._deliver(now)
-        for ep in self._peers.prune(now):
-            self._close(ep)
+        self._peers.prune(now)
         return completed or received, receiving or bool(self._sending) or bool(self._outbox)
 
     def _post_send(self, uid: int, views: list, lengths: list[int], kinds: str, now: float) -> None:
@@ -340,15 +348,14 @@ class UcxTransport(ReceiveSide, FrameTransport):
         hello = None
         if p.ep is None:
             try:
-                address = ucx_api.UCXAddress.create_from_buffer(p.address)
-                p.ep = self._worker.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+                self._peers.new_connection(p)
             except ucx_api.UCXError as e:  # e.g. the peer's process is gone (its shm with it)
                 logger.warning("ucx peer %s unreachable (%s); dropping the message", wire.peer_id(uid), e)
                 self.unroutable += 1
                 self._lost(uid, f"unreachable ({e})")
                 return
-            # A new endpoint's first message carries our address; a random first seq keeps its
-            # tags apart from anything of an earlier endpoint still in flight.
+            # A new connection's first message carries our address; a random first seq keeps its
+            # tags apart from anything of an earlier connection still in flight.
             hello, p.seq = self._addr_bytes, secrets.randbits(30)
         seq = p.seq
         p.seq, p.last = (seq + 1) & wire.SEQ_MASK, now
@@ -362,27 +369,19 @@ class UcxTransport(ReceiveSide, FrameTransport):
 
     def _lost(self, uid: int, why: str) -> None:
         """Report a dropped connection (after the messages already delivered from the peer) and
-        close our endpoint to it; the peer is forgotten unless it was dialed (the caller keeps
-        its id and may send again: a new endpoint is made then)."""
+        end ours to it; the peer is forgotten unless it was dialed (the caller keeps its id and
+        may send again: a new connection starts then)."""
         p = self._peers.get(uid)
         if p is not None:
-            self._close(p.ep)
             p.ep = None
             if not p.dialed:
                 self._peers.forget(uid)
         self._inbox.append((wire.peer_id(uid), why))
 
-    def _forget(self, uid: int) -> None:
-        p = self._peers.forget(uid)
-        if p is not None:
-            self._close(p.ep)
-
-    def _close(self, ep: object | None) -> None:
-        if ep is not None:
-            try:
-                ep.close()  # sends in flight on it finish or stay until close (see module doc)
-            except Exception:  # closing an endpoint whose peer is gone: nothing to do
-                logger.debug("ucx endpoint close", exc_info=True)
+    def _make_endpoint(self, address: bytes) -> object:
+        """Raises UCXError when it cannot be made (e.g. the peer's process is gone)."""
+        return self._worker.create_endpoint_from_worker_address(
+            ucx_api.UCXAddress.create_from_buffer(address), endpoint_error_handling=False)
 
     def _idle_wait(self) -> None:
         if self._worker.arm():  # False: events are pending, progress again at once
@@ -397,20 +396,26 @@ class UcxTransport(ReceiveSide, FrameTransport):
         w = self._worker
         try:
             w.cancel_inflight_requests()
-            for p in self._peers:
-                self._close(p.ep)
+            self._peers.close_all()
             for _ in range(10):
                 w.progress()
         except Exception:  # best effort: the objects go away below either way
             logger.exception("ucx transport shutdown")
         # Requests and endpoints hold the worker: drop them, then the worker, then buffers.
-        self._peers = PeerTable()
+        self._peers.close_all()  # (again, in case the first call raised)
         self._receiving.clear()
         self._sending.clear()
         self._cut.clear()
         w = self._worker = self._ctx = None
         self._outbox.clear()
         self._pool = wire.BufferPool(0)
+
+
+def _close_endpoint(ep: object) -> None:
+    try:
+        ep.close()  # sends in flight on it finish or stay until close (see module doc)
+    except Exception:  # closing an endpoint whose peer is gone: nothing to do
+        logger.debug("ucx endpoint close", exc_info=True)
 
 
 def _uid(peer: str) -> int | None:

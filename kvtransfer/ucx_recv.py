@@ -2,7 +2,7 @@
 
 A mixin of :class:`kvtransfer.ucx.UcxTransport`, run by its progress thread only; it uses
 these attributes of the transport: ``_worker``, ``_pool``, ``device``, ``_peers``
-(``ucx_peers.py``), ``_inbox``, ``refused_device``, ``_lost`` and ``_close``. Its own tables:
+(``ucx_peers.py``), ``_inbox``, ``refused_device`` and ``_lost``. Its own tables:
 ``_receiving`` (uid → that peer's messages in arrival order, kept only while one is on its
 way), ``_cut`` (messages of a dropped connection, kept until UCX no longer writes into their
 buffers) and ``_banned`` (peers that sent a bad header, bounded, oldest out first).
@@ -10,8 +10,8 @@ buffers) and ``_banned`` (peers that sent a bad header, bounded, oldest out firs
 Each message: the header is probed from any sender and received; its frames' receives are
 posted into buffers of the announced lengths (host: pooled; device: fresh CUDA memory); it is
 delivered once complete and first in its sender's order. A header carrying the sender's
-address marks the first message of a new endpoint of the sender's: messages of its earlier
-endpoint still incomplete then were cut with it, and a drop mark takes their place.
+address marks the first message of a new connection of the sender's: messages of its earlier
+connection still incomplete then were cut with it, and a drop mark takes their place.
 """
 
 from __future__ import annotations
@@ -128,10 +128,9 @@ class ReceiveSide:
             self._ban(uid)
             msg.dropped = True
             return
-        if hello is not None:  # the first message on a new endpoint of the peer's
+        if hello is not None:  # the first message of a new connection of the peer's
             self._reconnected(uid, msg, queue)
-            for p in self._peers.heard(uid, hello, time.monotonic()):
-                self._close(p.ep)
+            self._peers.heard(uid, hello, time.monotonic())
         bufs: list | None = [None] * len(lengths)  # None: a host frame, from the pool
         if "d" in kinds:
             bufs = None if self.device is None else ucx_device.alloc_frames(lengths, kinds, self.device)
@@ -146,13 +145,15 @@ class ReceiveSide:
             msg.frames.append(view)
 
     def _reconnected(self, uid: int, msg: _Incoming, queue: deque[_Incoming]) -> None:
-        """The peer made a new endpoint to us. Earlier messages still incomplete were cut with
-        its old one: set them aside and put a drop mark in their place, so the caller learns of
-        the drop before ``msg``; our endpoint to it is closed too (as a reset would)."""
+        """The peer started a new connection to us. Earlier messages still incomplete were cut
+        with its old one: set them aside and put a drop mark in their place, so the caller
+        learns of the drop before ``msg``; our connection to it ends too (as a reset would: our
+        next message to it starts a new one, with a hello and a fresh seq, on the UCX endpoint
+        kept for its address -- ``ucx_peers.py``)."""
         older = list(queue)[:queue.index(msg)]
         cut = [m for m in older if not m.done()]
         if not cut:
-            return  # nothing in flight on the old endpoint (e.g. it was closed when idle)
+            return  # nothing in flight on the old connection (e.g. it ended when idle)
         for m in cut:
             queue.remove(m)
             m.dropped = True
@@ -160,7 +161,6 @@ class ReceiveSide:
         why = "it reconnected: its earlier connection was cut mid-message"
         queue.insert(queue.index(msg), _Incoming(None, None, frames=[], lost=why))
         if (p := self._peers.get(uid)) is not None:
-            self._close(p.ep)
             p.ep = None
 
     def _refuse_device(self, uid: int, msg: _Incoming) -> None:

@@ -6,11 +6,12 @@ Wire protocol. Every worker picks a random 32-bit ``uid``. A 64-bit UCX tag is
 ``[1, seq, [frame lengths], sender address bytes | None]``, plus a fifth element, a str of
 one ``"h"`` (host) or ``"d"`` (device) per frame, only when some frame is in GPU memory: four
 elements (an older peer's header, or any host-only message) mean all host, so host traffic
-is unchanged on the wire. The sender's address is in the first message on each endpoint (a
-new one is made after a drop, a ``disconnect`` or an idle close: ``ucx_peers.py``), so the
-receiver can make the endpoint its replies use, and knows the sender's earlier endpoint is
-gone. Each endpoint starts its seq at random (then +1 per message, modulo 2^30), so tags of
-an earlier endpoint's messages still in flight are not taken for a new one's. The receiver probes for kind-1 tags from any
+is unchanged on the wire. The sender's address is in the first message of each connection (a
+new one starts after a drop, a ``disconnect`` or an idle spell, on the same UCX endpoint:
+``ucx_peers.py``), so the receiver can make the endpoint its replies use, and knows the
+sender's earlier connection is gone. Each connection starts its seq at random (then +1 per
+message, modulo 2^30), so tags of an earlier one's messages still in flight are not taken for
+a new one's. The receiver probes for kind-1 tags from any
 sender, so the peer id it reports is the sender's uid -- the same id the sender got from
 ``connect``. Lengths are checked against
 ``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_MESSAGE_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
@@ -93,9 +94,11 @@ def parse_header(buf) -> tuple[int, list[int], bytes | None, str]:
     return seq, lengths, hello, kinds
 
 
-def format_address(uid: int, worker_address: bytes) -> str:
-    """``ucx://<uid hex>/<base64 worker address>``."""
-    return f"{_SCHEME}{peer_id(uid)}/{base64.urlsafe_b64encode(worker_address).decode()}"
+def format_address(uid: int, worker_address: bytes, process: str | None = None) -> str:
+    """``ucx://<uid hex>/<base64 worker address>[/<process>]``; ``process`` (``ucx_peers``'s
+    ``this_process()``) lets a peer on this host tell that it has exited."""
+    tail = f"/{process}" if process else ""
+    return f"{_SCHEME}{peer_id(uid)}/{base64.urlsafe_b64encode(worker_address).decode()}{tail}"
 
 
 def pack_header(seq: int, lengths: list[int], kinds: str, hello: bytes | None) -> bytes:
@@ -118,16 +121,22 @@ def byte_view(buf: object) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
-def parse_address(address: str) -> tuple[int, bytes]:
-    bad = ValueError(f"not a ucx address (want {_SCHEME}<uid hex>/<base64 worker address>): "
+def parse_address(address: str) -> tuple[int, bytes, str | None]:
+    """(uid, worker address, process or None) of a ``format_address`` string.
+
+    Raises:
+        ValueError: not a ucx address.
+    """
+    bad = ValueError(f"not a ucx address (want {_SCHEME}<uid hex>/<base64 worker address>[/<process>]): "
                      f"{str(address)[:80]!r}")
     if not isinstance(address, str) or not address.startswith(_SCHEME) or "/" not in address[len(_SCHEME):]:
         raise bad
-    uid_hex, b64 = address[len(_SCHEME):].split("/", 1)
+    uid_hex, rest = address[len(_SCHEME):].split("/", 1)
+    b64, _, process = rest.partition("/")
     try:
         uid, addr = int(uid_hex, 16), base64.urlsafe_b64decode(b64.encode())
     except ValueError as e:
         raise bad from e
     if not 0 <= uid < (1 << 32) or not addr:
         raise bad
-    return uid, addr
+    return uid, addr, process or None

@@ -209,7 +209,7 @@ def test_oversized_announcement_is_refused(make, lengths):
     address = server.bind()
     ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
     worker = ucx_api.UCXWorker(ctx)
-    uid, addr = ucx_wire.parse_address(address)
+    uid, addr, _ = ucx_wire.parse_address(address)
     ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr),
                                                     endpoint_error_handling=False)
     bogus_uid = 0x0BAD0BAD
@@ -282,6 +282,15 @@ def test_two_processes_move_256_mib_intact(make):
             time.sleep(0.01)
         assert late.unroutable == 1
         ((peer, why),) = wait_dropped(late)  # and the caller learns the connection is gone
+        assert peer == child_id and why.startswith("unreachable")
+        # The parent keeps its endpoint to the child for later connections, but not once the
+        # child's process has exited (its address says which): a new connection tells the same.
+        parent.disconnect(child_id)
+        parent.send(parent.connect(child_address), [b"anyone?"])
+        while parent.unroutable == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert parent.unroutable == 1
+        ((peer, why),) = wait_dropped(parent)
         assert peer == child_id and why.startswith("unreachable")
     finally:
         if child.poll() is None:

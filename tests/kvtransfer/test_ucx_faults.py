@@ -1,6 +1,7 @@
 """UCX transport, dropped connections: what this side can tell without endpoint error handling
-(a peer it cannot reach, a peer that came back on a new endpoint while messages of its old one
-were cut), and that a disconnected peer is forgotten and reached again afresh."""
+(a peer it cannot reach, a peer that came back on a new connection while messages of its old
+one were cut), that a disconnected peer is forgotten and reached again afresh, and that new
+connections reuse the endpoint kept for the peer's address (no shared memory mapped again)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import pytest
 
 pytest.importorskip("ucxx", reason="ucxx (pip ucxx-cu12) is not importable: no UCX transport here")
 
+from kvtransfer.base import TransferState  # noqa: E402
+from kvtransfer.sender import KVSender  # noqa: E402
+from kvtransfer.ucx import UcxTransport  # noqa: E402
+from tests.kvtransfer.test_faults import peer_mod, spawn  # noqa: E402,F401  (spawn is a fixture)
 from tests.kvtransfer.test_ucx import make, recv_wait, wait_dropped  # noqa: E402,F401  (make is a fixture)
 from tests.kvtransfer.test_ucx_gpu import _RawPeer  # noqa: E402
 
@@ -68,3 +73,52 @@ def test_disconnect_forgets_the_peer_and_the_next_connect_starts_a_new_endpoint(
     server.send(sender, [b"reply again"])  # the server's endpoint to the client still works
     assert [bytes(f) for f in recv_wait(client)[1]] == [b"reply again"]
     assert server.dropped() == [] and client.dropped() == []
+
+
+def shared_memory_mappings() -> int:
+    """Mappings of shared-memory segments in this process (UCX's sysv and posix ones)."""
+    with open("/proc/self/maps") as f:
+        return sum("/SYSV" in line or "/dev/shm/" in line for line in f)
+
+
+def test_severed_connections_reuse_their_endpoint_so_no_shared_memory_is_mapped_again(spawn):
+    """The chaos fault ``sever`` 10 times mid-transfer against a receiver process, each followed
+    by a new connection (hello, the untold fail, the next transfer): the sender's process maps
+    no more shared memory than after its first transfer, and a transfer after them all
+    delivers the right bytes. An endpoint per connection mapped the receiver's segments again
+    each time, never unmapped once the receiver had connected back (UCX's rendezvous does, for
+    frames above its shared-memory eager size): prefill RSS grew in steps."""
+    tokens = 200  # 12.8 KB frames: rendezvous (4 KB ones go eagerly, and showed no growth)
+    sender = KVSender(UcxTransport(), peer_mod.make_layout(4), lease_s=30.0)
+    try:
+        receiver = spawn("receiver", "ucx", "30")
+        address = receiver.wait_for("ADDR")[1]
+        sender.connect(address, timeout_s=20)
+
+        def transfer(tid: str, seed: int, sever: bool) -> None:
+            receiver.tell(f"EXPECT {tid} {tokens} {seed}")
+            receiver.wait_for(f"EXPECTING {tid}", sender.progress)
+            sender.begin(tid, address, tokens)  # after a sever: a new connection first
+            for layer, (k, v) in enumerate(peer_mod.make_kv(seed, tokens)):
+                if sever and layer == 1:
+                    sender.inject("sever")
+                    assert not sender.send_layer(tid, layer, k, v)
+                    assert sender.poll(tid) is TransferState.FAILED and "severed" in sender.error(tid)
+                    return
+                assert sender.send_layer(tid, layer, k, v)
+            assert receiver.wait_for(f"FINISHED {tid}", sender.progress)[2:] == ["done", "ok"]
+
+        transfer("first", 1, sever=False)
+        baseline = shared_memory_mappings()
+        for i in range(10):
+            transfer(f"severed{i}", 2 + i, sever=True)
+            if i:  # its fail reached the receiver on this connection: its blocks are free again
+                receiver.wait_for(f"FINISHED severed{i - 1} failed", sender.progress)
+        transfer("last", 99, sever=False)
+        assert "FINISHED severed9 failed " in receiver.seen
+        assert shared_memory_mappings() == baseline
+        assert sender.transport._peers.num_endpoints == 1
+        receiver.tell("EXIT")
+        assert receiver.proc.wait(timeout=20) == 0
+    finally:
+        sender.close()

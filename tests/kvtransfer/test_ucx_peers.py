@@ -1,26 +1,54 @@
 """The UCX transport's peer table (kvtransfer/ucx_peers.py): it stays bounded as peers come and
-go, and never forgets a peer whose next message would not bring its address back."""
+go, never forgets a peer whose next message would not bring its address back, and keeps one
+endpoint per address for every connection to it (closed for good only when broken, when its
+process has exited, past MAX_PEERS addresses, or at close)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from kvtransfer import ucx_peers
-from kvtransfer.ucx_peers import ENDPOINT_IDLE_S, PEER_IDLE_S, PRUNE_EVERY_S, PeerTable
+from kvtransfer.ucx_peers import ENDPOINT_IDLE_S, PEER_IDLE_S, PRUNE_EVERY_S, PeerTable, process_gone, this_process
 
 
-def test_idle_endpoints_are_closed_and_idle_heard_peers_forgotten():
-    t = PeerTable()
-    t.dial(1, b"dialed", 0.0)
-    assert t.heard(2, b"heard", 0.0) == []
-    t.get(1).ep, t.get(2).ep = "ep1", "ep2"
-    assert t.prune(ENDPOINT_IDLE_S) == []  # idle exactly that long: kept
-    assert sorted(t.prune(ENDPOINT_IDLE_S + PRUNE_EVERY_S)) == ["ep1", "ep2"]
-    assert t.get(1).ep is None and t.get(2).ep is None and len(t) == 2  # endpoints recycled only
-    assert t.prune(PEER_IDLE_S + 2 * PRUNE_EVERY_S) == []
+class FakeUcx:
+    """Endpoints as strings: ``make`` numbers them, ``close`` records them."""
+
+    def __init__(self) -> None:
+        self.made: list[str] = []
+        self.closed: list[str] = []
+        self.unreachable: set[bytes] = set()
+
+    def make(self, address: bytes) -> str:
+        if address in self.unreachable:
+            raise ConnectionError(f"unreachable {address!r}")
+        self.made.append(f"ep{len(self.made)}-{address.decode()}")
+        return self.made[-1]
+
+    def table(self) -> PeerTable:
+        return PeerTable(self.make, self.closed.append)
+
+
+def test_idle_connections_end_and_idle_heard_peers_are_forgotten():
+    ucx = FakeUcx()
+    t = ucx.table()
+    t.dial(1, b"dialed", None, 0.0)
+    t.heard(2, b"heard", 0.0)
+    t.new_connection(t.get(1))
+    t.new_connection(t.get(2))
+    t.prune(ENDPOINT_IDLE_S)  # idle exactly that long: kept
+    assert t.get(1).ep == "ep0-dialed" and t.get(2).ep == "ep1-heard"
+    t.prune(ENDPOINT_IDLE_S + PRUNE_EVERY_S)
+    assert t.get(1).ep is None and t.get(2).ep is None and len(t) == 2  # connections ended only
+    assert ucx.closed == [] and t.num_endpoints == 2  # their endpoints are kept
+    t.prune(PEER_IDLE_S + 2 * PRUNE_EVERY_S)
     assert t.get(2) is None and t.get(1).address == b"dialed"  # a dialed peer stays until disconnect
 
 
 def test_activity_keeps_a_peer_and_a_hello_updates_its_address():
-    t = PeerTable()
+    t = FakeUcx().table()
     t.heard(7, b"old", 0.0)
     t.heard(7, b"new", PEER_IDLE_S)  # its next hello: active again
     t.prune(PEER_IDLE_S + PRUNE_EVERY_S)
@@ -31,11 +59,94 @@ def test_activity_keeps_a_peer_and_a_hello_updates_its_address():
 
 def test_past_max_peers_the_least_recently_active_heard_one_goes(monkeypatch):
     monkeypatch.setattr(ucx_peers, "MAX_PEERS", 3)
-    t = PeerTable()
-    t.dial(1, b"d", 0.0)  # oldest, but dialed: never evicted
+    t = FakeUcx().table()
+    t.dial(1, b"d", None, 0.0)  # oldest, but dialed: never evicted
     t.heard(2, b"x", 1.0)
     t.heard(3, b"y", 2.0)
-    t.get(2).ep = "ep2"
-    evicted = t.heard(4, b"z", 3.0)
-    assert [p.ep for p in evicted] == ["ep2"]
+    t.heard(4, b"z", 3.0)
     assert t.get(2) is None and len(t) == 3 and t.get(1) is not None and t.get(4) is not None
+
+
+def test_every_connection_to_an_address_reuses_its_endpoint():
+    """A disconnect (forget), a drop (ep None) or a new uid at the same address: no new endpoint,
+    which would map the peer's shared memory once more."""
+    ucx = FakeUcx()
+    t = ucx.table()
+    for uid in (1, 1, 1, 2):
+        t.dial(uid, b"a", None, 0.0)
+        t.new_connection(t.get(uid))
+        assert t.get(uid).ep == "ep0-a"
+        t.get(uid).ep = None  # the connection dropped ...
+        t.forget(uid)  # ... or was disconnected
+    assert ucx.made == ["ep0-a"] and ucx.closed == [] and t.num_endpoints == 1
+    t.close_all()
+    assert ucx.closed == ["ep0-a"] and t.num_endpoints == 0 and len(t) == 0
+
+
+def test_a_broken_endpoint_is_closed_for_good_and_the_next_connection_makes_a_new_one():
+    ucx = FakeUcx()
+    t = ucx.table()
+    t.dial(1, b"a", None, 0.0)
+    t.dial(2, b"a", None, 0.0)  # another uid on the same endpoint (made-up, or a stale record)
+    t.new_connection(t.get(1))
+    t.new_connection(t.get(2))
+    broken = t.get(1).ep
+    t.discard(broken)
+    t.discard(broken)  # a second failed send on it: closed once
+    assert ucx.closed == ["ep0-a"] and t.get(1).ep is None and t.get(2).ep is None  # never sent on again
+    t.new_connection(t.get(1))
+    assert t.get(1).ep == "ep1-a"
+
+
+def _exited_process() -> str:
+    """The identity of a process that has exited (and was reaped)."""
+    code = "from kvtransfer.ucx_peers import this_process; print(this_process())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    return out.stdout.strip()
+
+
+def test_process_identity_tells_an_exited_process():
+    me = this_process()
+    assert me is not None and not process_gone(me)
+    gone = _exited_process()
+    assert gone.split(".")[:2] == me.split(".")[:2] and process_gone(gone)
+    boot, ns, pid, start = me.split(".")
+    assert process_gone(f"{boot}.{ns}.{pid}.{int(start) + 1}")  # its pid, reused by a later process
+    for unknowable in ("0" * 32 + f".{ns}.{pid}.1", f"{boot}.1.{pid}.1", "garbage", f"{boot}.{ns}.x.1"):
+        assert not process_gone(unknowable)  # another host or PID namespace, or malformed
+
+
+def test_a_kept_endpoint_is_not_reused_once_its_process_has_exited():
+    """A kept endpoint would take messages to a dead peer silently; making a new one fails at once."""
+    ucx = FakeUcx()
+    t = ucx.table()
+    t.dial(1, b"a", this_process(), 0.0)
+    t.new_connection(t.get(1))
+    t.get(1).ep = None
+    t.new_connection(t.get(1))  # alive: reused
+    assert ucx.made == ["ep0-a"]
+    t.get(1).ep = None
+    t.dial(1, b"a", _exited_process(), 0.0)  # (as if the address had named a process now gone)
+    ucx.unreachable.add(b"a")
+    try:
+        t.new_connection(t.get(1))
+        raise AssertionError("a new endpoint to a dead process was expected to fail")
+    except ConnectionError:
+        pass
+    assert ucx.closed == ["ep0-a"] and t.num_endpoints == 0 and t.get(1).ep is None
+
+
+def test_past_max_peers_endpoints_the_least_recently_connected_one_is_closed(monkeypatch):
+    monkeypatch.setattr(ucx_peers, "MAX_PEERS", 2)
+    ucx = FakeUcx()
+    t = ucx.table()
+    for uid, address in ((1, b"a"), (2, b"b")):
+        t.dial(uid, address, None, 0.0)
+        t.new_connection(t.get(uid))
+    t.get(1).ep = None
+    t.new_connection(t.get(1))  # a reconnection: "a" is now the most recently connected
+    t.dial(3, b"c", None, 0.0)
+    t.new_connection(t.get(3))
+    assert ucx.closed == ["ep1-b"] and t.get(2).ep is None  # its connection ended with it
+    assert t.get(1).ep == "ep0-a" and t.get(3).ep == "ep2-c" and t.num_endpoints == 2

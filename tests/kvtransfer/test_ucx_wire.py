@@ -40,7 +40,10 @@ def test_garbage_is_refused(raw):
 def test_address_round_trip_and_refusals():
     addr = wire.format_address(0xDEADBEEF, b"\x00worker\xff")
     assert addr.startswith("ucx://deadbeef/")
-    assert wire.parse_address(addr) == (0xDEADBEEF, b"\x00worker\xff")
+    assert wire.parse_address(addr) == (0xDEADBEEF, b"\x00worker\xff", None)
+    with_process = wire.format_address(0xDEADBEEF, b"\x00worker\xff", "b00t.4026.77.123")
+    assert with_process == addr + "/b00t.4026.77.123"
+    assert wire.parse_address(with_process) == (0xDEADBEEF, b"\x00worker\xff", "b00t.4026.77.123")
     for bad in ("tcp://x/y", "ucx://nothex/AAAA", "ucx://deadbeef", "ucx://deadbeef/", 42):
         with pytest.raises(ValueError):
             wire.parse_address(bad)
