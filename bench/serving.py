@@ -7,7 +7,11 @@ the other:
 - ``disaggregated``: 1 prefill + 1 decode worker, one thread each;
 - ``colocated``: 1 worker, two threads, chunked prefill off (a long prompt is one step that
   stalls every running stream);
-- ``colocated-chunked``: the same with chunked prefill (budget ``--chunk``).
+- ``colocated-chunked``: the same with chunked prefill (budget ``--chunk``);
+- ``disaggregated-local``: as ``disaggregated``, with conditional disaggregation: prompts of at
+  most ``--local-prefill-tokens`` are prefilled by the decode worker (``router.local_prefill_tokens``).
+
+``--modes`` runs a subset of them, in the order given.
 
 TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
 column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
@@ -37,6 +41,7 @@ COMPARE = {
     "colocated": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": False,
                   "decode.max_batched_tokens": 8192},
     "colocated-chunked": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": True},
+    "disaggregated-local": {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1},
 }
 # --prefix-compare: two colocated workers (each prefills what it decodes) whose caches hold about
 # half of the groups each: placement decides whether a prompt finds its system prompt cached.
@@ -44,6 +49,7 @@ PREFIX_CLUSTER = {"mode": "colocated", "decode.replicas": 2, "decode.threads": 1
 PREFIX_COMPARE = {"prefix-blind": {**PREFIX_CLUSTER, "router.prefix_aware": False},
                   "prefix-aware": {**PREFIX_CLUSTER, "router.prefix_aware": True}}
 SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked",
+         "disaggregated-local": "local",
          "prefix-blind": "blind", "prefix-aware": "aware"}
 
 
@@ -63,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="run the workload on disaggregated, colocated and colocated-chunked clusters")
     p.add_argument("--chunk", type=int, default=256, help="token budget of colocated-chunked (default 256)")
+    p.add_argument("--modes", default="disaggregated,colocated,colocated-chunked",
+                   help=f"--compare: which, in order, of {', '.join(COMPARE)} (default: the first three)")
+    p.add_argument("--local-prefill-tokens", type=int, default=96,
+                   help="disaggregated-local: router.local_prefill_tokens (default 96: the mix's chats)")
     p.add_argument("--prefix-compare", action="store_true",
                    help="run the shared-prefix dataset on two colocated workers with prefix-blind, then "
                         "prefix-aware placement (router.prefix_aware), after a warm-up of one request per group")
@@ -162,6 +172,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _compare_modes(args) -> dict[str, dict]:
+    names = [m for m in args.modes.split(",") if m]
+    for m in names:
+        if m not in COMPARE:
+            raise BenchError(f"--modes: unknown mode {m!r}; valid: {', '.join(COMPARE)}")
+    if not names:
+        raise BenchError("--modes: give at least one mode")
+    return {m: COMPARE[m] for m in names}
+
+
 def _main(args) -> int:
     from cli.client import connect
     from router.config import load_config
@@ -175,7 +195,7 @@ def _main(args) -> int:
         raise BenchError("--compare and --prefix-compare start their own clusters: drop --server")
     out: dict = {}
     results: dict[str, dict] = {}
-    modes = COMPARE if args.compare else PREFIX_COMPARE if args.prefix_compare else {}
+    modes = _compare_modes(args) if args.compare else PREFIX_COMPARE if args.prefix_compare else {}
     names = list(modes) or [None]
     started = False
     for name in names:
@@ -184,6 +204,8 @@ def _main(args) -> int:
         cfg = load_config(args.config, {**modes.get(name, {}), "metrics.port": 0,
                                         **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked"
                                            else {}),
+                                        **({"router.local_prefill_tokens": args.local_prefill_tokens}
+                                           if name == "disaggregated-local" else {}),
                                         **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
         if server is None:
             from router.app import init_ray
@@ -259,6 +281,15 @@ def _report(results: dict[str, dict], args) -> dict:
         if b and a:
             flat["ttft_p90_ratio_prefix_blind_vs_aware"] = b / a
             print(f"\nTTFT p90, shared prefixes: prefix-blind / prefix-aware = {b / a:.2f}")
+    if "disaggregated-local" in results:
+        kind = "_chat" if "local_tpot_ms_p99_chat" in flat else ""
+        d, lo = flat.get("disagg_ttft_ms_p90"), flat.get("local_ttft_ms_p90")
+        if d and lo:
+            flat["ttft_p90_ratio_disagg_vs_local"] = d / lo
+            print(f"\nTTFT p90: disaggregated / with local prefill of short prompts = {d / lo:.2f}")
+        c, lt = flat.get(f"colocated_tpot_ms_p99{kind}"), flat.get(f"local_tpot_ms_p99{kind}")
+        if c and lt:
+            flat["p99_tpot_ratio_local_vs_colocated"] = lt / c
     return flat
 
 
