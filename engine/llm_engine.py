@@ -100,7 +100,8 @@ class LLMEngine:
         # which kernel each format runs on this CPU class (they differ in speed and, for W8A8,
         # in activation width): logged once, reported in model info
         from engine.quant.cpu_kernels import report
-        self.kernels = report(self.model, single_token=getattr(self.model, "single_token", None) is not None)
+        st = getattr(self.model, "single_token", None)
+        self.kernels = report(self.model, single_token=st is not None, rows=st.max_rows if st is not None else 1)
         log.info("kernels: %s", self.kernels)
         self.load_seconds = time.monotonic() - t0
 

@@ -107,27 +107,29 @@ def w8a8_reduce_range() -> bool:
     return reduce
 
 
-def report(model: torch.nn.Module | None = None, single_token: bool = False) -> str:
-    """One line: the CPU class and the kernel each quantized format of ``model`` runs here.
+def report(model: torch.nn.Module | None = None, single_token: bool = False, rows: int = 1) -> str:
+    """One line: the CPU class and the kernel each quantized format of ``model`` runs here
+    (``single_token``: with the compiled path for steps of up to ``rows`` tokens).
 
-    e.g. ``"cpu AVX2; int8: int8pack bf16-act (batched), compiled fp32 GEMV (one-token);
+    e.g. ``"cpu AVX2; int8: int8pack bf16-act (batched), compiled fp32 GEMV (steps <= 4 tokens);
     w8a8: x86 7-bit act (int16 pair sums saturate here)"``.
     """
+    steps = "one-token" if rows <= 1 else f"steps <= {rows} tokens"
     from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
     parts = [f"cpu {cpu_class()}"]
     kinds: dict[str, str] = {}
     for mod in (model.modules() if model is not None else ()):
         if isinstance(mod, Int8Linear) and "int8" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
-            fast = ", compiled fp32 GEMV (one-token)" if single_token else ""
+            fast = f", compiled fp32 GEMV ({steps})" if single_token else ""
             kinds["int8"] = f"{mod.kernel} {act}-act (batched){fast}"
         elif isinstance(mod, Int4Linear) and "int4" not in kinds:
-            fast = " (batched; one-token: inside the compiled graphs)" if single_token else ""
+            fast = f" (batched; {steps}: inside the compiled graphs)" if single_token else ""
             kinds["int4"] = f"{mod.kernel} {str(mod.act_dtype).removeprefix('torch.')}-act{fast}"
         elif isinstance(mod, W8A8Linear) and "w8a8" not in kinds:
             kinds["w8a8"] = (f"{torch.backends.quantized.engine} "
                              + ("7-bit act (int16 pair sums saturate here)" if mod.reduce_range else "8-bit act"))
     parts += [f"{k}: {v}" for k, v in kinds.items()]
     if not kinds and single_token:
-        parts.append("fp32: compiled GEMV (one-token)")
+        parts.append(f"fp32: compiled GEMV ({steps})")
     return "; ".join(parts)
