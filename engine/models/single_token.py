@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import threading
 from collections.abc import Callable
 
 import torch
@@ -144,16 +145,29 @@ def _logits(h, ln, head: tuple, eps: float):
 _COMPILED: dict[str, Callable] = {}
 
 
+_THREAD = threading.local()
+
+
+def _configure_thread() -> None:
+    """Settings for compiling in the calling thread. torch's config overrides are per thread
+    (torch/utils/_config_module.py): set at load, they would not hold in a worker's step-loop
+    thread, which compiles any variant the warm-up missed and checks the recompile limit."""
+    if getattr(_THREAD, "done", False):
+        return
+    import torch._inductor.config as inductor_config
+    # Compile in this process: a pool of compile workers would compete with the serving
+    # threads (and with Ray) for the few cores a CPU worker has.
+    inductor_config.compile_threads = 1
+    # One graph per model shape and step size (1..max_rows): a process holding several models
+    # (tests, draft + target) needs more than dynamo's default of 8 before it gives up.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    _THREAD.done = True
+
+
 def _compiled(name: str) -> Callable:
+    _configure_thread()
     fn = _COMPILED.get(name)
     if fn is None:
-        import torch._inductor.config as inductor_config
-        # Compile in this process: a pool of compile workers would compete with the serving
-        # threads (and with Ray) for the few cores a CPU worker has.
-        inductor_config.compile_threads = 1
-        # One graph per model shape: a process holding several models (tests, draft + target)
-        # needs more than dynamo's default of 8 before it gives up.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # Realize an activation that several rows' GEMVs read (the normalized input, SiLU(gate)
         # * up) once: inlined, each weight load would recompute the norm or SiLU of every row.
         fn = _COMPILED[name] = torch.compile(globals()[name], dynamic=False, fullgraph=True,
@@ -286,8 +300,10 @@ class SingleTokenDecoder:
         last = len(m.layers) - 1
         with torch.inference_mode():
             for rows in range(1, self.max_rows + 1):
-                cos, sin = m.rotary.cos[:rows, None], m.rotary.sin[:rows, None]
-                h = torch.zeros(rows, m.config.hidden_size)
+                # inputs made as forward makes them (same strides: no recompile when serving)
+                pos = torch.zeros(rows, dtype=torch.long)
+                cos, sin = m.rotary.cos[pos][:, None], m.rotary.sin[pos][:, None]
+                h = m.embed_tokens.weight[pos]
                 # every (fp32 | int8) combination of the layers present gets its graphs now
                 seen = set()
                 for i in range(len(m.layers)):

@@ -262,3 +262,30 @@ def test_quantized_small_batches_take_the_compiled_path(make_engine, quant):
     prompts = [list(range(1000, 1006)), list(range(2000, 2011)), list(range(3000, 3004))]
     calls = _batched_same_as_eager(fast, eager, prompts, max_tokens=8)
     assert calls.count(3) == 7
+
+
+def test_serving_from_another_thread_compiles_nothing_after_load(make_engine):
+    """A worker steps the engine on its own thread: every variant a step of 1..max_rows tokens
+    (a decode batch, a verify step) runs must have been compiled at load, with the inputs made
+    as serving makes them. (torch's config overrides are per thread: a graph first compiled on
+    the step thread meets dynamo's default recompile limit of 8 there, and a worker with
+    speculation on INT8 weights died of it.)"""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    from engine.config import SpeculativeConfig
+    eng = make_engine(quantization="int8", speculative=SpeculativeConfig(method="ngram", adaptive=False))
+    assert eng.model.single_token.max_rows == 5
+    graphs = counters["stats"]["unique_graphs"]
+    done: list[int] = []
+
+    def serve() -> None:
+        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        for b in (1, 2, 3, 4):  # repetitive prompts: the n-gram draft proposes, verify steps run
+            done.extend(len(o.token_ids) for o in eng.generate([[5 + i, 6, 7, 8] * 6 for i in range(b)], sp))
+    t = threading.Thread(target=serve)
+    t.start()
+    t.join()
+    assert done == [10] * 10
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -105,7 +105,7 @@ def test_a_report_sent_before_a_reserve_keeps_its_reservation():
     w = Worker("decode-0", "decode", actor=None, state="ready")
     w.reported(_status(kv_blocks_used=0, kv_blocks_total=100))
     w.calls += 1
-    w.pending.append((w.calls, 90))  # what Pools.reserved records for one reserve call
+    w.pending.append((w.calls, 90, 0))  # what Pools.reserved records for one reserve call
     assert w.load().free_blocks == 10
     w.reported(_status(kv_blocks_used=0, kv_blocks_total=100, admitted=0))  # in flight before it
     assert w.load().free_blocks == 10
