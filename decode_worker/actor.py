@@ -11,7 +11,7 @@ import ray
 
 from engine.request import SamplingParams
 from worker.actor import WorkerActor
-from worker.protocol import Key, Record
+from worker.protocol import Key, Record, Reservation
 
 
 @ray.remote
@@ -32,22 +32,22 @@ class DecodeActor(WorkerActor):
         return self.worker.address
 
     def reserve(self, key: Key, prompt_ids: list[int], params: SamplingParams,
-                timeout_s: float | None = None) -> bytes | None:
+                timeout_s: float | None = None) -> Reservation | None:
         """Reserve blocks and expect the KV (and first token) from a prefill worker; dropped
         here after ``timeout_s`` (the client's deadline).
 
         Returns:
-            The transfer's secret, for the prefill worker's ``submit`` (b"" without a cluster
-            key); None: not now.
+            For the prefill worker's ``submit``: the transfer's secret and the first prompt
+            position to send (a prefix cached here is not sent); None: not now.
         """
-        def reserve() -> bytes | None:
-            secret = None
+        def reserve() -> Reservation | None:
+            got = None
             try:
-                secret = self.worker.reserve(self._admit(key, timeout_s), prompt_ids, params)
+                got = self.worker.reserve(self._admit(key, timeout_s), prompt_ids, params)
             finally:
-                if secret is None:  # not now, or bad input (raised to the router)
+                if got is None:  # not now, or bad input (raised to the router)
                     self.keys.pop(key.engine_id, None)
-            return secret
+            return got
         return self._call(reserve)
 
     def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> None:

@@ -1,7 +1,8 @@
 """Decode worker core: reserves blocks, receives KV from prefill workers, decodes.
 
 Lifecycle of a request here:
-    reserve() -> engine receiving (blocks reserved, KV expected under a lease) -> the transfer
+    reserve() -> engine receiving (blocks reserved, a cached prefix shared, the rest's KV
+    expected under a lease) -> the transfer
     is DONE: every layer's KV and its trailer, the prefill's first token -> engine waiting ->
     running (continuous batch) -> finished (blocks freed). A FAILED transfer (lease, bad frame,
     abort) or a first token the engine refuses aborts the request and frees its blocks
@@ -16,6 +17,7 @@ from engine.request import SamplingParams
 from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
 from kvtransfer.receiver import KVReceiver
+from worker.protocol import Reservation
 
 
 class DecodeWorker:
@@ -32,17 +34,24 @@ class DecodeWorker:
     def address(self) -> str:
         return self.receiver.address
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bytes | None:
-        """Reserve blocks for the prompt's KV and expect its transfer.
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Reservation | None:
+        """Reserve blocks for the prompt's KV and expect its transfer: only the part after a
+        prefix this worker's cache already holds (it is shared, not sent again).
 
         Returns:
-            The transfer's secret for the prefill side's ``begin`` (b"" without auth); None:
-            not now.
+            What the prefill side's ``submit`` needs (the transfer's secret, the first
+            position to send); None: not now.
         """
-        blocks = self.engine.add_remote(prompt_ids, params, request_id=request_id)
-        if blocks is None:
+        slot = self.engine.add_remote(prompt_ids, params, request_id=request_id)
+        if slot is None:
             return None
-        return self.receiver.expect(request_id, blocks, len(prompt_ids), trailer=True) or b""
+        try:
+            secret = self.receiver.expect(request_id, slot.block_ids, len(prompt_ids) - slot.token_start,
+                                          token_start=slot.token_start, trailer=True)
+        except ValueError:  # (a bug if ever seen: the engine sized the blocks) never hold them
+            self.engine.abort(request_id)
+            raise
+        return Reservation(secret or b"", slot.token_start)
 
     def abort(self, request_id: str) -> None:
         """Fail the transfer first (late frames are then dropped), then free the blocks."""

@@ -32,6 +32,15 @@ from engine.scheduler import ScheduledRequest, Scheduler, StepPlan
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RemoteSlot:
+    """Where a remote prefill's KV lands (``add_remote``): the request's blocks from token 0,
+    and ``token_start``, the first prompt position it lacks (the rest is a cached prefix)."""
+
+    block_ids: list[int]
+    token_start: int = 0
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request (deltas), plus totals so far."""
@@ -168,7 +177,7 @@ class LLMEngine:
 
     # ---- disaggregation ---------------------------------------------------------------------
     def add_remote(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                   request_id: str | None = None, first_token: int | None = None) -> list[int] | None:
+                   request_id: str | None = None, first_token: int | None = None) -> RemoteSlot | None:
         """Decode side: reserve blocks for a request whose prompt a prefill worker computes.
 
         Args:
@@ -178,7 +187,9 @@ class LLMEngine:
             first_token: the token the prefill side sampled, if already known; otherwise give
                 it to :meth:`kv_arrived`.
         Returns:
-            The reserved block ids (where the transfer must land), or None if not free now.
+            Where the transfer must land: the request's blocks and the first prompt position
+            to receive (positions before it are a prefix this side's cache already held); or
+            None if the blocks are not free now.
         Raises:
             InvalidRequestError: like add_request, or a first token outside the vocabulary.
         """
@@ -189,7 +200,7 @@ class LLMEngine:
         if not self.scheduler.add_remote(req):
             return None
         self._track(req)
-        return list(req.block_ids)
+        return RemoteSlot(list(req.block_ids), req.num_cached_tokens)
 
     def kv_arrived(self, request_id: str, first_token: int | None = None) -> RequestOutput | None:
         """Decode side: the KV transfer into the reserved blocks is complete; start decoding
@@ -220,10 +231,10 @@ class LLMEngine:
         status = self.scheduler.check_stop(req, req.output_token_ids[-1])
         if status is None and stopped:
             status = RequestStatus.FINISHED_STOPPED
+        self.scheduler.kv_arrived(request_id)  # (its prompt's blocks enter the prefix cache either way)
         if status is not None:
             self.scheduler.finish(req, status)
             return self._output(req, 0, search_from=0)
-        self.scheduler.kv_arrived(request_id)
         return None
 
     def _check_token(self, token: int) -> None:

@@ -151,13 +151,18 @@ class Scheduler:
         """Reserve blocks for a request whose prompt KV a prefill worker will send.
 
         ``req`` carries its prompt and the first token the prefill side sampled. Returns False
-        (changing nothing) when the blocks are not free now.
+        (changing nothing) when the blocks are not free now. A prefix of the prompt already in
+        this side's prefix cache is shared, not received again: ``req.num_cached_tokens`` says
+        how many leading tokens it covers (whole blocks; never the last prompt token, which the
+        transfer must carry so that it ends with the first token).
         """
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        hits = self.bm.match_prefix(req.prompt_token_ids, req.num_prompt_tokens - 1)
         # One token more than the prompt: the first decode step writes the first token's KV,
         # and that must never wait for memory that only other waiting requests hold.
-        if not self.bm.allocate(req.block_ids, req.num_prompt_tokens + 1):
+        if not self.bm.allocate(req.block_ids, req.num_prompt_tokens + 1, hits):
             return False
+        req.num_cached_tokens = len(hits) * self.bm.block_size
         req.status = RequestStatus.WAITING_FOR_KV
         self.receiving[req.request_id] = req
         self.requests[req.request_id] = req

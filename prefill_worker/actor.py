@@ -12,7 +12,7 @@ import ray
 
 from engine.request import SamplingParams
 from worker.actor import WorkerActor
-from worker.protocol import Key, Record
+from worker.protocol import Key, Record, Reservation
 
 
 @ray.remote
@@ -48,11 +48,12 @@ class PrefillActor(WorkerActor):
         self._call(lambda: self.worker.sender.disconnect(decode_address))
 
     def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, decode_address: str,
-               secret: bytes | None = None, timeout_s: float | None = None) -> None:
-        """Prefill and send the KV to ``decode_address``, MAC'd with the transfer ``secret``
-        its ``reserve`` returned (the router hands it over); dropped after ``timeout_s``."""
+               reservation: Reservation | None = None, timeout_s: float | None = None) -> None:
+        """Prefill and send the KV to ``decode_address`` as the decode worker's ``reserve``
+        asked (its ``reservation``: the transfer's secret, the first position it lacks; the
+        router hands it over); dropped after ``timeout_s``."""
         self._post(lambda: self.worker.submit(self._admit(key, timeout_s), prompt_ids, params, decode_address,
-                                              secret), key)
+                                              reservation), key)
 
     def _drop(self, engine_id: str) -> None:
         self.worker.abort(engine_id)

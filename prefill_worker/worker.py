@@ -26,6 +26,7 @@ from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, KVLayout, TransferState
 from kvtransfer.sender import KVSender
 from prefill_worker.kv_stream import LayerJob, LayerStreamer, send_job
+from worker.protocol import Reservation
 
 log = logging.getLogger("pdserve.worker")
 CONNECT_ON_SUBMIT_S = 5.0  # a handshake in the step loop: short, it holds every other request meanwhile
@@ -35,6 +36,7 @@ UNREACHABLE_S = 10.0  # after a failed one, submits to that address fail at once
 @dataclass
 class _Outgoing:
     address: str
+    start: int = 0  # the first position the decode side lacks (it holds a cached prefix before it)
     sent: int = 0  # tokens whose KV has been queued for every layer
 
 
@@ -57,10 +59,19 @@ class PrefillWorker:
         self.sender.connect(decode_address)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               decode_address: str, secret: bytes | None = None) -> None:
+               decode_address: str, reservation: Reservation | None = None) -> None:
         """Queue a prompt whose KV goes to the decode worker at ``decode_address`` (connected
         here first if it is not yet), which has already reserved blocks for it
-        (``DecodeWorker.reserve``, which returned the transfer's ``secret``)."""
+        (``DecodeWorker.reserve``, whose ``reservation`` says the transfer's secret and the
+        first position to send: the whole prompt is computed here, only the rest is sent).
+
+        Raises:
+            ValueError: a reservation that starts outside the prompt (nothing admitted).
+        """
+        r = reservation or Reservation()
+        if not 0 <= r.token_start < len(prompt_ids):
+            raise ValueError(f"reservation starts at position {r.token_start}, outside the prompt's "
+                             f"{len(prompt_ids)} tokens")
         if not self.sender.connected(decode_address):
             # Never connected (it came up while this worker was coming up, so neither side's
             # bring-up paired them): handshake now, bounded; a failure fails this request only,
@@ -77,11 +88,12 @@ class PrefillWorker:
             self._unreachable.pop(decode_address, None)
         self.engine.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
         try:
-            self.sender.begin(request_id, decode_address, len(prompt_ids), secret=secret or None)
+            self.sender.begin(request_id, decode_address, len(prompt_ids) - r.token_start, token_start=r.token_start,
+                              secret=r.secret or None)
         except ValueError:
             self.engine.abort(request_id)  # never half-admitted: its blocks go back at once
             raise
-        self.transfers[request_id] = _Outgoing(decode_address)
+        self.transfers[request_id] = _Outgoing(decode_address, start=r.token_start)
 
     def abort(self, request_id: str) -> None:
         """Stop a request here and fail its transfer (the decode side frees its blocks)."""
@@ -99,13 +111,14 @@ class PrefillWorker:
             t = self.transfers.get(req.request_id)
             if t is None:
                 continue
-            # A prefix-cache hit was never computed here: its KV goes with the first chunk.
-            start = 0 if t.sent == 0 else req.num_computed_tokens
+            # A prefix-cache hit was never computed here: its KV goes with the first chunk. What
+            # the decode side holds (before t.start) is never sent: a chunk wholly inside it sends nothing.
+            start = max(t.start, 0 if t.sent == 0 else req.num_computed_tokens)
             end = req.num_computed_tokens + s.num_new_tokens
             job = LayerJob(req.request_id, layer, tuple(req.block_ids), start, end)
-            if self.streamer is not None:
+            if start < end and self.streamer is not None:
                 self.streamer.put(job)
-            else:
+            elif start < end:
                 try:
                     send_job(self.sender, self.engine.runner.kv_caches, bs, job)
                 except Exception as e:  # one request's bad transfer (e.g. an id its header cannot hold)

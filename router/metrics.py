@@ -33,6 +33,9 @@ class RouterMetrics:
         self.prefix_hit_tokens = Counter("pdserve_router_prefix_hit_tokens", "Prompt tokens the worker chosen to "
                                          "prefill likely held in its prefix cache (the router's estimate, "
                                          "router.prefix_aware)", registry=reg)
+        self.decode_prefix_tokens = Counter("pdserve_router_decode_prefix_tokens", "Prompt tokens whose KV the "
+                                            "decode worker already held in its prefix cache, so the prefill "
+                                            "worker did not send them (disaggregated mode)", registry=reg)
         self.prefill_placements = Counter("pdserve_router_prefill_placements", "Disaggregated requests by where "
                                           "their prompt was prefilled (pool, local: the decode worker) and why "
                                           "(router.placement.prefill_where)", ["where", "reason"], registry=reg)

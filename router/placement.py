@@ -22,6 +22,10 @@ between the worker's decode steps (the bound on the stall its running streams se
 one knob: ``router.local_prefill_tokens``). A decode worker already holding a backlog of local
 prompt tokens sends the next ones to the pool.
 
+Disaggregated, a decode worker that caches a prompt's prefix shares those blocks and is sent
+only the rest (its ``reserve`` answers where the transfer starts); prefix-aware, its cached
+tokens count as headroom when a decode worker is picked.
+
 Prefix-aware (a ``PrefixView``, router.prefix_index): a worker that prefills is scored by the
 prompt tokens it would actually compute, queued ones plus this prompt's uncached ones, so a
 cached prefix draws its prompts until the queue there costs more than computing the prompt
@@ -108,8 +112,11 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         reserve_fraction: share of ``max_tokens`` that must fit at admission (1.0: all of it;
             smaller admits more requests and relies on preemption if they all run long).
         prefer: a worker id that wins if it can take the request.
-        prefix: colocated workers only (they prefill too): prefix-aware placement; the least
-            prefill cost wins, then headroom, then the least held (module doc).
+        prefix: prefix-aware placement. Colocated workers (they prefill too): the least
+            prefill cost wins, then headroom, then the least held. Decode workers: headroom
+            plus the prompt's tokens the worker caches (their KV is not sent again: a cached
+            prefix is worth its length in headroom, no more, so one worker does not draw every
+            stream of a popular prefix) (module doc).
     Returns:
         The chosen worker, or None when no worker can take the request now (the router
         queues it).
@@ -125,9 +132,13 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         headroom = w.free_blocks * w.block_size - promised - need_tokens
         if w.free_blocks < w.blocks_for(need_tokens) or headroom < 0:
             continue
-        cost = prefill_cost(w, prompt_tokens, prefix) if prefix is not None else 0
+        cost, score = 0, headroom
+        if prefix is not None and w.role == "colocated":
+            cost = prefill_cost(w, prompt_tokens, prefix)
+        elif prefix is not None:
+            score += min(prefix.cached.get(w.worker_id, 0), prompt_tokens - 1)
         held = prefix.held.get(w.worker_id, 0) if prefix is not None else 0
-        key = (w.worker_id != prefer, cost, -headroom, held, w.remaining_decode_tokens, w.worker_id)
+        key = (w.worker_id != prefer, cost, -score, held, w.remaining_decode_tokens, w.worker_id)
         if best_key is None or key < best_key:
             best, best_key = w, key
     return best

@@ -5,7 +5,8 @@ One request, from ``Generate`` to its last token (the job's states: router.jobs)
     Generate ─validate (router.requests)─► Job: PLACING
       admission: waits in a bounded queue while no decode worker can reserve it (full queue, or
       waited router.queue_timeout_s: RESOURCE_EXHAUSTED) ─► decode.reserve(key, the client's
-      time left) ─► prefill.submit(key, decode address, time left): RUNNING
+      time left; it answers the first prompt position whose KV it lacks: a prefix its cache holds
+      is shared, not sent) ─► prefill.submit(key, decode address, that reservation, time left): RUNNING
       prefill's first token (a Tokens record, finish "prefilled") ─► streamed at once
       meanwhile the KV and, as its trailer, that first token go prefill → decode directly
       (kvtransfer); decode starts from them and its per-step Tokens records stream in order
@@ -290,6 +291,9 @@ class Router(pb_grpc.GenerationServicer):
         # The prompt's full blocks in the prefilling pool's block size (prefix-aware placement)
         bs = (self.cfg.decode if self.colocated else self.cfg.prefill).block_size
         hashes = block_hashes(ids, bs) if self.prefix is not None else []
+        # Disaggregated: what the decode workers cache, too (their prefix is shared, not sent
+        # again), when both pools name blocks alike (the same block size: the default)
+        decode_view = not self.colocated and self.prefix is not None and self.cfg.decode.block_size == bs
         try:
             while True:
                 if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
@@ -299,11 +303,15 @@ class Router(pb_grpc.GenerationServicer):
                 loads, view = self.pools.loads(*roles), None
                 if self.colocated:
                     loads, view = self._prefix_view(loads, hashes, len(ids), bs)
+                elif decode_view:  # (the reported queues stay: prefill_where reads them)
+                    view = self._prefix_view(loads, hashes, len(ids), bs)[1]
                 d = pick_decode(loads, len(ids), params.max_tokens, frac, prefer[1] if self.colocated else None,
                                 view)
                 # Disaggregated: the decode worker prefills a short prompt itself (placement.prefill_where)
+                # (from the prompt's part not cached there)
+                cached_d = min(view.cached.get(d.worker_id, 0), len(ids) - 1) if decode_view and d else 0
                 where, why = ("colocated", "") if self.colocated or d is None else \
-                    prefill_where(len(ids), d, self.cfg.router.local_prefill_tokens)
+                    prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens)
                 here = where != "pool"  # the decode (or colocated) worker prefills
                 p = None if here or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
                 if d is None or (p is None and not here):
@@ -322,10 +330,11 @@ class Router(pb_grpc.GenerationServicer):
                 dw = self.pools.workers[d.worker_id]
                 need = d.blocks_for(admission_tokens(d, len(ids), params.max_tokens, frac, view))
                 # Known before the call's round trip, so placements meanwhile see the prefix there
-                # (the router keeps no index of what a decode worker caches: a local prefill
-                # counts as a miss)
-                hit = 0 if where == "local" else self._expect_prefix(job, d if self.colocated else p, hashes,
-                                                                      len(ids), bs)
+                # (a local prefill where decode workers are not indexed counts as a miss)
+                if where == "local":
+                    hit = self._expect_prefix(job, d, hashes, len(ids), bs) if decode_view else 0
+                else:
+                    hit = self._expect_prefix(job, d if self.colocated else p, hashes, len(ids), bs)
                 self.pools.reserved(dw.worker_id, need, prompt_tokens=len(ids) - hit if here else 0)
                 try:
                     if here:
@@ -335,9 +344,9 @@ class Router(pb_grpc.GenerationServicer):
                         job.placed(dw, dw, where if self.colocated else f"{where}:{why}")
                         self._placed(where, why, hit)
                         return
-                    # the transfer's secret, or None: not now
-                    secret = await self.pools.call(dw, dw.actor.reserve.remote(job.key, ids, params, job.time_left()))
-                    if secret is None:
+                    # what to send there (the transfer's secret, the first position it lacks), or None: not now
+                    got = await self.pools.call(dw, dw.actor.reserve.remote(job.key, ids, params, job.time_left()))
+                    if got is None:
                         self.pools.reserved(dw.worker_id, d.free_blocks, new_call=False)  # full until it reports
                         continue
                 except asyncio.CancelledError:
@@ -367,7 +376,10 @@ class Router(pb_grpc.GenerationServicer):
                 self._placed(where, why, hit)
                 log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                           pw.worker_id, dw.worker_id, len(ids))
-                pw.actor.submit.remote(job.key, ids, params, dw.address, secret, job.time_left())
+                self.metrics.decode_prefix_tokens.inc(got.token_start)
+                if decode_view:  # it holds the prompt's blocks now
+                    self.prefix.record(dw.worker_id, hashes, d.total_blocks)
+                pw.actor.submit.remote(job.key, ids, params, dw.address, got, job.time_left())
                 return
         finally:
             if queued:

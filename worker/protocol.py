@@ -81,6 +81,19 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
 Record = Tokens | Failed
 
 
+class Reservation(msgspec.Struct, frozen=True, array_like=True):
+    """A decode worker's answer to ``reserve``: what the prefill worker must send it.
+
+    ``secret``: the transfer's MAC secret (b"" without a cluster key). ``token_start``: the
+    first prompt position whose KV it lacks; the positions before it are a prefix it already
+    held in its prefix cache (whole blocks, now shared with this request), so the transfer
+    carries only ``[token_start, prompt)``. Always below the prompt's length: the last
+    prompt position is sent, and the first token with it."""
+
+    secret: bytes = b""
+    token_start: int = 0
+
+
 class WorkerStatus(msgspec.Struct):
     """A worker's load and identity, for placement, autoscaling, metrics and GetClusterStatus.
 

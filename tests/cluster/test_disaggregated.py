@@ -53,12 +53,15 @@ def test_short_prompts_prefill_on_their_decode_worker(stub, cluster, greedy_refe
     r = cluster.router
     counted = r.metrics.prefill_placements
     before = {k: counted.labels(*k)._value.get() for k in (("local", "short"), ("pool", "long"))}
-    old = r.cfg
+    old, index = r.cfg, r.prefix
     r.cfg = dataclasses.replace(old, router=dataclasses.replace(old.router, local_prefill_tokens=16))
+    # prefix-blind here: the decision by the prompt's length (prefix-aware, by its part the
+    # decode worker does not cache: the next test)
+    r.prefix = None
     try:
         outs = run_all(stub, [make_request(p, max_tokens=64, temperature=0) for p, _ in greedy_reference])
     finally:
-        r.cfg = old
+        r.cfg, r.prefix = old, index
     lengths = [len(tokenizer(p)["input_ids"]) for p, _ in greedy_reference]
     assert any(n <= 16 for n in lengths) and any(n > 16 for n in lengths)
     for out, (_, ref), n in zip(outs, greedy_reference, lengths):
@@ -73,6 +76,40 @@ def test_short_prompts_prefill_on_their_decode_worker(stub, cluster, greedy_refe
     # off again (the default): every prompt through the pool
     out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=4, temperature=0)))
     assert out["usage"]["prefill_placement"] == "pool:off" and out["usage"]["prefill_worker"].startswith("prefill-")
+    wait_idle(stub, cluster)
+
+
+def test_a_prefix_a_decode_worker_holds_is_not_transferred_again(stub, cluster, greedy_reference, wait_idle,
+                                                                 tokenizer):
+    """Decode-side prefix reuse through the cluster: the same long prompt three times, one
+    after another, so (2 decode workers) one of them gets it again and shares the blocks its
+    cache holds instead of receiving them; outputs equal HF's, and the router counts the
+    tokens not sent (whole blocks before the prompt's last token, per repeat)."""
+    prompt, ref = max(greedy_reference, key=lambda pr: len(tokenizer(pr[0])["input_ids"]))
+    n = len(tokenizer(prompt)["input_ids"])
+    bs = 16  # the cluster's block size (engine default)
+    assert n > bs
+    counted = cluster.router.metrics.decode_prefix_tokens
+    before = counted._value.get()
+    seen = []
+    for _ in range(3):
+        out = collect(stub.Generate(make_request(prompt, max_tokens=64, temperature=0)))
+        assert out["token_ids"] == ref
+        seen.append(out["usage"]["decode_worker"])
+    repeats = len(seen) - len(set(seen))
+    assert repeats >= 1 and counted._value.get() - before >= repeats * ((n - 1) // bs * bs)
+    # Conditional disaggregation decides by the part the decode worker lacks: this prompt is
+    # longer than the knob, but a worker holding it computes at most one block of it.
+    import dataclasses
+    r = cluster.router
+    old = r.cfg
+    r.cfg = dataclasses.replace(old, router=dataclasses.replace(old.router, local_prefill_tokens=bs))
+    try:
+        out = collect(stub.Generate(make_request(prompt, max_tokens=64, temperature=0)))
+    finally:
+        r.cfg = old
+    assert out["token_ids"] == ref and n > bs
+    assert out["usage"]["prefill_placement"] == "local:short" and out["usage"]["decode_worker"] in seen
     wait_idle(stub, cluster)
 
 

@@ -39,7 +39,7 @@ def test_prefill_then_remote_decode_matches_single_engine(make_engine):
     assert prefill.block_manager.num_used_blocks > 0  # held for the transfer
     for i, rid in enumerate(ids):
         req = prefill.scheduler.requests[rid]
-        blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid)
+        blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid).block_ids
         assert blocks is not None
         _copy_kv(prefill, req.block_ids, decode, blocks, req.num_prompt_tokens)
         assert prefill.release(rid)
@@ -104,6 +104,11 @@ def test_first_token_from_prefill_can_finish_the_request(make_engine):
     assert decode.block_manager.num_used_blocks == 0
     with pytest.raises(KeyError, match="not waiting"):
         decode.kv_arrived("len", first_token=1)
+    # The KV that arrived is cached even when the first token ends the request.
+    long = list(range(100, 100 + 2 * decode.block_manager.block_size + 1))
+    assert _remote(decode, long, 42, SamplingParams(max_tokens=1), "long").finished
+    assert decode.add_remote(long, SamplingParams(max_tokens=1), request_id="next").token_start == len(long) - 1
+    decode.abort("next")
 
 
 def test_seeded_sampling_is_the_same_disaggregated(make_engine):
@@ -113,7 +118,7 @@ def test_seeded_sampling_is_the_same_disaggregated(make_engine):
     rid = prefill.add_request("Tell me a story", sp, request_id="s", prefill_only=True)
     first = [o for o in prefill.stream() if o.finished][0].token_ids[0]
     req = prefill.scheduler.requests[rid]
-    blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid)
+    blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid).block_ids
     _copy_kv(prefill, req.block_ids, decode, blocks, req.num_prompt_tokens)
     prefill.release(rid)
     assert decode.kv_arrived(rid, first_token=first) is None
@@ -134,7 +139,7 @@ def test_streamed_text_across_the_handoff_equals_a_single_engine(make_engine, st
     streamed = {rid: firsts[rid].new_text for rid in ids}
     for rid in ids:
         req = prefill.scheduler.requests[rid]
-        blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid)
+        blocks = decode.add_remote(req.prompt_token_ids, sp, request_id=rid).block_ids
         _copy_kv(prefill, req.block_ids, decode, blocks, req.num_prompt_tokens)
         prefill.release(rid)
         decode.kv_arrived(rid, first_token=firsts[rid].token_ids[0])
@@ -142,3 +147,42 @@ def test_streamed_text_across_the_handoff_equals_a_single_engine(make_engine, st
         streamed[o.request_id] += o.new_text
     for i, rid in enumerate(ids):
         assert streamed[rid] == want[i].text and want[i].text
+
+
+def test_add_remote_shares_a_cached_prefix_and_only_the_rest_arrives(make_engine):
+    """Decode-side prefix reuse: a prompt whose leading blocks the decode engine already caches
+    (an earlier request's) shares them; only the positions after them are received, and the
+    output equals a single engine's. Aborting it keeps the shared blocks cached for the next."""
+    sp = SamplingParams(max_tokens=16, temperature=0)
+    single, prefill, decode = make_engine(), make_engine(), make_engine()
+    bs = decode.block_manager.block_size
+    shared = single.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:3 * bs]
+    first_ids, second_ids = shared + single.tokenize(" Count the foxes."), shared + single.tokenize(" And the dogs?")
+    want = single.generate([second_ids], sp)[0].token_ids
+    decode.generate([first_ids], sp)  # leaves the shared prefix in decode's cache (3 full blocks)
+    cached = {b for b in range(decode.block_manager.num_blocks) if decode.block_manager.block_hash[b] is not None}
+
+    rid = prefill.add_request(second_ids, sp, request_id="r", prefill_only=True)
+    first = [o for o in prefill.stream() if o.finished][0].token_ids[0]
+    req = prefill.scheduler.requests[rid]
+    slot = decode.add_remote(second_ids, sp, request_id=rid)
+    assert slot.token_start == 3 * bs and set(slot.block_ids[:3]) <= cached
+    # Only [token_start, prompt) crosses; the shared blocks are never written.
+    before = [kv.clone() for kv in decode.runner.kv_caches[0]]
+    s = _slots(req.block_ids, bs, len(second_ids))[slot.token_start:]
+    d = _slots(slot.block_ids, bs, len(second_ids))[slot.token_start:]
+    for (sk, sv), (dk, dv) in zip(prefill.runner.kv_caches, decode.runner.kv_caches):
+        dk[d], dv[d] = sk[s], sv[s]
+    assert torch.equal(decode.runner.kv_caches[0][0][_slots(slot.block_ids, bs, 3 * bs)],
+                       before[0][_slots(slot.block_ids, bs, 3 * bs)])
+    prefill.release(rid)
+    assert decode.kv_arrived(rid, first_token=first) is None
+    got = [o for o in decode.stream() if o.finished][0].token_ids
+    assert got == want
+
+    # Not-now and abort leave the shared blocks cached (reference counts back to zero).
+    again = decode.add_remote(second_ids, sp, request_id="again")
+    assert again.token_start == (len(second_ids) - 1) // bs * bs  # the whole prompt but its last block now
+    assert decode.abort("again") and decode.block_manager.num_used_blocks == 0
+    assert decode.add_remote(second_ids, sp, request_id="third").token_start == again.token_start
+    decode.abort("third")

@@ -25,6 +25,7 @@ _load_builtin()
 NAMES = sorted(TRANSPORTS)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
            "Q: What is 17 times 3?\nA:", "A list of colours: red, green,"]
+LONG = "The quick brown fox jumps over the lazy dog. " * 8 + "Count the foxes:"  # ~90 tokens: 2 full blocks of 32
 
 
 def _engine(model_path, block_size: int) -> LLMEngine:
@@ -63,10 +64,12 @@ def _pump(tx: KVSender, rx: KVReceiver, tid: str, timeout: float = 30.0) -> None
     rx.pop_finished()
 
 
-def _send_all(tx: KVSender, eng: LLMEngine, tid: str, address: str, blocks: list[int], n: int) -> None:
-    tx.begin(tid, address, n)
+def _send_all(tx: KVSender, eng: LLMEngine, tid: str, address: str, blocks: list[int], n: int,
+              start: int = 0) -> None:
+    """Send tokens [start, n) of every layer."""
+    tx.begin(tid, address, n - start, token_start=start)
     for i, kv in enumerate(eng.runner.kv_caches):
-        k, v = gather_layer(kv, blocks, eng.block_manager.block_size, 0, n)
+        k, v = gather_layer(kv, blocks, eng.block_manager.block_size, start, n)
         tx.send_layer(tid, i, k, v)
 
 
@@ -118,17 +121,26 @@ def test_disaggregated_greedy_matches_one_engine(engines, links, name):
     p, d = engines
     tx, rx = links[name]
     sp = SamplingParams(max_tokens=24, temperature=0)
-    want = {o.request_id: o.token_ids for o in (d.generate(PROMPTS, sp))}
-    want = dict(zip([f"{name}-{i}" for i in range(len(PROMPTS))], want.values()))
-    rids = [p.add_request(pr, sp, request_id=f"{name}-{i}", prefill_only=True) for i, pr in enumerate(PROMPTS)]
-    first = {o.request_id: o.token_ids[0] for o in p.stream() if o.finished}
-    for rid in rids:
-        req = p.scheduler.requests[rid]
-        blocks = d.add_remote(req.prompt_token_ids, sp, request_id=rid)
-        rx.expect(rid, blocks, req.num_prompt_tokens)
-        _send_all(tx, p, rid, rx.address, req.block_ids, req.num_prompt_tokens)
-        _pump(tx, rx, rid)
-        assert p.release(rid)
-        d.kv_arrived(rid, first_token=first[rid])
-    got = {o.request_id: o.token_ids for o in d.stream() if o.finished}
-    assert got == want
+    hits = 0
+    # (LONG on its own: the same batches on both sides, so the same kernels decode them)
+    for group, prompts in enumerate([PROMPTS, [LONG]]):
+        want = {o.request_id: o.token_ids for o in (d.generate(prompts, sp))}
+        want = dict(zip([f"{name}-{group}-{i}" for i in range(len(prompts))], want.values()))
+        rids = [p.add_request(pr, sp, request_id=rid, prefill_only=True) for rid, pr in zip(want, prompts)]
+        first = {o.request_id: o.token_ids[0] for o in p.stream() if o.finished}
+        for rid in rids:
+            req = p.scheduler.requests[rid]
+            # d just ran these prompts: the full blocks before each one's last token are in its
+            # prefix cache, so only the rest crosses (decode-side prefix reuse).
+            slot = d.add_remote(req.prompt_token_ids, sp, request_id=rid)
+            bs = d.block_manager.block_size
+            assert slot.token_start == (req.num_prompt_tokens - 1) // bs * bs
+            hits += slot.token_start
+            rx.expect(rid, slot.block_ids, req.num_prompt_tokens - slot.token_start, token_start=slot.token_start)
+            _send_all(tx, p, rid, rx.address, req.block_ids, req.num_prompt_tokens, slot.token_start)
+            _pump(tx, rx, rid)
+            assert p.release(rid)
+            d.kv_arrived(rid, first_token=first[rid])
+        got = {o.request_id: o.token_ids for o in d.stream() if o.finished}
+        assert got == want
+    assert hits >= 2 * d.block_manager.block_size  # LONG's leading blocks were not sent again

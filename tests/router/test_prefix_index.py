@@ -151,3 +151,31 @@ def test_view_counts_only_what_waits_and_what_live_requests_hold():
     whole = system  # exactly 4 blocks: 3 can be found cached
     _, v = prefix_view(idx, [], a, block_hashes(whole, BS), len(whole), BS)
     assert v.cached["a"] == 48
+
+
+def test_a_decode_worker_caching_the_prefix_wins_by_at_most_its_length_in_headroom():
+    """Disaggregated: a decode worker that caches the prompt's prefix is sent only the rest, so
+    its cached tokens count as headroom; no more than that, so a popular prefix cannot draw
+    every stream onto one worker. A running request there that holds the prefix shares it:
+    the blocks are not reserved again, and that worker is scored as a disaggregated one."""
+    from router.jobs import Job, JobState
+    from router.prefix_index import prefix_view
+    from engine.request import SamplingParams
+
+    def dec(wid, free):
+        return WorkerLoad(wid, "decode", free, 1000, BS)
+    near = [dec("holder", 500), dec("other", 520)]  # 320 tokens more headroom on "other"
+    assert pick_decode(near, 600, 64).worker_id == "other"
+    assert pick_decode(near, 600, 64, prefix=view(cached={"holder": 592})).worker_id == "holder"
+    far = [dec("holder", 500), dec("other", 600)]  # 1,600 tokens more: more than the prefix is worth
+    assert pick_decode(far, 600, 64, prefix=view(cached={"holder": 592})).worker_id == "other"
+
+    idx, system = PrefixIndex(), tokens(64, 30)
+    j = Job("r1", system + tokens(10, 31), SamplingParams(max_tokens=8))
+    j.prefill_id, j.decode_id, j.state = "prefill-0", "holder", JobState.RUNNING
+    j.prefix_hashes = block_hashes(j.prompt_ids, BS)
+    idx.record("holder", j.prefix_hashes, 1000)
+    prompt = system + tokens(20, 32)
+    _, v = prefix_view(idx, [j], near, block_hashes(prompt, BS), len(prompt), BS)
+    assert v.in_use == {"prefill-0": 64, "holder": 64} and v.cached == {"holder": 64, "other": 0}
+    assert admission_tokens(near[0], len(prompt), 64, 1.0, v) == len(prompt) - 64 + 64

@@ -52,9 +52,9 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
         for rid, text in zip(want, PROMPTS):
             ids = tokenizer(text)["input_ids"]
             key = Key(rid, attempt=1)
-            secret = ray.get(decode.reserve.remote(key, ids, sp))
-            assert secret
-            prefill.submit.remote(key, ids, sp, address, secret)
+            got = ray.get(decode.reserve.remote(key, ids, sp))
+            assert got.secret  # (the KV plane is authenticated)
+            prefill.submit.remote(key, ids, sp, address, got)
         first: dict[str, list[int]] = {}
         rest: dict[str, list[int]] = {rid: [] for rid in want}
         done: set[str] = set()

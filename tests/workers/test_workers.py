@@ -48,9 +48,9 @@ def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport
         tokens: dict[str, list[int]] = {}
         finished: set[str] = set()
         for rid, prompt in ids.items():
-            secret = dw.reserve(rid, prompt, sp)
-            assert secret
-            pw.submit(rid, prompt, sp, dw.address, secret)
+            got = dw.reserve(rid, prompt, sp)
+            assert got.secret  # (authenticated)
+            pw.submit(rid, prompt, sp, dw.address, got)
             if rid == "r0":  # finish r0 first so r3's shared prefix hits the prefill cache
                 while "r0" not in tokens:  # the first token reaches decode as the transfer's trailer
                     for o in pw.step()[0]:
@@ -74,6 +74,45 @@ def test_workers_stream_kv_and_match_one_engine(model_path, tokenizer, transport
         assert dw.engine.block_manager.num_used_blocks == 0
         assert not dw.failed
         assert pw.sender.stats.forged == dw.receiver.stats.forged == 0
+    finally:
+        pw.close()
+        dw.close()
+
+
+@pytest.mark.parametrize("transfer_thread", [False, True])
+def test_a_prefix_the_decode_worker_caches_is_not_sent_again(model_path, tokenizer, connect_kv, transfer_thread):
+    """Decode-side prefix reuse: the second time a long prompt comes, the decode worker shares
+    its cached leading blocks and the prefill worker (its own cache emptied, so it computes
+    all of it, in chunks of 6 tokens) sends only the positions after them: chunks wholly
+    inside that prefix send nothing. Output identical, fewer bytes, nothing leaked."""
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 4 + "How many foxes?")["input_ids"]
+    want = _engine(model_path, 16, 2048).generate([prompt], sp)[0].token_ids
+    pw = PrefillWorker(_engine(model_path, 4, 6), get_transport("zmq"), transfer_thread=transfer_thread)
+    dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport("zmq"))
+    try:
+        connect_kv(pw.sender, dw.receiver)
+        starts, sent = [], []
+        for rid in ("first", "again"):
+            bytes_before = dw.receiver.stats.bytes
+            got = dw.reserve(rid, prompt, sp)
+            starts.append(got.token_start)
+            pw.submit(rid, prompt, sp, dw.address, got)
+            tokens: list[int] = []
+            deadline = time.monotonic() + 120  # hang guard only
+            while rid not in dw.failed and not (tokens and len(tokens) == len(want)) or pw.transfers:
+                assert time.monotonic() < deadline, "workers did not finish"
+                for o in pw.step()[0]:
+                    tokens = list(o.token_ids)
+                for o in dw.step():
+                    tokens = list(o.token_ids)
+            assert not dw.failed and tokens == want
+            sent.append(dw.receiver.stats.bytes - bytes_before)
+            pw.engine.block_manager.reset_prefix_cache()  # the prefill side computes it all again
+        bs = dw.engine.block_manager.block_size
+        assert starts == [0, (len(prompt) - 1) // bs * bs] and starts[1] >= 2 * bs
+        assert 0 < sent[1] < sent[0]
+        assert pw.engine.block_manager.num_used_blocks == dw.engine.block_manager.num_used_blocks == 0
     finally:
         pw.close()
         dw.close()
@@ -110,8 +149,8 @@ def test_a_transfer_that_cannot_be_sent_fails_its_request_only(model_path, token
         ids = tokenizer(PROMPTS[0])["input_ids"]
         bad, good = "r" * 300, "ok"
         for rid in (bad, good):
-            assert dw.reserve(rid, ids, sp) is not None
-            pw.submit(rid, ids, sp, dw.address)
+            assert (got := dw.reserve(rid, ids, sp)) is not None
+            pw.submit(rid, ids, sp, dw.address, got)
         ended: dict[str, object] = {}
         done = False
         deadline = time.monotonic() + 120  # hang guard only
