@@ -17,7 +17,8 @@ TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prin
 column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
 ``p99_tpot_ratio_disagg_vs_colocated``, ``--prefix-compare`` runs the shared-prefix dataset on one
 cluster config with prefix-blind and prefix-aware placement (``router.prefix_aware``) and adds
-``ttft_p90_ratio_prefix_blind_vs_aware``, ``--ttft-overhead`` adds ``cluster_ttft_overhead_ms_512``
+``ttft_p90_ratio_prefix_blind_vs_aware`` (``--prefix-cluster disaggregated``: also
+``kv_bytes_ratio_aware_vs_blind``, the KV the decode workers received), ``--ttft-overhead`` adds ``cluster_ttft_overhead_ms_512``
 (bench/ttft_overhead.py) and, on a cluster it started, ``openai_http_overhead_ms_512`` (the OpenAI
 API's TTFT over gRPC's), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
 latency over time, goodput vs rate).
@@ -45,9 +46,17 @@ COMPARE = {
 }
 # --prefix-compare: two colocated workers (each prefills what it decodes) whose caches hold about
 # half of the groups each: placement decides whether a prompt finds its system prompt cached.
-PREFIX_CLUSTER = {"mode": "colocated", "decode.replicas": 2, "decode.threads": 1}
-PREFIX_COMPARE = {"prefix-blind": {**PREFIX_CLUSTER, "router.prefix_aware": False},
-                  "prefix-aware": {**PREFIX_CLUSTER, "router.prefix_aware": True}}
+# --prefix-cluster disaggregated: one prefill and two decode workers; the decode workers' caches
+# decide how much of each prompt's KV crosses (decode-side prefix reuse): kv_bytes_mb.
+PREFIX_CLUSTERS = {"colocated": {"mode": "colocated", "decode.replicas": 2, "decode.threads": 1},
+                   "disaggregated": {"mode": "disaggregated", "prefill.replicas": 1, "prefill.threads": 1,
+                                     "decode.replicas": 2, "decode.threads": 1}}
+
+
+def prefix_compare(cluster: str) -> dict[str, dict]:
+    base = PREFIX_CLUSTERS[cluster]
+    return {"prefix-blind": {**base, "router.prefix_aware": False},
+            "prefix-aware": {**base, "router.prefix_aware": True}}
 SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked",
          "disaggregated-local": "local",
          "prefix-blind": "blind", "prefix-aware": "aware"}
@@ -76,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-compare", action="store_true",
                    help="run the shared-prefix dataset on two colocated workers with prefix-blind, then "
                         "prefix-aware placement (router.prefix_aware), after a warm-up of one request per group")
+    p.add_argument("--prefix-cluster", choices=sorted(PREFIX_CLUSTERS), default="colocated",
+                   help="--prefix-compare on two colocated workers (default) or on one prefill and two decode "
+                        "workers (then also the KV bytes the decode workers received, kv_bytes_mb, and "
+                        "kv_bytes_ratio_aware_vs_blind)")
     p.add_argument("--prefix-kv-gb", type=float, default=0.25,
                    help="--prefix-compare: KV cache per worker (default 0.25 GB: ~5,400 tokens of the bundled "
                         "model, about half of the default groups)")
@@ -129,8 +142,9 @@ def _bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
 
 
-def bench_server(server: str, args, vocab: int) -> dict:
-    """Every rate of the run against one server: summaries and raw results."""
+def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
+    """Every rate of the run against one server: summaries and raw results; with ``kv_bytes``
+    (a callable: KV bytes the decode workers received so far), the MB each run moved."""
     runs = []
     for rate in _rates(args):
         specs = _workload(args, vocab)
@@ -139,12 +153,16 @@ def bench_server(server: str, args, vocab: int) -> dict:
             # Warm-up, not counted: each system prompt once, one at a time, so both placements
             # start from caches that hold every group somewhere (steady state, not cold start).
             asyncio.run(run(server, specs[:args.prefix_groups], concurrency=1, seed=args.seed))
+        before = kv_bytes() if kv_bytes else 0
         with _bar(len(specs), f"{'rate %g/s' % rate if rate else 'concurrency %d' % conc}") as bar:
             results, wall = asyncio.run(run(server, specs, rate=rate, concurrency=conc, duration_s=args.duration,
                                             seed=args.seed, progress=lambda d, t: bar.update(1)))
         slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
         kinds = sorted({r.spec.kind for r in results})
         summary = {"all": summarize(results, wall, *slo)}
+        if kv_bytes:
+            # (a decode worker restarted meanwhile counts from 0 again: never below 0)
+            summary["all"]["kv_bytes_mb"] = max(0, kv_bytes() - before) / 1e6
         if len(kinds) > 1:
             summary.update({k: summarize(results, wall, *slo, kind=k) for k in kinds})
         runs.append({"rate": rate, "summary": summary, "results": results})
@@ -195,7 +213,8 @@ def _main(args) -> int:
         raise BenchError("--compare and --prefix-compare start their own clusters: drop --server")
     out: dict = {}
     results: dict[str, dict] = {}
-    modes = _compare_modes(args) if args.compare else PREFIX_COMPARE if args.prefix_compare else {}
+    modes = _compare_modes(args) if args.compare else prefix_compare(args.prefix_cluster) if args.prefix_compare \
+        else {}
     names = list(modes) or [None]
     started = False
     for name in names:
@@ -224,7 +243,9 @@ def _main(args) -> int:
                 raise BenchError(f"cannot reach a pdserve server at {server}") from None
             label = name or stub.GetClusterStatus(pb.GetClusterStatusRequest()).mode
             log(f"{label}: {info.model}, {args.num_requests} requests of dataset {args.dataset}")
-            results[label] = bench_server(server, args, info.vocab_size)
+            results[label] = bench_server(server, args, info.vocab_size,
+                                          _kv_bytes(cluster) if args.prefix_compare and cluster is not None
+                                          and cfg.mode != "colocated" else None)
             if args.ttft_overhead:
                 from bench.ttft_overhead import http_overhead, ttft_overhead
                 out.update(ttft_overhead(stub, cfg, info.vocab_size, log))
@@ -243,6 +264,19 @@ def _main(args) -> int:
             log(f"wrote {path}")
     print(json.dumps(out))
     return 0
+
+
+def _kv_bytes(cluster):
+    """KV bytes the cluster's decode workers have received (their latest status reports; every
+    transfer of a finished request is complete, so it is counted once the worker reports
+    again: waits for one heartbeat)."""
+    import time
+
+    def total() -> int:
+        time.sleep(2.0)  # (a report follows every step and at least every heartbeat)
+        return sum(w.status.kv_transfer.bytes for w in list(cluster.router.pools.workers.values())
+                   if w.role == "decode" and w.status is not None and w.status.kv_transfer is not None)
+    return total
 
 
 def _report(results: dict[str, dict], args) -> dict:
@@ -281,6 +315,10 @@ def _report(results: dict[str, dict], args) -> dict:
         if b and a:
             flat["ttft_p90_ratio_prefix_blind_vs_aware"] = b / a
             print(f"\nTTFT p90, shared prefixes: prefix-blind / prefix-aware = {b / a:.2f}")
+        b, a = flat.get("blind_kv_bytes_mb"), flat.get("aware_kv_bytes_mb")
+        if b and a is not None:
+            flat["kv_bytes_ratio_aware_vs_blind"] = a / b
+            print(f"KV bytes received by decode workers: prefix-aware / prefix-blind = {a / b:.2f}")
     if "disaggregated-local" in results:
         kind = "_chat" if "local_tpot_ms_p99_chat" in flat else ""
         d, lo = flat.get("disagg_ttft_ms_p90"), flat.get("local_ttft_ms_p90")

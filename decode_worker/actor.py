@@ -50,11 +50,36 @@ class DecodeActor(WorkerActor):
             return got
         return self._call(reserve)
 
-    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> None:
-        """Prefill and decode here: colocated mode, or a short prompt the router keeps off the
-        prefill pool in disaggregated mode (router.local_prefill_tokens)."""
-        self._post(lambda: self.worker.engine.add_request(prompt_ids, params,
-                                                          request_id=self._admit(key, timeout_s)), key)
+    def submit(self, key: Key, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,
+               max_uncached: int | None = None) -> bool | None:
+        """Prefill and decode here: colocated mode, or a prompt the router keeps off the prefill
+        pool in disaggregated mode (router.local_prefill_tokens).
+
+        Args:
+            max_uncached: take it only if at most this many of its tokens are not in this
+                worker's prefix cache (the router guessed they were: its index is an estimate).
+        Returns:
+            None without ``max_uncached`` (queued, answered at once); else whether it was taken.
+        """
+        if max_uncached is None:
+            self._post(lambda: self.worker.engine.add_request(prompt_ids, params,
+                                                              request_id=self._admit(key, timeout_s)), key)
+            return None
+
+        def submit_if_cached() -> bool:
+            rid = self._admit(key, timeout_s)  # (counted either way: the router's reservation waits for it)
+            bm = self.worker.engine.block_manager
+            taken = False
+            try:
+                if len(prompt_ids) - len(bm.lookup(prompt_ids, len(prompt_ids) - 1)) * bm.block_size <= max_uncached:
+                    self.worker.engine.add_request(prompt_ids, params, request_id=rid)
+                    taken = True
+            finally:
+                if not taken:
+                    self.keys.pop(rid, None)
+                    self.deadlines.pop(rid, None)
+            return taken
+        return self._call(submit_if_cached)
 
     def _drop(self, engine_id: str) -> None:
         self.worker.abort(engine_id)

@@ -69,6 +69,14 @@ class BlockManager:
 
         Takes no references: pass the result to :meth:`allocate` in the same scheduling step.
         """
+        hits = self.lookup(token_ids, max_tokens)
+        if self.enable_prefix_caching:
+            self.prefix_queries += max_tokens
+            self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """:meth:`match_prefix` without counting it in the hit statistics (a question, not a use)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -80,8 +88,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += max_tokens
-        self.prefix_hits += len(hits) * bs
         return hits
 
     # ---- allocation ----------------------------------------------------------------------

@@ -135,8 +135,9 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         cost, score = 0, headroom
         if prefix is not None and w.role == "colocated":
             cost = prefill_cost(w, prompt_tokens, prefix)
-        elif prefix is not None:
-            score += min(prefix.cached.get(w.worker_id, 0), prompt_tokens - 1)
+        elif prefix is not None:  # (the part live requests hold is in the headroom already)
+            shared = min(prefix.in_use.get(w.worker_id, 0), prompt_tokens - 1)
+            score += max(0, min(prefix.cached.get(w.worker_id, 0), prompt_tokens - 1) - shared)
         held = prefix.held.get(w.worker_id, 0) if prefix is not None else 0
         key = (w.worker_id != prefer, cost, -score, held, w.remaining_decode_tokens, w.worker_id)
         if best_key is None or key < best_key:
@@ -150,7 +151,8 @@ def prefill_where(uncached_tokens: int, decode: WorkerLoad, local_tokens: int) -
     ``local_tokens`` (``router.local_prefill_tokens``; 0: off) is the most uncached prompt
     tokens a decode worker prefills itself. Reasons: ``short`` (local); ``off``, ``long`` (more
     than that), ``decode_busy`` (the worker's queued prompt tokens plus these would pass twice
-    the limit: its streams would stall for longer than the knob allows) for the pool.
+    the limit: its streams would stall for longer than the knob allows) for the pool. (The
+    router adds ``cache_miss``: local by a prefix the worker turned out not to hold.)
     """
     if local_tokens <= 0:
         return "pool", "off"

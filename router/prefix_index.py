@@ -100,7 +100,8 @@ def prefix_view(index: PrefixIndex, jobs: Iterable[Job], loads: list[WorkerLoad]
             queued[job.prefill_id] += job.uncached
         if job.state == JobState.RUNNING and job.prefix_hashes:
             n = min(most, common_prefix(job.prefix_hashes, hashes))
-            for wid in {job.prefill_id, job.decode_id} - {""}:  # (a decode worker shares the prefix it holds, too)
+            # (a decode worker shares the prefix too, once it has the KV: after the first token)
+            for wid in ({job.prefill_id} | ({job.decode_id} if not job.prefilling else set())) - {""}:
                 in_use[wid] = max(in_use[wid], n * block_size)
     view = PrefixView(
         cached={w.worker_id: min(most, index.hit_blocks(w.worker_id, hashes)) * block_size for w in loads},

@@ -294,6 +294,7 @@ class Router(pb_grpc.GenerationServicer):
         # Disaggregated: what the decode workers cache, too (their prefix is shared, not sent
         # again), when both pools name blocks alike (the same block size: the default)
         decode_view = not self.colocated and self.prefix is not None and self.cfg.decode.block_size == bs
+        missed = False  # a decode worker did not hold the prefix the index said: the pool prefills it
         try:
             while True:
                 if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
@@ -310,8 +311,8 @@ class Router(pb_grpc.GenerationServicer):
                 # Disaggregated: the decode worker prefills a short prompt itself (placement.prefill_where)
                 # (from the prompt's part not cached there)
                 cached_d = min(view.cached.get(d.worker_id, 0), len(ids) - 1) if decode_view and d else 0
-                where, why = ("colocated", "") if self.colocated or d is None else \
-                    prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens)
+                where, why = ("colocated", "") if self.colocated or d is None else ("pool", "cache_miss") \
+                    if missed else prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens)
                 here = where != "pool"  # the decode (or colocated) worker prefills
                 p = None if here or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
                 if d is None or (p is None and not here):
@@ -338,7 +339,14 @@ class Router(pb_grpc.GenerationServicer):
                 self.pools.reserved(dw.worker_id, need, prompt_tokens=len(ids) - hit if here else 0)
                 try:
                     if here:
-                        await self.pools.call(dw, dw.actor.submit.remote(job.key, ids, params, job.time_left()))
+                        # Local because of a prefix the index believes cached there: only if it is
+                        # (the worker checks; else the pool prefills it)
+                        check = self.cfg.router.local_prefill_tokens if where == "local" and cached_d else None
+                        taken = await self.pools.call(dw, dw.actor.submit.remote(job.key, ids, params, job.time_left(),
+                                                                                 check))
+                        if taken is False:
+                            missed = True
+                            continue
                         if dw.state != "ready":  # lost while it answered: no Lost reaches this job
                             continue
                         job.placed(dw, dw, where if self.colocated else f"{where}:{why}")

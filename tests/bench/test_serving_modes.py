@@ -21,3 +21,22 @@ def test_default_modes_are_the_three_fixed_ones_and_a_subset_keeps_its_order():
 def test_an_unknown_or_empty_mode_list_is_refused(modes):
     with pytest.raises(BenchError, match="--modes"):
         _compare_modes(build_parser().parse_args(["--compare", "--modes", modes]))
+
+
+def test_prefix_compare_on_a_disaggregated_cluster_reports_the_kv_bytes_ratio(capsys):
+    """--prefix-cluster disaggregated: blind and aware on 1 prefill + 2 decode workers; the
+    report divides the KV MB the decode workers received (aware / blind)."""
+    from bench.serving import _report, prefix_compare
+    args = build_parser().parse_args(["--prefix-compare", "--prefix-cluster", "disaggregated"])
+    modes = prefix_compare(args.prefix_cluster)
+    assert [m["router.prefix_aware"] for m in modes.values()] == [False, True]
+    assert {m["mode"] for m in modes.values()} == {"disaggregated"} and modes["prefix-aware"]["decode.replicas"] == 2
+    assert prefix_compare("colocated")["prefix-aware"]["mode"] == "colocated"
+
+    def run(ttft_p90, mb):
+        return {"runs": [{"rate": None, "summary": {"all": {"ttft_ms_p90": ttft_p90, "kv_bytes_mb": mb}}}],
+                "max_goodput_rate": None}
+    args.dataset = "shared-prefix"
+    flat = _report({"prefix-blind": run(900.0, 80.0), "prefix-aware": run(300.0, 20.0)}, args)
+    assert flat["kv_bytes_ratio_aware_vs_blind"] == 0.25 and flat["ttft_p90_ratio_prefix_blind_vs_aware"] == 3.0
+    assert "prefix-aware / prefix-blind = 0.25" in capsys.readouterr().out

@@ -177,5 +177,12 @@ def test_a_decode_worker_caching_the_prefix_wins_by_at_most_its_length_in_headro
     idx.record("holder", j.prefix_hashes, 1000)
     prompt = system + tokens(20, 32)
     _, v = prefix_view(idx, [j], near, block_hashes(prompt, BS), len(prompt), BS)
+    assert v.in_use == {"prefill-0": 64}  # its KV is not at the decode worker before its first token
+    j.generated.append(7)
+    _, v = prefix_view(idx, [j], near, block_hashes(prompt, BS), len(prompt), BS)
     assert v.in_use == {"prefill-0": 64, "holder": 64} and v.cached == {"holder": 64, "other": 0}
     assert admission_tokens(near[0], len(prompt), 64, 1.0, v) == len(prompt) - 64 + 64
+    # held by a live request: in the headroom already, not counted twice
+    held = [dec("holder", 500), dec("other", 504)]  # 64 tokens more headroom on "other"
+    assert pick_decode(held, len(prompt), 64, prefix=v).worker_id == "other"  # 64 back, a tie: less held wins
+    assert pick_decode(held, len(prompt), 64, prefix=view(cached={"holder": 64})).worker_id == "holder"

@@ -113,6 +113,15 @@ def test_the_clients_deadline_drops_a_request_on_the_worker_without_the_router(r
         assert set(ray.get(decode.held.remote())) == {Key("never").engine_id}
         assert ray.get(decode.release.remote([Key("never").engine_id, "unknown#0"])) == held[Key("never").engine_id]
         assert ray.get(decode.held.remote()) == {} and ray.get(decode.status.remote()).kv_blocks_used == 0
+        # A prompt the router sends here to prefill because it believes the prefix is cached
+        # (max_uncached): taken only if it is; refused, nothing is held.
+        fresh = list(range(200, 260))  # 60 tokens: 3 full blocks of 16 before its last
+        assert ray.get(decode.submit.remote(Key("miss"), fresh, sp, None, 16)) is False
+        assert ray.get(decode.held.remote()) == {}
+        assert ray.get(decode.submit.remote(Key("cold"), fresh, sp, None, len(fresh))) is True
+        _wait(lambda: not ray.get(decode.held.remote()), "the local request did not finish")
+        assert ray.get(decode.submit.remote(Key("hit"), fresh, sp, None, 16)) is True  # 12 uncached now
+        _wait(lambda: not ray.get(decode.held.remote()), "the local request did not finish")
         with pytest.raises(ray.exceptions.RayTaskError, match="fault injection is off"):
             ray.get(decode.inject.remote("drop"))
     finally:
