@@ -18,9 +18,9 @@ column per run) on stdout and, as the last line, one flat JSON object; ``--compa
 ``p99_tpot_ratio_disagg_vs_colocated``, ``--prefix-compare`` runs the shared-prefix dataset on one
 cluster config with prefix-blind and prefix-aware placement (``router.prefix_aware``) and adds
 ``ttft_p90_ratio_prefix_blind_vs_aware`` (``--prefix-cluster disaggregated``: also
-``kv_bytes_ratio_aware_vs_blind``, the KV the decode workers received), ``--ttft-overhead`` adds ``cluster_ttft_overhead_ms_512``
-(bench/ttft_overhead.py) and, on a cluster it started, ``openai_http_overhead_ms_512`` (the OpenAI
-API's TTFT over gRPC's), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
+``kv_bytes_ratio_aware_vs_blind``, the KV the decode workers received), ``--ttft-overhead``
+adds ``cluster_ttft_overhead_ms_512`` (bench/ttft_overhead.py) and, on a cluster it started,
+``openai_http_overhead_ms_512`` (the OpenAI API's TTFT over gRPC's), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
 latency over time, goodput vs rate).
 """
 

@@ -68,16 +68,14 @@ class DecodeActor(WorkerActor):
 
         def submit_if_cached() -> bool:
             rid = self._admit(key, timeout_s)  # (counted either way: the router's reservation waits for it)
-            bm = self.worker.engine.block_manager
-            taken = False
+            engine, taken = self.worker.engine, False
             try:
-                if len(prompt_ids) - len(bm.lookup(prompt_ids, len(prompt_ids) - 1)) * bm.block_size <= max_uncached:
-                    self.worker.engine.add_request(prompt_ids, params, request_id=rid)
+                if len(prompt_ids) - engine.cached_prefix_tokens(prompt_ids) <= max_uncached:
+                    engine.add_request(prompt_ids, params, request_id=rid)
                     taken = True
             finally:
-                if not taken:
+                if not taken:  # (its deadline entry goes with the key)
                     self.keys.pop(rid, None)
-                    self.deadlines.pop(rid, None)
             return taken
         return self._call(submit_if_cached)
 

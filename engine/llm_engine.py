@@ -202,6 +202,12 @@ class LLMEngine:
         self._track(req)
         return RemoteSlot(list(req.block_ids), req.num_cached_tokens)
 
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """Leading prompt tokens a request would find in the prefix cache now (whole blocks
+        before its last token, as ``add_remote`` and the scheduler look up); counts no hit."""
+        bm = self.block_manager
+        return len(bm.lookup(prompt_ids, len(prompt_ids) - 1)) * bm.block_size
+
     def kv_arrived(self, request_id: str, first_token: int | None = None) -> RequestOutput | None:
         """Decode side: the KV transfer into the reserved blocks is complete; start decoding
         after ``first_token`` (required here unless given to :meth:`add_remote`).

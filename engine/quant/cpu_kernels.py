@@ -19,7 +19,8 @@ accuracy:
         GEMV (engine/models/single_token.py) reads the same int8 weights with fp32 activations
         and accumulation: exact INT8 arithmetic up to fp32 summation order. So an INT8 greedy
         output can differ at a near-tie between a step of few tokens (the GEMV: up to
-        ``EngineConfig.compiled_rows``) and a larger one (int8pack): seen on a Xeon with AMX, with speculation's verify steps.
+        ``EngineConfig.compiled_rows``) and a larger one (int8pack): seen on a Xeon with AMX,
+        with speculation's verify steps.
 
 :func:`report` is the one-line summary a worker logs at load and puts in its model info.
 """
