@@ -2,7 +2,8 @@
 
 Created by the router's pools with ``DecodeActor.options(resources={"decode": 1})`` so the
 pool lands on nodes that advertise the ``decode`` resource. In colocated mode the same actor
-also prefills (``submit``: a normal request, chunked by the engine's token budget).
+also prefills (``submit``: a normal request, chunked by the engine's token budget). Its calls
+are ``DecodeCalls``, which the adaptive worker's actor shares.
 """
 
 from __future__ import annotations
@@ -14,18 +15,13 @@ from worker.actor import WorkerActor
 from worker.protocol import Key, Record, Reservation
 
 
-@ray.remote
-class DecodeActor(WorkerActor):
-    role = "decode"  # "colocated" when it also prefills
+class DecodeCalls:
+    """The decode side's calls (``DecodeActor``, and ``AdaptiveActor`` that also prefills for
+    others), over a worker core with ``reserve``, ``address``, ``failed`` and ``engine``."""
 
-    def _make(self, engine, transport, lease_s, options, auth):
-        from decode_worker.worker import DecodeWorker
-        self.role = "colocated" if options.colocated else "decode"
-        return DecodeWorker(engine, transport, lease_s, auth)
-
-    def _records(self, step_result) -> list[Record | None]:
+    def _decode_records(self, outputs) -> list[Record | None]:
         failed, self.worker.failed = self.worker.failed, {}
-        return [self._tokens(o, o.finished) for o in step_result] + [
+        return [self._tokens(o, o.finished) for o in outputs] + [
             self._failed(rid, error) for rid, error in failed.items()]
 
     def address(self) -> str:
@@ -78,6 +74,20 @@ class DecodeActor(WorkerActor):
                     self.keys.pop(rid, None)
             return taken
         return self._call(submit_if_cached)
+
+
+
+@ray.remote
+class DecodeActor(DecodeCalls, WorkerActor):
+    role = "decode"  # "colocated" when it also prefills
+
+    def _make(self, engine, new_transport, lease_s, options, auth):
+        from decode_worker.worker import DecodeWorker
+        self.role = "colocated" if options.colocated else "decode"
+        return DecodeWorker(engine, new_transport(), lease_s, auth)
+
+    def _records(self, step_result) -> list[Record | None]:
+        return self._decode_records(step_result)
 
     def _drop(self, engine_id: str) -> None:
         self.worker.abort(engine_id)

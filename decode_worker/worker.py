@@ -76,8 +76,9 @@ class DecodeWorker:
             return []
         return [out] if out is not None else []
 
-    def step(self) -> list[RequestOutput]:
-        """Receive KV, admit what is complete, run one decode step; returns new tokens."""
+    def receive(self) -> list[RequestOutput]:
+        """Receive KV and admit the requests whose transfer is complete (outputs: a first
+        token that already ends its request); a failed transfer aborts its request."""
         self.receiver.progress()
         outputs: list[RequestOutput] = []
         for rid, state in self.receiver.pop_finished():
@@ -86,6 +87,11 @@ class DecodeWorker:
             else:
                 self.failed[rid] = self.receiver.error(rid) or "transfer failed"
                 self.engine.abort(rid)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """Receive KV, admit what is complete, run one decode step; returns new tokens."""
+        outputs = self.receive()
         if self.engine.scheduler.has_work():
             outputs += self.engine.step()
         return outputs

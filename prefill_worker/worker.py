@@ -144,7 +144,9 @@ class PrefillWorker:
             first token already ends the request; transfers that ended: their blocks are freed)
         """
         try:
-            outputs = self.engine.step(layer_done=self._send_layer) if self.engine.scheduler.has_work() else []
+            # (no transfer: a step of requests decoding here, on an adaptive worker, streams nothing)
+            hook = self._send_layer if self.transfers else None
+            outputs = self.engine.step(layer_done=hook) if self.engine.scheduler.has_work() else []
         finally:  # every queued layer is out before any block may move, even after an error
             errors = self.streamer.flush() if self.streamer is not None else {}
         for rid, e in errors.items():

@@ -108,6 +108,23 @@ def _change(state: PoolState, now: float, delta: int, why: str) -> tuple[int, st
     return delta, why
 
 
+def pool_signals(router, pool: str, now: float, window_s: float) -> Signals:
+    """A snapshot of one pool ("prefill" or "decode": colocated workers count as decode) of
+    the router's ready workers, with TTFT/TPOT p90 over requests finished in ``window_s``."""
+    roles = ("prefill",) if pool == "prefill" else ("decode", "colocated")
+    ws = [w for w in router.pools.workers.values() if w.role in roles and w.state == "ready"]
+    recent = [x for x in router.recent if x[0] >= now - window_s]
+    ttfts = sorted(x[1] for x in recent if x[1] is not None)
+    tpots = sorted(x[2] for x in recent if x[2] is not None)
+    reported = [w.status for w in ws if w.status is not None]
+    used = sum(s.kv_blocks_used for s in reported) + sum(w.reserved_blocks for w in ws)
+    total = sum(s.kv_blocks_total for s in reported)
+    return Signals(workers=len(ws), queued_prompt_tokens=sum(s.queued_prompt_tokens for s in reported),
+                   ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+                   kv_utilization=used / total if total else 0.0, waiting_admission=router.queued,
+                   tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None)
+
+
 class PoolController:
     """Runs the policy every ``interval_s`` over the router's pools and carries it out.
 
@@ -123,19 +140,7 @@ class PoolController:
         self.events: collections.deque[str] = collections.deque(maxlen=50)  # shown by `pdserve status`
 
     def signals(self, pool: str, now: float) -> Signals:
-        r = self.router
-        roles = ("prefill",) if pool == "prefill" else ("decode", "colocated")
-        ws = [w for w in r.pools.workers.values() if w.role in roles and w.state == "ready"]
-        recent = [x for x in r.recent if x[0] >= now - self.cfg.window_s]
-        ttfts = sorted(x[1] for x in recent if x[1] is not None)
-        tpots = sorted(x[2] for x in recent if x[2] is not None)
-        reported = [w.status for w in ws if w.status is not None]
-        used = sum(s.kv_blocks_used for s in reported) + sum(w.reserved_blocks for w in ws)
-        total = sum(s.kv_blocks_total for s in reported)
-        return Signals(workers=len(ws), queued_prompt_tokens=sum(s.queued_prompt_tokens for s in reported),
-                       ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
-                       kv_utilization=used / total if total else 0.0, waiting_admission=r.queued,
-                       tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None)
+        return pool_signals(self.router, pool, now, self.cfg.window_s)
 
     def step(self, now: float) -> list[str]:
         """One round of decisions; returns what was done."""

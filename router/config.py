@@ -19,6 +19,7 @@ from engine.config import DTYPES, SPECULATIVE_METHODS, CacheConfig, EngineConfig
 from kvtransfer.auth import INTEGRITY
 from kvtransfer.base import BUILTIN_TRANSPORTS, LEASE_S
 from router.autoscale import DecodeTargets, PrefillTargets
+from router.roles import RolesConfig
 
 
 def _engine(cls: type, name: str) -> Any:
@@ -170,6 +171,11 @@ class AutoscaleConfig:
     decode: DecodeTargets = field(default_factory=DecodeTargets)
 
 
+# disaggregated: prefill and decode pools; colocated: workers that do both; adaptive: workers
+# that can do both, each in one role at a time, switched at run time (router/roles.py)
+MODES = ("disaggregated", "colocated", "adaptive")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     mode: str = "disaggregated"
@@ -184,6 +190,7 @@ class ClusterConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    roles: RolesConfig = field(default_factory=RolesConfig)  # mode: adaptive (router/roles.py)
 
 
 def _one_of(names) -> str:
@@ -193,7 +200,7 @@ def _one_of(names) -> str:
 
 # Per key: (check, what a valid value is). Keys are dotted paths.
 _RULES: dict[str, tuple[Any, str]] = {
-    "mode": (lambda v: v in ("disaggregated", "colocated"), "disaggregated or colocated"),
+    "mode": (lambda v: v in MODES, _one_of(MODES)),
     "model": (lambda v: v is None or (isinstance(v, str) and v), "null or a model folder path"),
     "dtype": (lambda v: v in DTYPES, _one_of(DTYPES)),
     "device": (lambda v: v in ("cpu", "cuda"), "cpu or cuda"),
@@ -317,6 +324,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         cfg.decode.speculative.to_engine()
     except ValueError as e:
         raise ConfigError(f"decode.speculative: {e}") from e
+    if cfg.mode == "adaptive" and cfg.autoscale.enabled:
+        raise ConfigError("autoscale.enabled: not with mode: adaptive (its workers switch roles instead; "
+                          "the pools' size is prefill.replicas + decode.replicas)")
     if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":
         raise ConfigError("kv_transfer.transport: inproc works only with mode: colocated")
     return cfg

@@ -8,7 +8,7 @@ actor RESTARTING or DEAD after its heartbeat went quiet, a heartbeat arrives fro
 incarnation, a call to it failed with a Ray actor error, or it *stalled*: no report for
 ``router.stall_s`` while Ray still says ALIVE (stopped, stuck in a kernel, swapping), or a
 call the router awaits from it unanswered that long (``call``; fire-and-forget calls, abort,
-disconnect and the prefill's submit, await nothing), and then the router also kills the
+disconnect and the prefill's ``prefill``, await nothing), and then the router also kills the
 process so that Ray starts a fresh one. A lost decode worker's KV address is forgotten by
 every prefill worker. The router re-runs that worker's requests elsewhere (``on_lost``) and
 this module brings the restarted actor back.
@@ -39,12 +39,12 @@ class Liveness:
     ``_spawn`` and ``_notify``."""
 
     def _forget_address(self, w: Worker) -> None:
-        """A decode worker's KV receiver address is dead (lost, retired): every prefill worker
-        forgets it, so their per-peer tables do not grow with restarts."""
-        if w.role != "decode" or w.address is None:
+        """A decode (or adaptive) worker's KV receiver address is dead (lost, retired): every
+        worker that sends KV forgets it, so their per-peer tables do not grow with restarts."""
+        if w.role == "colocated" or w.address is None:
             return
         for p in self.workers.values():
-            if p.role == "prefill" and p.state in ("ready", "draining"):
+            if p is not w and (p.role == "prefill" or p.adaptive) and p.state in ("ready", "draining"):
                 p.actor.disconnect.remote(w.address)
         w.address = None
 
@@ -78,11 +78,14 @@ class Liveness:
 
     def lost(self, w: Worker, why: str) -> None:
         """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background;
-        a draining worker is not brought back (it is gone, and its retirement completes)."""
+        a draining worker is not brought back (it is gone, and its retirement completes), but
+        one switching roles is, in its new role."""
         if w.state not in ("ready", "draining"):
             return
         log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
-        back = w.state == "ready"
+        back = w.state == "ready" or w.next_role is not None  # (switching roles: it comes back in the new one)
+        if w.next_role is not None:
+            w.role, w.next_role = w.next_role, None
         w.state = "dead" if back else "gone"
         w.reported(None)
         w.restarts += 1
@@ -153,9 +156,19 @@ class Liveness:
             raise RuntimeError(f"{w.worker_id} loaded other weights than the other workers ({info.model}, "
                                f"digest {info.weights} vs {want}): its node's copy differs")
         self.model_info = self.model_info or info
+        if w.role != "prefill" or w.adaptive:  # (an adaptive worker may decode later)
+            w.address = await self.call(w, w.actor.address.remote())
+        await self._wire(w)
+        w.reported(None)
+        w.reported(await self.call(w, w.actor.status.remote()))  # placement needs a load now
+        return info
+
+    async def _wire(self, w: Worker) -> None:
+        """Connect ``w``'s KV for its role: every ready prefill worker to a decode worker, a
+        prefill worker to every ready decode worker."""
+        from ray.exceptions import RayTaskError
         deadline = self.cfg.router.stall_s + HANDSHAKE_S  # a connect waits for a handshake
         if w.role != "prefill":
-            w.address = await self.call(w, w.actor.address.remote())
             prefills = [p for p in self.workers.values() if p.role == "prefill" and p.state == "ready"]
             answers = await asyncio.gather(*(asyncio.wait_for(p.actor.connect.remote(w.address), deadline)
                                              for p in prefills), return_exceptions=True)
@@ -172,9 +185,6 @@ class Liveness:
                     await self.call(w, w.actor.connect.remote(d.address), deadline)
                 except RayTaskError as e:  # that decode worker went away meanwhile; back, it connects
                     log.warning("%s did not connect to %s: %s", w.worker_id, d.worker_id, e.cause)
-        w.reported(None)
-        w.reported(await self.call(w, w.actor.status.remote()))  # placement needs a load now
-        return info
 
     async def _health(self) -> None:
         """Ask Ray about workers whose heartbeat went quiet (a long step is not death)."""

@@ -39,6 +39,8 @@ class RouterMetrics:
         self.prefill_placements = Counter("pdserve_router_prefill_placements", "Disaggregated requests by where "
                                           "their prompt was prefilled (pool, local: the decode worker) and why "
                                           "(router.placement.prefill_where)", ["where", "reason"], registry=reg)
+        self.role_switches = Counter("pdserve_router_role_switches", "Adaptive workers switched to a role "
+                                     "(router.roles), by the role they switched to", ["to"], registry=reg)
         self.swept_blocks = Counter("pdserve_router_swept_blocks", "KV blocks the periodic sweep freed: held by "
                                     "no live request (a path that should have freed them did not)", registry=reg)
         self.ttft = Histogram("pdserve_request_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,

@@ -5,6 +5,8 @@ Lifecycle of a worker here (``Worker.state``)::
     starting (actor created, model loading) ──up──► ready ──lost──► dead ──up again──► ready
                                                       │      (Ray restarts the actor; a fresh incarnation)
                                                       └──drain──► draining ──holds nothing──► retired (removed)
+                                                      └──switch─► draining ──holds nothing──► ready (adaptive: the
+                                                                  other role; lost meanwhile: dead, back in it)
     Ray cannot bring it back (restarts exhausted, node gone), it cannot serve here (another
     model, other weights than the other workers), or lost while draining: gone (its process is
     ended; the last ``liveness.MAX_GONE`` gone workers stay listed for `pdserve status`).
@@ -42,9 +44,11 @@ class Worker:
     """One actor as the router sees it."""
 
     worker_id: str
-    role: str  # prefill, decode or colocated
+    role: str  # prefill, decode or colocated; an adaptive worker's changes (router.roles)
     actor: Any
     state: str = "starting"  # starting, ready, draining, dead, gone (module docstring)
+    adaptive: bool = False  # an AdaptiveActor: answers both roles' calls
+    next_role: str | None = None  # draining to switch to this role (router.roles), not to retire
     incarnation: str | None = None
     address: str | None = None  # decode and colocated: the KV receiver's address
     status: WorkerStatus | None = None  # its latest report's; None until one arrives
@@ -145,7 +149,7 @@ class Pools(Liveness):
         self._address = address
         cfg = self.cfg
         colocated = cfg.mode == "colocated"
-        for _ in range(0 if colocated else cfg.prefill.replicas):
+        for _ in range(0 if colocated else cfg.prefill.replicas):  # (adaptive: the workers that begin as prefill)
             self._create("prefill")
         for _ in range(cfg.decode.replicas):
             self._create("colocated" if colocated else "decode")
@@ -163,15 +167,20 @@ class Pools(Liveness):
     def _create(self, role: str) -> Worker:
         """Create one worker actor (not yet up). Ray places it by its resources; on a cluster
         with an autoscaler a pending actor makes it add a node of the right type."""
+        from adaptive_worker.actor import AdaptiveActor
         from decode_worker.actor import DecodeActor
         from prefill_worker.actor import PrefillActor
         cfg, kt = self.cfg, self.cfg.kv_transfer
+        adaptive = cfg.mode == "adaptive"
         prefill_cfg, decode_cfg = engine_configs(cfg, self.model_path)
         pool = cfg.prefill if role == "prefill" else cfg.decode
+        # (an adaptive worker's role changes: its name says the pool it began in, its index is unique)
         wid = f"{'prefill' if role == 'prefill' else 'decode'}-{self._next_index[role]}"
         self._next_index[role] += 1
         metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
-        cls, engine_cfg = (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
+        # An adaptive worker runs the decode pool's engine in both roles: one engine, one cache.
+        cls, engine_cfg = (AdaptiveActor, decode_cfg) if adaptive else \
+            (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
         opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
                              role == "colocated", key=self.key, kv_integrity=kt.integrity,
                              faults=kt.fault_injection,
@@ -182,7 +191,7 @@ class Pools(Liveness):
         actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=cpus,
                             max_restarts=-1, max_task_retries=0,
                             **({"num_gpus": 1} if cfg.device == "cuda" else {})).remote(engine_cfg, opts)
-        w = self.workers[wid] = Worker(wid, role, actor)
+        w = self.workers[wid] = Worker(wid, role, actor, adaptive=adaptive)
         return w
 
     def grow(self, role: str) -> Worker:
@@ -204,16 +213,48 @@ class Pools(Liveness):
         self._spawn(self._retire(w, holds), f"retire-{w.worker_id}")
         return w
 
-    async def _retire(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
-        import ray
+    def switch(self, old: str, new: str, holds: Callable[[Worker], bool], worker_id: str | None = None
+               ) -> Worker | None:
+        """Move an adaptive worker from role ``old`` to ``new`` (router.roles): ``worker_id``,
+        or the least loaded ready one. It takes no new work at once (draining), and joins the
+        other pool, the same process, once it holds nothing (as for retiring). None: no such
+        worker."""
+        ready = [w for w in self.workers.values() if w.adaptive and w.role == old and w.state == "ready"
+                 and worker_id in (None, w.worker_id)]
+        if not ready:
+            return None
+        w = min(ready, key=lambda w: (w.status.kv_blocks_used, w.status.running, w.worker_id) if w.status
+                else (0, 0, w.worker_id))
+        w.state, w.next_role = "draining", new
+        self._spawn(self._switch(w, holds), f"switch-{w.worker_id}")
+        return w
+
+    async def _switch(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
+        await self._drained(w, holds)
+        if w.state != "draining":  # lost meanwhile: it comes back in its new role (``lost``)
+            return
+        w.role, w.next_role = w.next_role, None
+        await self._wire(w)
+        if w.state == "draining":  # (not lost while it was wired)
+            w.state = "ready"
+            log.info("worker %s is a %s worker now", w.worker_id, w.role)
+        self._notify()
+
+    async def _drained(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
+        """Until ``w`` holds nothing: no request of the router's (``holds``), nothing running
+        or waiting, no KV block (so its transfers ended); or it is no longer draining."""
         since = time.monotonic()
-        while True:
+        while w.state == "draining":
             s = w.status
             # A heartbeat after draining began shows what it still holds.
             if (w.last_seen > since and not holds(w) and s is not None and not s.running and not s.waiting
-                    and not s.kv_blocks_used) or w.state == "gone":
-                break
+                    and not s.kv_blocks_used):
+                return
             await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def _retire(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
+        import ray
+        await self._drained(w, holds)
         log.info("worker %s drained; retiring it", w.worker_id)
         try:
             await asyncio.wait_for(w.actor.shutdown.remote(), 10)

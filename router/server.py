@@ -6,7 +6,7 @@ One request, from ``Generate`` to its last token (the job's states: router.jobs)
       admission: waits in a bounded queue while no decode worker can reserve it (full queue, or
       waited router.queue_timeout_s: RESOURCE_EXHAUSTED) ─► decode.reserve(key, the client's
       time left; it answers the first prompt position whose KV it lacks: a prefix its cache holds
-      is shared, not sent) ─► prefill.submit(key, decode address, that reservation, time left): RUNNING
+      is shared, not sent) ─► prefill.prefill(key, decode address, that reservation, time left): RUNNING
       prefill's first token (a Tokens record, finish "prefilled") ─► streamed at once
       meanwhile the KV and, as its trailer, that first token go prefill → decode directly
       (kvtransfer); decode starts from them and its per-step Tokens records stream in order
@@ -39,6 +39,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.auth import FrontDoor
 from router.autoscale import PoolController
+from router.roles import RoleController
 from router.config import ClusterConfig
 from router.jobs import Aborted, Job, Lost
 from router.placement import PrefixView, admission_tokens, pick_decode, pick_prefill, prefill_where
@@ -90,6 +91,8 @@ class Router(pb_grpc.GenerationServicer):
         self.metrics = RouterMetrics(self)
         self.recent: collections.deque[tuple[float, float | None, float | None]] = collections.deque(maxlen=4096)
         self.autoscaler = PoolController(self, cfg.autoscale) if cfg.autoscale.enabled else None
+        # Adaptive: disaggregated placement over workers whose roles switch (router.roles)
+        self.roles_controller = RoleController(self, cfg.roles, cfg.autoscale) if cfg.mode == "adaptive" else None
         self.roles = ("colocated",) if self.colocated else ("prefill", "decode")
         # (a Hugging Face id resolves to a snapshot folder named by its commit: the id names it)
         by_id = cfg.model is not None and not Path(cfg.model).expanduser().exists()
@@ -103,6 +106,8 @@ class Router(pb_grpc.GenerationServicer):
         await self.pools.start(progress)
         if self.autoscaler is not None:
             self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name="autoscale")
+        if self.roles_controller is not None:
+            self._roles_task = asyncio.create_task(self.roles_controller.run(), name="roles")
         self._sweep_task = asyncio.create_task(self._sweep(), name="sweep")
         self.limits = Limits(context_length=min(w.info.context_length for w in self.pools.workers.values()),
                              vocab_size=self.pools.model_info.vocab_size,
@@ -111,6 +116,8 @@ class Router(pb_grpc.GenerationServicer):
     async def stop(self) -> None:
         if self.autoscaler is not None:
             self._autoscale_task.cancel()
+        if self.roles_controller is not None:
+            self._roles_task.cancel()
         self._sweep_task.cancel()
         for job in list(self.jobs.values()):
             job.put(None, Aborted())
@@ -289,7 +296,8 @@ class Router(pb_grpc.GenerationServicer):
         frac = self.cfg.decode.reserve_fraction
         queued, since = False, time.monotonic()
         # The prompt's full blocks in the prefilling pool's block size (prefix-aware placement)
-        bs = (self.cfg.decode if self.colocated else self.cfg.prefill).block_size
+        # (an adaptive worker runs the decode pool's engine in both roles)
+        bs = (self.cfg.decode if self.colocated or self.roles_controller else self.cfg.prefill).block_size
         hashes = block_hashes(ids, bs) if self.prefix is not None else []
         # Disaggregated: what the decode workers cache, too (their prefix is shared, not sent
         # again), when both pools name blocks alike (the same block size: the default)
@@ -387,7 +395,7 @@ class Router(pb_grpc.GenerationServicer):
                 self.metrics.decode_prefix_tokens.inc(got.token_start)
                 if decode_view:  # it holds the prompt's blocks now
                     self.prefix.record(dw.worker_id, hashes, d.total_blocks)
-                pw.actor.submit.remote(job.key, ids, params, dw.address, got, job.time_left())
+                pw.actor.prefill.remote(job.key, ids, params, dw.address, got, job.time_left())
                 return
         finally:
             if queued:
@@ -514,7 +522,8 @@ class Router(pb_grpc.GenerationServicer):
         return pb.ClusterStatus(mode=self.cfg.mode, workers=workers, metrics_address=self.metrics.address or "",
                                 queued_requests=self.queued, active_requests=len(self.jobs),
                                 blocks_checked=stranded is not None,
-                                autoscale_events=list(self.autoscaler.events) if self.autoscaler else [])
+                                autoscale_events=list(self.autoscaler.events) if self.autoscaler else
+                                list(self.roles_controller.events) if self.roles_controller else [])
 
 
 async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -7,6 +7,7 @@ and which calls it answers; Ray-specific setup lives here once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -16,7 +17,7 @@ from worker.step_loop import StepLoop, WorkerOptions
 
 
 class WorkerActor(StepLoop):
-    """Base of ``PrefillActor`` and ``DecodeActor`` (each wrapped by ``ray.remote``)."""
+    """Base of ``PrefillActor``, ``DecodeActor`` and ``AdaptiveActor`` (each wrapped by ``ray.remote``)."""
 
     def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
         import ray
@@ -38,12 +39,13 @@ class WorkerActor(StepLoop):
         where = {"host": ray.util.get_node_ip_address()} if options.transport == "zmq" else {}
         if options.transfer_cpus and options.transport == "ucx":  # its progress thread copies every message
             where = {"progress_cpus": set(options.transfer_cpus)}
-        self._start(self._make(LLMEngine(config, progress=False), get_transport(options.transport, **where), lease_s,
-                               options, auth), options)
+        self._start(self._make(LLMEngine(config, progress=False), lambda: get_transport(options.transport, **where),
+                               lease_s, options, auth), options)
 
-    def _make(self, engine: Any, transport: FrameTransport, lease_s: float, options: WorkerOptions,
-              auth: PlaneAuth | None) -> Any:
-        """The worker core (``PrefillWorker``, ``DecodeWorker``) around a loaded engine."""
+    def _make(self, engine: Any, new_transport: Callable[[], FrameTransport], lease_s: float,
+              options: WorkerOptions, auth: PlaneAuth | None) -> Any:
+        """The worker core (``PrefillWorker``, ``DecodeWorker``, ``AdaptiveWorker``) around a
+        loaded engine; ``new_transport()`` makes a KV transport (one per sender or receiver)."""
         raise NotImplementedError
 
 

@@ -54,7 +54,7 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
             key = Key(rid, attempt=1)
             got = ray.get(decode.reserve.remote(key, ids, sp))
             assert got.secret  # (the KV plane is authenticated)
-            prefill.submit.remote(key, ids, sp, address, got)
+            prefill.prefill.remote(key, ids, sp, address, got)
         first: dict[str, list[int]] = {}
         rest: dict[str, list[int]] = {rid: [] for rid in want}
         done: set[str] = set()

@@ -1,0 +1,118 @@
+"""Role switching (``mode: adaptive``): workers move between the prefill and the decode pool
+at run time, without a restart, by the same per-pool signals the autoscaler reads.
+
+Every worker of an adaptive cluster runs one engine that can do both (``adaptive_worker``), so
+a worker's role is only which calls the router makes to it. The policy, over one snapshot of
+each pool (``autoscale.pool_signals``, ``autoscale.pressure`` against ``autoscale.prefill`` and
+``autoscale.decode`` targets):
+
+- the prefill pool wants more (a prompt backlog, or TTFT p90 over target) and the decode pool
+  does not (KV under ``kv_high``, nobody waiting for admission, TPOT on target): a decode
+  worker becomes a prefill worker, if more than ``roles.min_decode`` are left;
+- the other way round, a prefill worker becomes a decode worker (``roles.min_prefill``);
+- both want more, or neither: no change (the cluster is full, or has room everywhere).
+
+Hysteresis as the autoscaler's: a want must hold for ``switch_delay_s`` without a break, one
+worker switches per decision, and after a switch the next waits ``switch_delay_s`` again.
+``decide`` is pure over the snapshots (unit-tested on synthetic traces); ``RoleController``
+carries its decisions out through ``Pools.switch``: the worker leaves its pool at once (no new
+work of the old role), finishes what it holds in the old role, then joins the other pool with
+its weights, compiled graphs and prefix cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from router.autoscale import DecodeTargets, PrefillTargets, Signals, pool_signals, pressure
+
+log = logging.getLogger("pdserve.roles")
+
+
+@dataclass(frozen=True)
+class RolesConfig:
+    interval_s: float = 2.0  # how often the controller decides
+    switch_delay_s: float = 5.0  # a want must hold this long; and a switch waits this long after the last
+    min_prefill: int = 1  # workers that stay in each role whatever the load
+    min_decode: int = 1
+
+
+@dataclass
+class RoleState:
+    """What the controller remembers between decisions."""
+
+    want: tuple[str, str] | None = None  # (from role, to role) the snapshots asked for lately
+    since: float | None = None  # since when, without a break
+    last_switch: float = -math.inf
+    history: list[str] = field(default_factory=list)
+
+
+def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td: DecodeTargets,
+           cfg: RolesConfig, state: RoleState) -> tuple[tuple[str, str] | None, str]:
+    """((from role, to role), reason) for one worker to switch now, or (None, ""); updates
+    ``state``."""
+    p_up, _, p_why = pressure("prefill", prefill, tp)
+    d_up, _, d_why = pressure("decode", decode, td)
+    want, why = None, ""
+    if p_up and not d_up and decode.workers > cfg.min_decode:
+        want, why = ("decode", "prefill"), f"prefill: {p_why}"
+    elif d_up and not p_up and prefill.workers > cfg.min_prefill:
+        want, why = ("prefill", "decode"), f"decode: {d_why}"
+    if want != state.want:
+        state.want, state.since = want, (now if want is not None else None)
+    if want is None or now - state.since < cfg.switch_delay_s or now - state.last_switch < cfg.switch_delay_s:
+        return None, ""
+    state.last_switch, state.want, state.since = now, None, None
+    state.history = (state.history + [f"{want[0]} -> {want[1]}: {why}"])[-20:]
+    return want, why
+
+
+class RoleController:
+    """Runs :func:`decide` every ``interval_s`` over the router's pools and carries it out.
+
+    Args:
+        router: the router (its ``pools``, ``queued``, ``recent`` latencies, ``holds``).
+        cfg: ``ClusterConfig.roles``.
+        autoscale: ``ClusterConfig.autoscale`` (the targets, and the latency window).
+    """
+
+    def __init__(self, router, cfg: RolesConfig, autoscale) -> None:
+        self.router, self.cfg, self.autoscale = router, cfg, autoscale
+        self.state = RoleState()
+        self.events: collections.deque[str] = collections.deque(maxlen=50)  # shown by `pdserve status`
+        self.switches: list[tuple[float, str, str, str]] = []  # (unix time, worker, from, to), the last 1000
+
+    def step(self, now: float) -> str | None:
+        """One decision; returns what was done."""
+        pools = self.router.pools
+        if any(w.state == "draining" for w in pools.workers.values()):
+            return None  # one switch at a time: the last one is still draining its old role
+        window = self.autoscale.window_s
+        s_p, s_d = pool_signals(self.router, "prefill", now, window), pool_signals(self.router, "decode", now, window)
+        want, why = decide(now, s_p, s_d, self.autoscale.prefill, self.autoscale.decode, self.cfg, self.state)
+        if want is None:
+            return None
+        return self.switch(want[0], want[1], why)
+
+    def switch(self, old: str, new: str, why: str, worker_id: str | None = None) -> str | None:
+        """Move one worker (``worker_id``, or the least loaded ready one of role ``old``) to
+        role ``new``; returns what was done (None: no such worker)."""
+        w = self.router.pools.switch(old, new, self.router.holds, worker_id)
+        if w is None:
+            return None
+        msg = f"{w.worker_id} {old} -> {new}: {why}"
+        log.info("role switch %s", msg)
+        self.router.metrics.role_switches.labels(new).inc()
+        self.events.append(f"{time.strftime('%H:%M:%S')} {msg}")
+        self.switches = (self.switches + [(time.time(), w.worker_id, old, new)])[-1000:]
+        return msg
+
+    async def run(self) -> None:
+        import asyncio
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            self.step(time.monotonic())

@@ -1,0 +1,85 @@
+"""mode: adaptive end to end: two adaptive Ray actors (one begins as prefill, one as decode),
+KV over UCX, gRPC on a real socket, the real model. Their roles are switched while requests
+run, through the router's own switch path (the controller's policy is tested on synthetic
+traces in tests/router/test_roles.py): greedy outputs equal HF's before, during and after,
+the same processes serve in their new roles, what a worker's prefix cache held serves it in
+the new role, and no block is left anywhere."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cli.client import collect, connect, make_request
+from pdserve.v1 import pdserve_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster):
+    # The controller never acts on its own here (switch_delay_s): the test switches.
+    return make_cluster(mode="adaptive", prefill__replicas=1, decode__replicas=1, decode__kv_cache_gb=0.1,
+                        kv_transfer__transport="ucx", kv_transfer__lease_s=10.0, router__stall_s=15.0,
+                        roles__switch_delay_s=3600.0)
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    return connect(f"127.0.0.1:{cluster.port}")
+
+
+def _roles(stub) -> dict[str, tuple[str, str, int]]:
+    return {w.worker_id: (w.role, w.state, w.restarts)
+            for w in stub.GetClusterStatus(pb.GetClusterStatusRequest()).workers}
+
+
+def _switch(cluster, worker_id: str, old: str, new: str) -> None:
+    async def switch():
+        assert cluster.router.roles_controller.switch(old, new, "test", worker_id) is not None
+    cluster.call(switch)
+
+
+def _wait_role(stub, worker_id: str, role: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout  # hang guard only: it returns once switched
+    while _roles(stub)[worker_id][:2] != (role, "ready"):
+        assert time.monotonic() < deadline, _roles(stub)
+        time.sleep(0.05)
+
+
+def test_roles_switch_under_load_without_a_restart_and_outputs_match_hf(stub, cluster, greedy_reference,
+                                                                        wait_idle, tokenizer):
+    assert {r[:2] for r in _roles(stub).values()} == {("prefill", "ready"), ("decode", "ready")}
+    first = {r[0]: wid for wid, r in _roles(stub).items()}  # role -> worker
+    prompt, ref = max(greedy_reference, key=lambda pr: len(tokenizer(pr[0])["input_ids"]))
+    out = collect(stub.Generate(make_request(prompt, max_tokens=64, temperature=0)))
+    assert out["token_ids"] == ref
+    assert (out["usage"]["prefill_worker"], out["usage"]["decode_worker"]) == (first["prefill"], first["decode"])
+    switches = cluster.router.metrics.role_switches
+
+    requests = [make_request(p, max_tokens=64, temperature=0) for p, _ in greedy_reference] * 2
+    with ThreadPoolExecutor(len(requests)) as pool:
+        running = [pool.submit(lambda r=r: collect(stub.Generate(r))) for r in requests]
+        time.sleep(1.0)  # some are decoding, some prefilling, some wait
+        # The decode worker becomes a prefill worker: it takes no new stream and finishes its
+        # own first; meanwhile nobody decodes and new requests wait for admission.
+        _switch(cluster, first["decode"], "decode", "prefill")
+        _wait_role(stub, first["decode"], "prefill")
+        _switch(cluster, first["prefill"], "prefill", "decode")
+        outs = [f.result(timeout=600) for f in running]
+    for out, (_, ref_i) in zip(outs, greedy_reference * 2):
+        assert out["token_ids"] == ref_i
+    _wait_role(stub, first["prefill"], "decode")
+    assert switches.labels("prefill")._value.get() == switches.labels("decode")._value.get() == 1
+    assert all(r[2] == 0 for r in _roles(stub).values())  # the same processes: no restart
+
+    # In the new roles KV goes the other way; the new decode worker prefilled this prompt
+    # before: its cache still holds it, so only the part after it is transferred.
+    counted = cluster.router.metrics.decode_prefix_tokens
+    before = counted._value.get()
+    out = collect(stub.Generate(make_request(prompt, max_tokens=64, temperature=0)))
+    assert out["token_ids"] == ref
+    assert (out["usage"]["prefill_worker"], out["usage"]["decode_worker"]) == (first["decode"], first["prefill"])
+    n, bs = len(tokenizer(prompt)["input_ids"]), 16  # (the engine's default block size)
+    assert counted._value.get() - before == (n - 1) // bs * bs > 0
+    wait_idle(stub, cluster)

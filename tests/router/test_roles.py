@@ -1,0 +1,63 @@
+"""Role switching policy (mode: adaptive) on synthetic signal traces: which way, when, limits,
+no flapping; a phase-shifting load moves workers one way and then back."""
+
+from __future__ import annotations
+
+from router.autoscale import DecodeTargets, PrefillTargets, Signals
+from router.roles import RolesConfig, RoleState, decide
+
+P = PrefillTargets(target_queued_tokens=1000, target_ttft_ms=2000)
+D = DecodeTargets(kv_high=0.8, kv_low=0.3, target_tpot_ms=100)
+CFG = RolesConfig(switch_delay_s=5, min_prefill=1, min_decode=1)
+BUSY_PREFILL = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.2})
+BUSY_DECODE = ({}, {"kv_utilization": 0.95})
+
+
+def replay(trace, prefill=2, decode=2, cfg=CFG, dt=1.0):
+    """Feed ``trace`` (per second: (prefill Signals kwargs, decode Signals kwargs)); a switch
+    takes effect at once here. Returns the (prefill, decode) sizes after each second."""
+    state, sizes = RoleState(), []
+    for i, (p, d) in enumerate(trace):
+        want, why = decide(i * dt, Signals(workers=prefill, **p), Signals(workers=decode, **d), P, D, cfg, state)
+        if want == ("decode", "prefill"):
+            prefill, decode = prefill + 1, decode - 1
+            assert why.startswith("prefill: queued prompt tokens")
+        elif want == ("prefill", "decode"):
+            prefill, decode = prefill - 1, decode + 1
+            assert why.startswith("decode: KV utilization")
+        sizes.append((prefill, decode))
+    return sizes
+
+
+def test_a_prompt_backlog_with_idle_decode_moves_decode_workers_to_prefill_one_at_a_time_down_to_min():
+    sizes = replay([BUSY_PREFILL] * 30)
+    assert sizes[4] == (2, 2) and sizes[5] == (3, 1)  # held 5 s before the first switch
+    assert sizes[-1] == (3, 1)  # min_decode: the last decode worker stays
+
+
+def test_full_decode_memory_with_no_prompt_backlog_moves_prefill_workers_to_decode():
+    sizes = replay([BUSY_DECODE] * 30, prefill=3, decode=1)
+    assert sizes[5] == (2, 2) and sizes[10] == (2, 2) and sizes[11] == (1, 3) and sizes[-1] == (1, 3)
+
+
+def test_both_pools_busy_or_both_idle_switch_nothing():
+    both = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.95})
+    assert set(replay([both] * 30)) == {(2, 2)}
+    assert set(replay([({}, {})] * 30)) == {(2, 2)}
+
+
+def test_a_want_that_breaks_before_the_delay_switches_nothing():
+    trace = [BUSY_PREFILL if (i // 3) % 2 else BUSY_DECODE for i in range(120)]
+    assert set(replay(trace)) == {(2, 2)}
+
+
+def test_a_phase_shifting_load_moves_workers_there_and_back():
+    sizes = replay([BUSY_PREFILL] * 20 + [BUSY_DECODE] * 40, prefill=1, decode=3)
+    assert sizes[19] == (3, 1)  # prompt-heavy: two decode workers became prefill workers
+    assert sizes[-1] == (1, 3)  # decode-heavy: back, down to min_prefill
+
+
+def test_minimums_hold_whatever_the_load():
+    cfg = RolesConfig(switch_delay_s=1, min_prefill=2, min_decode=2)
+    assert set(replay([BUSY_PREFILL] * 20, cfg=cfg)) == {(2, 2)}
+    assert set(replay([BUSY_DECODE] * 20, cfg=cfg)) == {(2, 2)}
