@@ -89,7 +89,9 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
     of ``long_tokens`` that want short answers), ``shared-prefix`` (as SGLang's generated
     shared prefix: ``prefix_groups`` system prompts of ``prefix_tokens``, each request one of
     them, drawn at random, plus a question of its own of 32-96 tokens; 16-48 new tokens; the
-    first ``prefix_groups`` requests take each group once, in order), or a JSONL file path
+    first ``prefix_groups`` requests take each group once, in order), ``phase`` (a phase-shifting
+    load: the first half long documents and chat turns, the second half chat turns wanting
+    long answers, 128-256 tokens), or a JSONL file path
     (``{"prompt": ...}`` or ``{"token_ids": [...]}`` per line, optional ``"max_tokens"``; used
     round-robin). Prompts of the other datasets are distinct: the prefix cache never helps."""
     if n < 1:
@@ -107,6 +109,20 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
         (plo, phi), (mlo, mhi) = parse_range(prompt_tokens, "prompt tokens"), parse_range(max_tokens, "max tokens")
         return [RequestSpec("fixed", rng.randint(mlo, mhi), _random_ids(rng, rng.randint(plo, phi), vocab))
                 for _ in range(n)]
+    if dataset == "phase":
+        # Prompt-heavy, then decode-heavy. The first half: long documents (half to all of
+        # ``long_tokens``, wanting 8-16 tokens) and chat turns (24-96 tokens, wanting 48-96)
+        # in equal shares: streams to protect from prompt stalls. The second half: only chat
+        # turns, wanting long answers (128-256 tokens): decode is all the work.
+        out = []
+        for i in range(n):
+            if i < n // 2 and rng.random() < 0.5:
+                out.append(RequestSpec("long", rng.randint(8, 16),
+                                       _random_ids(rng, rng.randint(long_tokens // 2, long_tokens), vocab)))
+            else:
+                out.append(RequestSpec("chat", rng.randint(48, 96) if i < n // 2 else rng.randint(128, 256),
+                                       _random_ids(rng, rng.randint(24, 96), vocab)))
+        return out
     if dataset == "mix":
         if not 0 <= long_share <= 1:
             raise BenchError(f"long share must be in [0, 1], got {long_share}")

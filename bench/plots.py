@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
-    """Latency CDFs, per-token latency over time and (for sweeps) goodput vs rate."""
+    """Latency CDFs, per-token latency over time, (for sweeps) goodput vs rate and (for an
+    adaptive cluster) its prefill workers over time."""
     try:
         import matplotlib
     except ImportError:
@@ -47,6 +48,24 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
     ax.set_yscale("log")
     ax.set_title("per-token latency of streaming requests over time (prefill stalls show as spikes)")
     paths.append(_save(plt, fig, out / "tpot_over_time.png", ax))
+
+    switched = {k: v for k, v in results.items() if "role_switches" in v}
+    if switched:
+        fig, ax = plt.subplots(figsize=(12, 3))
+        for label, res in switched.items():
+            run = res["runs"][0]
+            t0, end = run["started"], max((r.end for r in run["results"]), default=run["started"])
+            # prefill workers over time: the size each switch left (an adaptive run starts with one)
+            n, pts = 1, [(0.0, 1)]
+            for at, _, old, new in res["role_switches"]:
+                n += (new == "prefill") - (old == "prefill")
+                pts.append((max(0.0, at - t0), n))
+            pts.append((max(0.0, end - t0), n))
+            ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=label)
+        ax.set_xlabel("time since the first request (s)")
+        ax.set_ylabel("prefill workers")
+        ax.set_title("roles over time (the rest decode)")
+        paths.append(_save(plt, fig, out / "roles_over_time.png", ax))
 
     sweeps = {k: v for k, v in results.items() if len(v["runs"]) > 1}
     if sweeps:

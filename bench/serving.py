@@ -9,19 +9,23 @@ the other:
   stalls every running stream);
 - ``colocated-chunked``: the same with chunked prefill (budget ``--chunk``);
 - ``disaggregated-local``: as ``disaggregated``, with conditional disaggregation: prompts of at
-  most ``--local-prefill-tokens`` are prefilled by the decode worker (``router.local_prefill_tokens``).
+  most ``--local-prefill-tokens`` are prefilled by the decode worker (``router.local_prefill_tokens``);
+- ``adaptive``: two workers that switch roles by load (``mode: adaptive``, ``roles.min_prefill``
+  0: one prefill + one decode worker, or two that prefill their own prompts), with the local
+  prefill of short prompts and the benchmark's SLOs as the role controller's targets.
 
 ``--modes`` runs a subset of them, in the order given.
 
 TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
 column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
-``p99_tpot_ratio_disagg_vs_colocated``, ``--prefix-compare`` runs the shared-prefix dataset on one
+``p99_tpot_ratio_disagg_vs_colocated`` (with ``adaptive``: ``goodput_ratio_adaptive_vs_best_fixed_<dataset>``,
+``p99_tpot_ratio_adaptive_vs_colocated_<dataset>``, ``role_switches``), ``--prefix-compare`` runs the shared-prefix dataset on one
 cluster config with prefix-blind and prefix-aware placement (``router.prefix_aware``) and adds
 ``ttft_p90_ratio_prefix_blind_vs_aware`` (``--prefix-cluster disaggregated``: also
 ``kv_bytes_ratio_aware_vs_blind``, the KV the decode workers received), ``--ttft-overhead``
 adds ``cluster_ttft_overhead_ms_512`` (bench/ttft_overhead.py) and, on a cluster it started,
 ``openai_http_overhead_ms_512`` (the OpenAI API's TTFT over gRPC's), ``--plot-dir`` writes PNGs (bench/plots.py: latency CDFs, per-token
-latency over time, goodput vs rate).
+latency over time, goodput vs rate, an adaptive cluster's roles over time).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 from bench.loadgen import BenchError, make_workload, max_goodput_rate, run, summarize
@@ -43,6 +48,10 @@ COMPARE = {
                   "decode.max_batched_tokens": 8192},
     "colocated-chunked": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": True},
     "disaggregated-local": {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1},
+    # Two workers that switch roles by load (router/roles.py): one prefill + one decode, or (no
+    # prompt backlog, decode memory short) two decode workers that prefill their own prompts.
+    "adaptive": {"mode": "adaptive", "prefill.replicas": 1, "decode.replicas": 1, "prefill.threads": 1,
+                 "decode.threads": 1, "roles.min_prefill": 0, "roles.interval_s": 1.0, "roles.switch_delay_s": 3.0},
 }
 # --prefix-compare: two colocated workers (each prefills what it decodes) whose caches hold about
 # half of the groups each: placement decides whether a prompt finds its system prompt cached.
@@ -58,7 +67,7 @@ def prefix_compare(cluster: str) -> dict[str, dict]:
     return {"prefix-blind": {**base, "router.prefix_aware": False},
             "prefix-aware": {**base, "router.prefix_aware": True}}
 SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked",
-         "disaggregated-local": "local",
+         "disaggregated-local": "local", "adaptive": "adaptive",
          "prefix-blind": "blind", "prefix-aware": "aware"}
 
 
@@ -81,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="disaggregated,colocated,colocated-chunked",
                    help=f"--compare: which, in order, of {', '.join(COMPARE)} (default: the first three)")
     p.add_argument("--local-prefill-tokens", type=int, default=96,
-                   help="disaggregated-local: router.local_prefill_tokens (default 96: the mix's chats)")
+                   help="disaggregated-local and adaptive: router.local_prefill_tokens (default 96: the mix's chats)")
     p.add_argument("--prefix-compare", action="store_true",
                    help="run the shared-prefix dataset on two colocated workers with prefix-blind, then "
                         "prefix-aware placement (router.prefix_aware), after a warm-up of one request per group")
@@ -95,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="mix",
                    help="random | mix (short chats + long documents; default) | shared-prefix (system prompts "
-                        "shared by groups of requests) | a JSONL file of prompts")
+                        "shared by groups of requests) | phase (long documents and chats, then chats "
+                        "with long answers) | a JSONL file of prompts")
     w.add_argument("--num-requests", type=int, default=32, help="requests to send (default 32)")
     w.add_argument("--prompt-tokens", default="256", help="random dataset: N or LO:HI (default 256)")
     w.add_argument("--max-tokens", default="64", help="random/file datasets: N or LO:HI (default 64)")
@@ -154,6 +164,7 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
             # start from caches that hold every group somewhere (steady state, not cold start).
             asyncio.run(run(server, specs[:args.prefix_groups], concurrency=1, seed=args.seed))
         before = kv_bytes() if kv_bytes else 0
+        started = time.time()
         with _bar(len(specs), f"{'rate %g/s' % rate if rate else 'concurrency %d' % conc}") as bar:
             results, wall = asyncio.run(run(server, specs, rate=rate, concurrency=conc, duration_s=args.duration,
                                             seed=args.seed, progress=lambda d, t: bar.update(1)))
@@ -165,7 +176,7 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
             summary["all"]["kv_bytes_mb"] = max(0, kv_bytes() - before) / 1e6
         if len(kinds) > 1:
             summary.update({k: summarize(results, wall, *slo, kind=k) for k in kinds})
-        runs.append({"rate": rate, "summary": summary, "results": results})
+        runs.append({"rate": rate, "summary": summary, "results": results, "started": started})
     return {"runs": runs, "max_goodput_rate": max_goodput_rate(
         [(r["rate"], r["summary"]["all"]) for r in runs if r["rate"] is not None])}
 
@@ -224,7 +235,11 @@ def _main(args) -> int:
                                         **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked"
                                            else {}),
                                         **({"router.local_prefill_tokens": args.local_prefill_tokens}
-                                           if name == "disaggregated-local" else {}),
+                                           if name in ("disaggregated-local", "adaptive") else {}),
+                                        # (its roles follow the same targets as the benchmark's)
+                                        **({"autoscale.prefill.target_ttft_ms": args.ttft_slo_ms,
+                                            "autoscale.decode.target_tpot_ms": args.tpot_slo_ms}
+                                           if name == "adaptive" else {}),
                                         **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
         if server is None:
             from router.app import init_ray
@@ -246,6 +261,8 @@ def _main(args) -> int:
             results[label] = bench_server(server, args, info.vocab_size,
                                           _kv_bytes(cluster) if args.prefix_compare and cluster is not None
                                           and cfg.mode != "colocated" else None)
+            if cluster is not None and cluster.router.roles_controller is not None:
+                results[label]["role_switches"] = list(cluster.router.roles_controller.switches)
             if args.ttft_overhead:
                 from bench.ttft_overhead import http_overhead, ttft_overhead
                 out.update(ttft_overhead(stub, cfg, info.vocab_size, log))
@@ -319,6 +336,8 @@ def _report(results: dict[str, dict], args) -> dict:
         if b and a is not None:
             flat["kv_bytes_ratio_aware_vs_blind"] = a / b
             print(f"KV bytes received by decode workers: prefix-aware / prefix-blind = {a / b:.2f}")
+    if "adaptive" in results:
+        _adaptive_ratios(results, flat, args.dataset)
     if "disaggregated-local" in results:
         kind = "_chat" if "local_tpot_ms_p99_chat" in flat else ""
         d, lo = flat.get("disagg_ttft_ms_p90"), flat.get("local_ttft_ms_p90")
@@ -329,6 +348,29 @@ def _report(results: dict[str, dict], args) -> dict:
         if c and lt:
             flat["p99_tpot_ratio_local_vs_colocated"] = lt / c
     return flat
+
+
+def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None:
+    """``goodput_ratio_adaptive_vs_best_fixed_<dataset>`` (goodput: the highest rate of a
+    ``--rates`` sweep with >= 90% of requests within both SLOs; one run: requests/s within
+    both), ``p99_tpot_ratio_adaptive_vs_colocated_<dataset>`` (of chats where the dataset has
+    kinds), ``role_switches``."""
+    def goodput(label: str) -> float:
+        res = results[label]
+        return res["max_goodput_rate"] or res["runs"][0]["summary"]["all"]["goodput_rps"]
+    fixed = {label: goodput(label) for label in results if label in COMPARE and label != "adaptive"}
+    flat["role_switches"] = len(results["adaptive"].get("role_switches", []))
+    if fixed:
+        best = max(fixed, key=fixed.get)
+        if fixed[best] > 0:
+            flat[f"goodput_ratio_adaptive_vs_best_fixed_{dataset}"] = goodput("adaptive") / fixed[best]
+            print(f"\ngoodput: adaptive / best fixed mode ({best}) = {goodput('adaptive') / fixed[best]:.2f}")
+    kind = "_chat" if "adaptive_tpot_ms_p99_chat" in flat else ""
+    a, c = flat.get(f"adaptive_tpot_ms_p99{kind}"), flat.get(f"colocated_tpot_ms_p99{kind}")
+    if a and c:
+        flat[f"p99_tpot_ratio_adaptive_vs_colocated_{dataset}"] = a / c
+        print(f"p99 TPOT{kind.replace('_', ' of ')}: adaptive / colocated = {a / c:.2f}")
+    print(f"role switches: {flat['role_switches']}")
 
 
 if __name__ == "__main__":

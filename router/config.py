@@ -221,6 +221,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.speculative.num_speculative_tokens": (lambda v: 1 <= v <= 8, "an integer in 1..8"),
     "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
     "router.local_prefill_tokens": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "roles.min_prefill": (lambda v: v >= 0, ">= 0 (0: decode workers prefill their own prompts when none is left)"),
     "decode.speculative.adaptive": (lambda v: isinstance(v, bool), "true or false"),
     "decode.quantization": (lambda v: _quantization_ok(v), "none, int8, int8-asym, int4, int4-g32|g64|g128[-asym], "
                             "w8a8, or a quantized checkpoint folder (pdserve quantize --out)"),

@@ -6,11 +6,15 @@ a worker's role is only which calls the router makes to it. The policy, over one
 each pool (``autoscale.pool_signals``, ``autoscale.pressure`` against ``autoscale.prefill`` and
 ``autoscale.decode`` targets):
 
-- the prefill pool wants more (a prompt backlog, or TTFT p90 over target) and the decode pool
-  does not (KV under ``kv_high``, nobody waiting for admission, TPOT on target): a decode
-  worker becomes a prefill worker, if more than ``roles.min_decode`` are left;
-- the other way round, a prefill worker becomes a decode worker (``roles.min_prefill``);
-- both want more, or neither: no change (the cluster is full, or has room everywhere).
+- the prefill pool wants more (a prompt backlog anywhere, or TTFT p90 over target) and the
+  decode pool does not (KV under ``kv_high``, nobody waiting for admission; not TPOT: see
+  ``decide``): a decode worker becomes a prefill worker, if more than ``roles.min_decode``
+  are left;
+- the other way round, or the prefill pool idle (no backlog, TTFT well under target: a
+  decode worker takes its streams and short prompts), a prefill worker becomes a decode worker
+  (``roles.min_prefill``; with 0, the last one too: then every decode worker prefills its own
+  prompts, as colocated ones; the first backlog brings one back);
+- both want more, or neither (and the prefill pool not idle): no change.
 
 Hysteresis as the autoscaler's: a want must hold for ``switch_delay_s`` without a break, one
 worker switches per decision, and after a switch the next waits ``switch_delay_s`` again.
@@ -23,6 +27,7 @@ its weights, compiled graphs and prefix cache.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -37,7 +42,9 @@ log = logging.getLogger("pdserve.roles")
 class RolesConfig:
     interval_s: float = 2.0  # how often the controller decides
     switch_delay_s: float = 5.0  # a want must hold this long; and a switch waits this long after the last
-    min_prefill: int = 1  # workers that stay in each role whatever the load
+    # Workers that stay in each role whatever the load. min_prefill 0: with no prefill worker
+    # left, decode workers prefill their own prompts (as colocated workers do).
+    min_prefill: int = 1
     min_decode: int = 1
 
 
@@ -55,13 +62,17 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
            cfg: RolesConfig, state: RoleState) -> tuple[tuple[str, str] | None, str]:
     """((from role, to role), reason) for one worker to switch now, or (None, ""); updates
     ``state``."""
-    p_up, _, p_why = pressure("prefill", prefill, tp)
-    d_up, _, d_why = pressure("decode", decode, td)
+    p_up, p_idle, p_why = pressure("prefill", prefill, tp)
+    # Decode wants more by its memory only (KV utilization, requests waiting for admission):
+    # TPOT over target on workers that also prefill (a local prefill, or every prompt once no
+    # prefill worker is left) comes from the prompts' stalls, which one more decode worker
+    # does not cure and one more prefill worker does.
+    d_up, _, d_why = pressure("decode", dataclasses.replace(decode, tpot_p90_s=None), td)
     want, why = None, ""
     if p_up and not d_up and decode.workers > cfg.min_decode:
         want, why = ("decode", "prefill"), f"prefill: {p_why}"
-    elif d_up and not p_up and prefill.workers > cfg.min_prefill:
-        want, why = ("prefill", "decode"), f"decode: {d_why}"
+    elif (d_up and not p_up or p_idle) and prefill.workers > cfg.min_prefill:
+        want, why = ("prefill", "decode"), f"decode: {d_why}" if d_up else f"prefill: {p_why}"
     if want != state.want:
         state.want, state.since = want, (now if want is not None else None)
     if want is None or now - state.since < cfg.switch_delay_s or now - state.last_switch < cfg.switch_delay_s:
@@ -93,6 +104,10 @@ class RoleController:
             return None  # one switch at a time: the last one is still draining its old role
         window = self.autoscale.window_s
         s_p, s_d = pool_signals(self.router, "prefill", now, window), pool_signals(self.router, "decode", now, window)
+        # The prompt backlog is what waits anywhere: decode workers' local prefills count too
+        # (with no prefill worker left, they are all of it).
+        queued = sum(w.load().queued_prompt_tokens for w in pools.workers.values() if w.state == "ready")
+        s_p = dataclasses.replace(s_p, queued_prompt_tokens=queued)
         want, why = decide(now, s_p, s_d, self.autoscale.prefill, self.autoscale.decode, self.cfg, self.state)
         if want is None:
             return None

@@ -305,7 +305,9 @@ class Router(pb_grpc.GenerationServicer):
         missed = False  # a decode worker did not hold the prefix the index said: the pool prefills it
         try:
             while True:
-                if not self.pools.any_alive(*roles) or not (self.colocated or self.pools.any_alive("prefill")):
+                # (adaptive: with no prefill worker, decode workers prefill their own prompts)
+                if not self.pools.any_alive(*roles) or not (self.colocated or self.roles_controller
+                                                            or self.pools.any_alive("prefill")):
                     raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
                 prefer = job.prefer or ("", "")
                 # (a decode worker receives a prompt's whole KV: only a colocated one shares it)
@@ -320,7 +322,8 @@ class Router(pb_grpc.GenerationServicer):
                 # (from the prompt's part not cached there)
                 cached_d = min(view.cached.get(d.worker_id, 0), len(ids) - 1) if decode_view and d else 0
                 where, why = ("colocated", "") if self.colocated or d is None else ("pool", "cache_miss") \
-                    if missed else prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens)
+                    if missed else ("local", "no_pool") if self._no_prefill_pool() \
+                    else prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens)
                 here = where != "pool"  # the decode (or colocated) worker prefills
                 p = None if here or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
                 if d is None or (p is None and not here):
@@ -349,7 +352,7 @@ class Router(pb_grpc.GenerationServicer):
                     if here:
                         # Local because of a prefix the index believes cached there: only if it is
                         # (the worker checks; else the pool prefills it)
-                        check = self.cfg.router.local_prefill_tokens if where == "local" and cached_d else None
+                        check = self.cfg.router.local_prefill_tokens if why == "short" and cached_d else None
                         taken = await self.pools.call(dw, dw.actor.submit.remote(job.key, ids, params, job.time_left(),
                                                                                  check))
                         if taken is False:
@@ -400,6 +403,12 @@ class Router(pb_grpc.GenerationServicer):
         finally:
             if queued:
                 self.queued -= 1
+
+    def _no_prefill_pool(self) -> bool:
+        """Adaptive, and no worker is a prefill worker now (router.roles, ``min_prefill: 0``):
+        the decode worker prefills the prompt itself."""
+        return self.roles_controller is not None and not any(
+            w.role == "prefill" and w.state in ("ready", "dead", "starting") for w in self.pools.workers.values())
 
     def _placed(self, where: str, why: str, hit: int) -> None:
         self.metrics.prefix_hit_tokens.inc(hit)

@@ -1,5 +1,5 @@
 """Dependencies point inward (README, Layout): engine ← kvtransfer ← worker ← prefill_worker,
-decode_worker ← router ← cli, bench. The engine knows no network; the transfer layer knows no
+decode_worker ← adaptive_worker ← router ← cli, bench. The engine knows no network; the transfer layer knows no
 requests' runtime; the front door is no benchmark. Checked on the source (every import,
 lazy ones inside functions included), so a shortcut fails here and not in a review."""
 
@@ -13,16 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NETWORK = {"zmq", "ray", "grpc", "grpc_health", "grpc_reflection", "prometheus_client", "msgspec", "msgpack",
            "http", "urllib", "socket", "ucxx", "pdserve"}
-OURS = {"engine", "kvtransfer", "worker", "prefill_worker", "decode_worker", "router", "cli", "bench"}
+OURS = {"engine", "kvtransfer", "worker", "prefill_worker", "decode_worker", "adaptive_worker", "router", "cli",
+        "bench"}
 
 # package -> top-level modules it must never import
 FORBIDDEN = {
     "engine": NETWORK | (OURS - {"engine"}),
     "kvtransfer": {"ray", "grpc", "prometheus_client", "msgspec"} | {"worker", "prefill_worker", "decode_worker",
-                                                                    "router", "cli", "bench"},
-    "worker": {"grpc", "router", "cli", "bench", "prefill_worker", "decode_worker"},
-    "prefill_worker": {"grpc", "router", "cli", "bench", "decode_worker"},
-    "decode_worker": {"grpc", "router", "cli", "bench", "prefill_worker"},
+                                                                    "adaptive_worker", "router", "cli", "bench"},
+    "worker": {"grpc", "router", "cli", "bench", "prefill_worker", "decode_worker", "adaptive_worker"},
+    "prefill_worker": {"grpc", "router", "cli", "bench", "decode_worker", "adaptive_worker"},
+    "decode_worker": {"grpc", "router", "cli", "bench", "prefill_worker", "adaptive_worker"},
+    "adaptive_worker": {"grpc", "router", "cli", "bench"},
     "router": {"cli", "bench"},
 }
 

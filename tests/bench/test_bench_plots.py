@@ -35,3 +35,14 @@ def test_plots_are_written(tmp_path):
 def test_no_sweep_no_goodput_plot(tmp_path):
     paths = plot_all({"colocated": {"runs": [_run(0.5, 0.3)]}}, str(tmp_path))
     assert [p.name for p in paths] == ["latency_cdf.png", "tpot_over_time.png"]
+
+
+def test_an_adaptive_run_plots_its_roles_over_time(tmp_path):
+    run = _run(0.5, 0.3)
+    for r in run["results"]:
+        r.end = r.sent + 1.0
+    run["started"] = 100.0
+    switches = [(101.5, "decode-0", "prefill", "decode"), (104.0, "decode-0", "decode", "prefill")]
+    paths = plot_all({"adaptive": {"runs": [run], "role_switches": switches}}, str(tmp_path))
+    assert [p.name for p in paths] == ["latency_cdf.png", "tpot_over_time.png", "roles_over_time.png"]
+    assert paths[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

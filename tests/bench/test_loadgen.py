@@ -48,6 +48,16 @@ def test_workloads_are_distinct_and_mixed(tmp_path):
     assert [(s.prompt, s.token_ids, s.max_tokens) for s in w] == [("hi", (), 3), (None, (5, 6), 7), ("hi", (), 3)]
 
 
+def test_the_phase_workload_is_prompt_heavy_then_decode_heavy():
+    specs = make_workload(40, "phase", 1000, seed=3, long_tokens=600)
+    first, second = specs[:20], specs[20:]
+    assert {s.kind for s in first} == {"long", "chat"} and {s.kind for s in second} == {"chat"}
+    assert all(300 <= len(s.token_ids) <= 600 and s.max_tokens <= 16 for s in first if s.kind == "long")
+    assert all(len(s.token_ids) <= 96 and s.max_tokens <= 96 for s in first if s.kind == "chat")
+    assert all(len(s.token_ids) <= 96 and s.max_tokens >= 128 for s in second)
+    assert make_workload(40, "phase", 1000, seed=3, long_tokens=600) == specs  # seeded
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--rate", "0"], "rate must be > 0"),
     (["--rates", "1,-2"], "rate must be > 0"),

@@ -40,3 +40,26 @@ def test_prefix_compare_on_a_disaggregated_cluster_reports_the_kv_bytes_ratio(ca
     flat = _report({"prefix-blind": run(900.0, 80.0), "prefix-aware": run(300.0, 20.0)}, args)
     assert flat["kv_bytes_ratio_aware_vs_blind"] == 0.25 and flat["ttft_p90_ratio_prefix_blind_vs_aware"] == 3.0
     assert "prefix-aware / prefix-blind = 0.25" in capsys.readouterr().out
+
+
+def test_adaptive_ratios_compare_with_the_best_fixed_mode_and_colocated_chats(capsys):
+    """--compare with adaptive: goodput over the best fixed mode's (a sweep's highest rate
+    within the SLOs where there is one, else one run's rate within them), chats' p99 TPOT over
+    colocated's, and the switches counted."""
+    from bench.serving import _report
+    args = build_parser().parse_args(["--compare", "--modes", "disaggregated,colocated,adaptive"])
+    assert _compare_modes(args)["adaptive"]["mode"] == "adaptive"
+
+    def run(goodput, tpot_chat, switches=None):
+        out = {"runs": [{"rate": None, "summary": {"all": {"goodput_rps": goodput},
+                                                  "chat": {"tpot_ms_p99": tpot_chat}, "long": {}}}],
+               "max_goodput_rate": None}
+        if switches is not None:
+            out["role_switches"] = switches
+        return out
+    flat = _report({"disaggregated": run(0.05, 100.0), "colocated": run(0.08, 400.0),
+                    "adaptive": run(0.12, 160.0, [(0.0, "decode-0", "decode", "prefill")])}, args)
+    assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == pytest.approx(1.5)  # over colocated's 0.08
+    assert flat["p99_tpot_ratio_adaptive_vs_colocated_mix"] == pytest.approx(0.4)
+    assert flat["role_switches"] == 1
+    assert "adaptive / best fixed mode (colocated) = 1.50" in capsys.readouterr().out

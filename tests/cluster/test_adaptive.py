@@ -83,3 +83,24 @@ def test_roles_switch_under_load_without_a_restart_and_outputs_match_hf(stub, cl
     n, bs = len(tokenizer(prompt)["input_ids"]), 16  # (the engine's default block size)
     assert counted._value.get() - before == (n - 1) // bs * bs > 0
     wait_idle(stub, cluster)
+
+
+def test_with_no_prefill_worker_left_decode_workers_prefill_their_own(stub, cluster, greedy_reference, wait_idle):
+    """roles.min_prefill 0 lets the last prefill worker decode: every prompt is then
+    prefilled by its own decode worker (``local:no_pool``) until one switches back."""
+    prefill = next(wid for wid, r in _roles(stub).items() if r[0] == "prefill")
+    _switch(cluster, prefill, "prefill", "decode")
+    _wait_role(stub, prefill, "decode")
+    requests = [make_request(p, max_tokens=64, temperature=0) for p, _ in greedy_reference]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        outs = list(pool.map(lambda r: collect(stub.Generate(r)), requests))
+    for out, (_, ref) in zip(outs, greedy_reference):
+        assert out["token_ids"] == ref
+        assert out["usage"]["prefill_placement"] == "local:no_pool"
+        assert out["usage"]["prefill_worker"] == out["usage"]["decode_worker"]
+    assert len({o["usage"]["decode_worker"] for o in outs}) == 2  # both decode now
+    _switch(cluster, prefill, "decode", "prefill")
+    _wait_role(stub, prefill, "prefill")
+    out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=64, temperature=0)))
+    assert out["token_ids"] == greedy_reference[0][1] and out["usage"]["prefill_worker"] == prefill
+    wait_idle(stub, cluster)

@@ -24,7 +24,7 @@ def replay(trace, prefill=2, decode=2, cfg=CFG, dt=1.0):
             assert why.startswith("prefill: queued prompt tokens")
         elif want == ("prefill", "decode"):
             prefill, decode = prefill - 1, decode + 1
-            assert why.startswith("decode: KV utilization")
+            assert why.startswith(("decode: KV utilization", "prefill: no prompt backlog"))
         sizes.append((prefill, decode))
     return sizes
 
@@ -40,10 +40,27 @@ def test_full_decode_memory_with_no_prompt_backlog_moves_prefill_workers_to_deco
     assert sizes[5] == (2, 2) and sizes[10] == (2, 2) and sizes[11] == (1, 3) and sizes[-1] == (1, 3)
 
 
-def test_both_pools_busy_or_both_idle_switch_nothing():
+def test_both_pools_busy_or_in_the_dead_band_switch_nothing():
     both = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.95})
     assert set(replay([both] * 30)) == {(2, 2)}
-    assert set(replay([({}, {})] * 30)) == {(2, 2)}
+    between = ({"queued_prompt_tokens": 500, "ttft_p90_s": 1.5}, {"kv_utilization": 0.5})  # neither up nor idle
+    assert set(replay([between] * 30)) == {(2, 2)}
+
+
+def test_an_idle_prefill_pool_moves_its_workers_to_decode_down_to_min():
+    idle = ({"ttft_p90_s": 0.2}, {"kv_utilization": 0.5})
+    sizes = replay([idle] * 30, prefill=3, decode=1)
+    assert sizes[5] == (2, 2) and sizes[-1] == (1, 3)
+    assert all("prefill: no prompt backlog" in h for h in _history([idle] * 30, prefill=3, decode=1))
+
+
+def _history(trace, prefill=2, decode=2):
+    state = RoleState()
+    for i, (p, d) in enumerate(trace):
+        want, _ = decide(float(i), Signals(workers=prefill, **p), Signals(workers=decode, **d), P, D, CFG, state)
+        if want is not None:
+            prefill, decode = (prefill + 1, decode - 1) if want[1] == "prefill" else (prefill - 1, decode + 1)
+    return state.history
 
 
 def test_a_want_that_breaks_before_the_delay_switches_nothing():
@@ -61,3 +78,17 @@ def test_minimums_hold_whatever_the_load():
     cfg = RolesConfig(switch_delay_s=1, min_prefill=2, min_decode=2)
     assert set(replay([BUSY_PREFILL] * 20, cfg=cfg)) == {(2, 2)}
     assert set(replay([BUSY_DECODE] * 20, cfg=cfg)) == {(2, 2)}
+
+
+def test_tpot_over_target_from_prompt_stalls_does_not_hold_a_worker_in_decode():
+    """Decode workers that prefill (no prefill worker left) see TPOT over target from the
+    prompts' stalls: that is no reason to keep them decoding; a prompt backlog moves one."""
+    stalls = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.2, "tpot_p90_s": 0.5})
+    cfg = RolesConfig(switch_delay_s=5, min_prefill=0, min_decode=1)
+    assert replay([stalls] * 10, prefill=0, decode=2, cfg=cfg)[-1] == (1, 1)
+
+
+def test_min_prefill_zero_lets_the_last_prefill_worker_decode():
+    cfg = RolesConfig(switch_delay_s=5, min_prefill=0, min_decode=1)
+    assert replay([BUSY_DECODE] * 10, prefill=1, decode=1, cfg=cfg)[-1] == (0, 2)
+    assert replay([BUSY_DECODE] * 10, prefill=1, decode=1)[-1] == (1, 1)  # the default keeps one
