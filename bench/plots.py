@@ -55,12 +55,16 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
         for label, res in switched.items():
             run = res["runs"][0]
             t0, end = run["started"], max((r.end for r in run["results"]), default=run["started"])
-            # prefill workers over time: the size each switch left (an adaptive run starts with one)
-            n, pts = 1, [(0.0, 1)]
+            # prefill workers over time: the size each switch left (an adaptive run starts with
+            # one; switches before the first request set where it starts)
+            n, pts = 1, []
             for at, _, old, new in res["role_switches"]:
+                if at > t0 and not pts:
+                    pts.append((0.0, n))
                 n += (new == "prefill") - (old == "prefill")
-                pts.append((max(0.0, at - t0), n))
-            pts.append((max(0.0, end - t0), n))
+                if at > t0:
+                    pts.append((at - t0, n))
+            pts = (pts or [(0.0, n)]) + [(max(0.0, end - t0), n)]
             ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=label)
         ax.set_xlabel("time since the first request (s)")
         ax.set_ylabel("prefill workers")

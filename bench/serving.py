@@ -237,8 +237,10 @@ def _main(args) -> int:
                                         **({"router.local_prefill_tokens": args.local_prefill_tokens}
                                            if name in ("disaggregated-local", "adaptive") else {}),
                                         # (its roles follow the same targets as the benchmark's)
+                                        # and a backlog of about one long prompt asks for a prefill worker
                                         **({"autoscale.prefill.target_ttft_ms": args.ttft_slo_ms,
-                                            "autoscale.decode.target_tpot_ms": args.tpot_slo_ms}
+                                            "autoscale.decode.target_tpot_ms": args.tpot_slo_ms,
+                                            "autoscale.prefill.target_queued_tokens": 1024}
                                            if name == "adaptive" else {}),
                                         **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
         if server is None:

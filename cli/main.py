@@ -166,7 +166,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{w.worker_id}: speculative acceptance {w.speculative_acceptance:.2f}, "
                   f"{w.speculative_tokens_per_verify:.2f} tokens per verify")
     if st.autoscale_events:
-        print("autoscaling (latest last):")
+        print(f"{'role switches' if st.mode == 'adaptive' else 'autoscaling'} (latest last):")
         for e in st.autoscale_events[-10:]:
             print(f"  {e}")
     if args.check_blocks:
