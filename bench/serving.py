@@ -51,7 +51,8 @@ COMPARE = {
     # Two workers that switch roles by load (router/roles.py): one prefill + one decode, or (no
     # prompt backlog, decode memory short) two decode workers that prefill their own prompts.
     "adaptive": {"mode": "adaptive", "prefill.replicas": 1, "decode.replicas": 1, "prefill.threads": 1,
-                 "decode.threads": 1, "roles.min_prefill": 0, "roles.interval_s": 1.0, "roles.switch_delay_s": 3.0},
+                 "decode.threads": 1, "roles.min_prefill": 0, "roles.interval_s": 1.0, "roles.switch_delay_s": 3.0,
+                 "roles.idle_delay_s": 10.0},
 }
 # --prefix-compare: two colocated workers (each prefills what it decodes) whose caches hold about
 # half of the groups each: placement decides whether a prompt finds its system prompt cached.

@@ -16,8 +16,9 @@ each pool (``autoscale.pool_signals``, ``autoscale.pressure`` against ``autoscal
   prompts, as colocated ones; the first backlog brings one back);
 - both want more, or neither (and the prefill pool not idle): no change.
 
-Hysteresis as the autoscaler's: a want must hold for ``switch_delay_s`` without a break, one
-worker switches per decision, and after a switch the next waits ``switch_delay_s`` again.
+Hysteresis as the autoscaler's: a want must hold for ``switch_delay_s`` without a break (an
+idle prefill pool: ``idle_delay_s``, longer, as the autoscaler's shrinking), one worker
+switches per decision, and after a switch the next waits ``switch_delay_s`` again.
 ``decide`` is pure over the snapshots (unit-tested on synthetic traces); ``RoleController``
 carries its decisions out through ``Pools.switch``: the worker leaves its pool at once (no new
 work of the old role), finishes what it holds in the old role, then joins the other pool with
@@ -42,6 +43,7 @@ log = logging.getLogger("pdserve.roles")
 class RolesConfig:
     interval_s: float = 2.0  # how often the controller decides
     switch_delay_s: float = 5.0  # a want must hold this long; and a switch waits this long after the last
+    idle_delay_s: float = 30.0  # ... but an idle prefill pool must stay idle this long to give a worker to decode
     # Workers that stay in each role whatever the load. min_prefill 0: with no prefill worker
     # left, decode workers prefill their own prompts (as colocated workers do).
     min_prefill: int = 1
@@ -68,14 +70,17 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     # prefill worker is left) comes from the prompts' stalls, which one more decode worker
     # does not cure and one more prefill worker does.
     d_up, _, d_why = pressure("decode", dataclasses.replace(decode, tpot_p90_s=None), td)
-    want, why = None, ""
+    want, why, delay = None, "", cfg.switch_delay_s
     if p_up and not d_up and decode.workers > cfg.min_decode:
         want, why = ("decode", "prefill"), f"prefill: {p_why}"
-    elif (d_up and not p_up or p_idle) and prefill.workers > cfg.min_prefill:
-        want, why = ("prefill", "decode"), f"decode: {d_why}" if d_up else f"prefill: {p_why}"
+    elif d_up and not p_up and prefill.workers > cfg.min_prefill:
+        want, why = ("prefill", "decode"), f"decode: {d_why}"
+    elif p_idle and prefill.workers > cfg.min_prefill:
+        # (slower: a pause between prompt bursts is no reason to give the prefill worker away)
+        want, why, delay = ("prefill", "decode"), f"prefill: {p_why}", cfg.idle_delay_s
     if want != state.want:
         state.want, state.since = want, (now if want is not None else None)
-    if want is None or now - state.since < cfg.switch_delay_s or now - state.last_switch < cfg.switch_delay_s:
+    if want is None or now - state.since < delay or now - state.last_switch < cfg.switch_delay_s:
         return None, ""
     state.last_switch, state.want, state.since = now, None, None
     state.history = (state.history + [f"{want[0]} -> {want[1]}: {why}"])[-20:]

@@ -8,7 +8,7 @@ from router.roles import RolesConfig, RoleState, decide
 
 P = PrefillTargets(target_queued_tokens=1000, target_ttft_ms=2000)
 D = DecodeTargets(kv_high=0.8, kv_low=0.3, target_tpot_ms=100)
-CFG = RolesConfig(switch_delay_s=5, min_prefill=1, min_decode=1)
+CFG = RolesConfig(switch_delay_s=5, idle_delay_s=20, min_prefill=1, min_decode=1)
 BUSY_PREFILL = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.2})
 BUSY_DECODE = ({}, {"kv_utilization": 0.95})
 
@@ -49,9 +49,16 @@ def test_both_pools_busy_or_in_the_dead_band_switch_nothing():
 
 def test_an_idle_prefill_pool_moves_its_workers_to_decode_down_to_min():
     idle = ({"ttft_p90_s": 0.2}, {"kv_utilization": 0.5})
-    sizes = replay([idle] * 30, prefill=3, decode=1)
-    assert sizes[5] == (2, 2) and sizes[-1] == (1, 3)
-    assert all("prefill: no prompt backlog" in h for h in _history([idle] * 30, prefill=3, decode=1))
+    sizes = replay([idle] * 60, prefill=3, decode=1)
+    assert sizes[19] == (3, 1) and sizes[20] == (2, 2)  # idle_delay_s, longer than switch_delay_s
+    assert sizes[40] == (2, 2) and sizes[41] == (1, 3) and sizes[-1] == (1, 3)
+    assert all("prefill: no prompt backlog" in h for h in _history([idle] * 60, prefill=3, decode=1))
+
+
+def test_a_pause_between_prompt_bursts_keeps_the_prefill_worker():
+    burst, pause = BUSY_PREFILL, ({"ttft_p90_s": 0.2}, {"kv_utilization": 0.2})
+    trace = ([burst] * 10 + [pause] * 15) * 4
+    assert set(replay(trace, prefill=1, decode=2)[10:]) == {(2, 1)}
 
 
 def _history(trace, prefill=2, decode=2):
