@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prefix-groups", type=int, default=6, help="shared-prefix: system prompts (default 6)")
     w.add_argument("--prefix-tokens", type=int, default=1536, help="shared-prefix: system prompt length (default 1536)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--warmup", type=int, default=4,
+                   help="requests sent to each cluster before the measured runs, not counted (default 4; 0: none)")
     a = p.add_argument_group("arrivals (one of)")
     a.add_argument("--rate", type=float, help="open loop: Poisson arrivals at this many requests/s")
     a.add_argument("--rates", help="open loop sweep, e.g. 0.5,1,2: goodput vs rate")
@@ -157,6 +159,13 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
     """Every rate of the run against one server: summaries and raw results; with ``kv_bytes``
     (a callable: KV bytes the decode workers received so far), the MB each run moved."""
     runs = []
+    if args.warmup:
+        # Not counted: a fresh cluster's first requests pay one-time costs (kernels compiled
+        # or JIT-ed for new shapes, first allocations), 5-15 s on the 2-core machine. Other
+        # prompts than the measured ones (another seed): no prefix of theirs is warmed.
+        warm = make_workload(args.warmup, args.dataset, vocab, args.seed + 1, args.prompt_tokens, args.max_tokens,
+                             args.long_share, args.long_tokens, args.prefix_groups, args.prefix_tokens)
+        asyncio.run(run(server, warm, concurrency=2, seed=args.seed + 1))
     for rate in _rates(args):
         specs = _workload(args, vocab)
         conc = None if rate is not None else (args.concurrency or 4)
@@ -360,7 +369,9 @@ def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None
     kinds), ``role_switches``."""
     def goodput(label: str) -> float:
         res = results[label]
-        return res["max_goodput_rate"] or res["runs"][0]["summary"]["all"]["goodput_rps"]
+        if len(res["runs"]) > 1:  # a sweep: no rate within the SLOs is a goodput of 0
+            return res["max_goodput_rate"] or 0.0
+        return res["runs"][0]["summary"]["all"]["goodput_rps"]
     fixed = {label: goodput(label) for label in results if label in COMPARE and label != "adaptive"}
     flat["role_switches"] = len(results["adaptive"].get("role_switches", []))
     if fixed:

@@ -22,6 +22,7 @@ written once on top of them, so every transport behaves the same.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -102,6 +103,10 @@ class TransferStats:
     def as_dict(self) -> dict:
         return {"done": self.done, "failed": self.failed, "bytes": self.bytes, "seconds": self.seconds,
                 "forged": self.forged}
+
+    def __add__(self, other: TransferStats) -> TransferStats:
+        """Both sides' totals in one (a worker that sends and receives); a new object."""
+        return TransferStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 class TransferTable:

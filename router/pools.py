@@ -233,22 +233,29 @@ class Pools(Liveness):
         await self._drained(w, holds)
         if w.state != "draining":  # lost meanwhile: it comes back in its new role (``lost``)
             return
-        w.role, w.next_role = w.next_role, None
-        await self._wire(w)
+        w.role = w.next_role  # (``next_role`` stays until wired: lost meanwhile, it comes back in it)
+        try:
+            await self._wire(w)
+        except Exception as e:  # it died or stalled while connecting: replaced, back in the new role
+            if w.state == "draining":
+                self.lost(w, f"connecting in its new role failed: {e!r}")
+            return
         if w.state == "draining":  # (not lost while it was wired)
-            w.state = "ready"
+            w.state, w.next_role = "ready", None
             log.info("worker %s is a %s worker now", w.worker_id, w.role)
         self._notify()
 
     async def _drained(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
-        """Until ``w`` holds nothing: no request of the router's (``holds``), nothing running
-        or waiting, no KV block (so its transfers ended); or it is no longer draining."""
+        """Until ``w`` holds nothing: no request of the router's (``holds``), no admitting call
+        unreported, nothing running or waiting, no KV block (so its transfers ended); or it is
+        no longer draining."""
         since = time.monotonic()
         while w.state == "draining":
             s = w.status
             # A heartbeat after draining began shows what it still holds.
-            if (w.last_seen > since and not holds(w) and s is not None and not s.running and not s.waiting
-                    and not s.kv_blocks_used):
+            # (``pending``: a call that admits a request there is in flight, or not yet reported)
+            if (w.last_seen > since and not holds(w) and not w.pending and s is not None and not s.running
+                    and not s.waiting and not s.kv_blocks_used):
                 return
             await asyncio.sleep(HEALTH_PERIOD_S)
 

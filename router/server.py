@@ -305,9 +305,13 @@ class Router(pb_grpc.GenerationServicer):
         missed = False  # a decode worker did not hold the prefix the index said: the pool prefills it
         try:
             while True:
-                # (adaptive: with no prefill worker, decode workers prefill their own prompts)
-                if not self.pools.any_alive(*roles) or not (self.colocated or self.roles_controller
-                                                            or self.pools.any_alive("prefill")):
+                # (adaptive: with no prefill worker, decode workers prefill their own prompts; with
+                # no decode worker, one of the others will switch to decode)
+                if self.roles_controller is not None:
+                    alive = self.pools.any_alive("prefill", "decode")
+                else:
+                    alive = self.pools.any_alive(*roles) and (self.colocated or self.pools.any_alive("prefill"))
+                if not alive:
                     raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
                 prefer = job.prefer or ("", "")
                 # (a decode worker receives a prompt's whole KV: only a colocated one shares it)
@@ -321,8 +325,8 @@ class Router(pb_grpc.GenerationServicer):
                 # Disaggregated: the decode worker prefills a short prompt itself (placement.prefill_where)
                 # (from the prompt's part not cached there)
                 cached_d = min(view.cached.get(d.worker_id, 0), len(ids) - 1) if decode_view and d else 0
-                where, why = ("colocated", "") if self.colocated or d is None else ("pool", "cache_miss") \
-                    if missed else ("local", "no_pool") if self._no_prefill_pool() \
+                where, why = ("colocated", "") if self.colocated or d is None else ("local", "no_pool") \
+                    if self._no_prefill_pool() else ("pool", "cache_miss") if missed \
                     else prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens)
                 here = where != "pool"  # the decode (or colocated) worker prefills
                 p = None if here or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
@@ -358,7 +362,11 @@ class Router(pb_grpc.GenerationServicer):
                         if taken is False:
                             missed = True
                             continue
-                        if dw.state != "ready":  # lost while it answered: no Lost reaches this job
+                        if dw.state != "ready" or dw.role not in roles:
+                            # Lost while it answered (no Lost reaches this job), or began to drain
+                            # (retire, switch roles): the request must not stay there.
+                            if dw.state == "draining":
+                                dw.actor.abort.remote(job.key)
                             continue
                         job.placed(dw, dw, where if self.colocated else f"{where}:{why}")
                         self._placed(where, why, hit)
@@ -385,8 +393,9 @@ class Router(pb_grpc.GenerationServicer):
                 except TimeoutError:  # stalled (pools.call): it is being replaced; try the others
                     continue
                 pw = self.pools.workers.get(p.worker_id)
-                if dw.state != "ready" or pw is None or pw.state != "ready":
-                    # Either was lost (or drained) while decode answered: the loss reached no job
+                if dw.state != "ready" or pw is None or pw.state != "ready" or pw.role != "prefill" \
+                        or dw.role not in roles:
+                    # Either was lost (or drained, or switched roles) while decode answered: the loss reached no job
                     # of ours yet, so nothing would re-run this one. Free the reservation, again.
                     if dw.state in ("ready", "draining"):
                         dw.actor.abort.remote(job.key)

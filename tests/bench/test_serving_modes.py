@@ -63,3 +63,17 @@ def test_adaptive_ratios_compare_with_the_best_fixed_mode_and_colocated_chats(ca
     assert flat["p99_tpot_ratio_adaptive_vs_colocated_mix"] == pytest.approx(0.4)
     assert flat["role_switches"] == 1
     assert "adaptive / best fixed mode (colocated) = 1.50" in capsys.readouterr().out
+
+
+def test_on_a_sweep_goodput_is_the_highest_rate_within_the_slos_and_none_is_zero():
+    from bench.serving import _report
+    args = build_parser().parse_args(["--compare", "--modes", "colocated,adaptive", "--rates", "0.5,1"])
+
+    def sweep(best, tpot_chat):
+        runs = [{"rate": r, "summary": {"all": {"goodput_rps": 0.3}, "chat": {"tpot_ms_p99": tpot_chat}}}
+                for r in (0.5, 1.0)]
+        return {"runs": runs, "max_goodput_rate": best, "role_switches": []}
+    flat = _report({"colocated": sweep(1.0, 200.0), "adaptive": sweep(None, 90.0)}, args)
+    assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 0.0  # (not one run's requests/s)
+    flat = _report({"colocated": sweep(0.5, 200.0), "adaptive": sweep(1.0, 90.0)}, args)
+    assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 2.0

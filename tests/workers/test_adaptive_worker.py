@@ -66,6 +66,8 @@ def test_one_engine_prefills_for_a_peer_decodes_for_it_and_runs_its_own(model_pa
         assert [tokens[f"r{i}"] for i in range(3)] == want
         assert a.sender.stats.done == b.sender.stats.done == 1  # each side sent one and received one
         assert a.receiver.stats.done == b.receiver.stats.done == 1
+        both = a.sender.stats + a.receiver.stats  # (what its status reports: every transfer it took part in)
+        assert both.done == 2 and both.bytes == a.sender.stats.bytes + a.receiver.stats.bytes > 0
         for w in (a, b):
             assert w.engine.block_manager.num_used_blocks == 0 and not w.engine.has_unfinished()
 

@@ -1,0 +1,85 @@
+"""A role switch as the router's pools carry it out, without Ray: the worker leaves its pool at
+once, joins the other only when it holds nothing (no request of the router's, no admitting call
+in flight, nothing running, no block), gets the KV connections of its new role, and a worker
+lost on the way comes back in the new role. (On real actors: tests/cluster/test_adaptive.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.config import load_config
+from router.pools import Pools, Worker
+from worker.protocol import WorkerStatus
+
+
+def _pools() -> Pools:
+    pools = Pools(load_config(None, {"mode": "adaptive"}), "/nowhere", lambda w, r: None, lambda w: None)
+    pools.wired: list[tuple[str, str]] = []
+
+    async def wire(w):  # (the real one calls the actors: here it records who was wired as what)
+        pools.wired.append((w.worker_id, w.role))
+    pools._wire = wire
+    return pools
+
+
+def _status(**kw) -> WorkerStatus:
+    return WorkerStatus(role="adaptive", incarnation="i", pid=1, kv_blocks_used=kw.pop("used", 0), kv_blocks_total=64,
+                        block_size=16, **kw)
+
+
+def _report(w: Worker, **kw) -> None:
+    w.reported(_status(**kw))
+    w.last_seen = time.monotonic()
+
+
+async def _stop(pools: Pools) -> None:
+    for t in list(pools._tasks):
+        t.cancel()
+    await asyncio.gather(*pools._tasks, return_exceptions=True)
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout  # hang guard only: each step below takes a few polls
+    while not cond():
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+
+
+def test_a_switch_waits_for_what_the_worker_holds_then_joins_the_other_pool():
+    async def run():
+        pools = _pools()
+        w = pools.workers["decode-0"] = Worker("decode-0", "decode", None, state="ready", adaptive=True)
+        _report(w, running=1, used=4)
+        holding = {"job": True}
+        pools.reserved("decode-0", 2)  # a reserve in flight
+        assert pools.switch("decode", "prefill", lambda x: holding["job"]) is w
+        assert w.state == "draining" and w.role == "decode" and w.next_role == "prefill"
+        assert pools.switch("decode", "prefill", lambda x: False) is None  # no other ready decode worker
+        await asyncio.sleep(0.6)
+        _report(w)  # idle, but the router still holds a job there and the call is unreported
+        await asyncio.sleep(0.6)
+        assert w.state == "draining"
+        holding["job"] = False
+        await asyncio.sleep(0.6)
+        assert w.state == "draining"  # the reserve's call is not in any report yet
+        _report(w, admitted=1)
+        await _until(lambda: w.state == "ready")
+        assert (w.role, w.next_role) == ("prefill", None) and pools.wired == [("decode-0", "prefill")]
+        await _stop(pools)
+    asyncio.run(run())
+
+
+def test_a_worker_lost_while_it_switches_comes_back_in_its_new_role():
+    async def run():
+        pools = _pools()
+        lost = []
+        pools.on_lost = lost.append
+        pools._bring_up = lambda w: asyncio.sleep(0)  # (no actor to bring up here)
+        w = pools.workers["prefill-0"] = Worker("prefill-0", "prefill", None, state="ready", adaptive=True)
+        _report(w, running=1)
+        pools.switch("prefill", "decode", lambda x: False)
+        pools.lost(w, "test")
+        assert (w.state, w.role, w.next_role) == ("dead", "decode", None) and lost == [w]
+        await _stop(pools)
+    asyncio.run(run())
