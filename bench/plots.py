@@ -53,18 +53,7 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
     if switched:
         fig, ax = plt.subplots(figsize=(12, 3))
         for label, res in switched.items():
-            run = res["runs"][0]
-            t0, end = run["started"], max((r.end for r in run["results"]), default=run["started"])
-            # prefill workers over time: the size each switch left (an adaptive run starts with
-            # one; switches before the first request set where it starts)
-            n, pts = 1, []
-            for at, _, old, new in res["role_switches"]:
-                if at > t0 and not pts:
-                    pts.append((0.0, n))
-                n += (new == "prefill") - (old == "prefill")
-                if at > t0:
-                    pts.append((at - t0, n))
-            pts = (pts or [(0.0, n)]) + [(max(0.0, end - t0), n)]
+            _, pts = roles_over_time(res)
             ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=label)
         ax.set_xlabel("time since the first request (s)")
         ax.set_ylabel("prefill workers")
@@ -92,3 +81,22 @@ def _save(plt, fig, path: Path, ax=None) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def roles_over_time(res: dict) -> tuple[float, list[tuple[float, int]]]:
+    """(the first run's start, [(seconds since it, prefill workers)]) over every run of an
+    adaptive cluster: it starts with one prefill worker; switches before the first request set
+    where the line starts, switches after the last response are left out."""
+    runs = res["runs"]
+    t0 = runs[0]["started"]
+    end = max((r.end for run in runs for r in run["results"]), default=t0)
+    n, pts = 1, []
+    for at, _, old, new in sorted(res["role_switches"]):
+        if at > end:
+            break
+        if at > t0 and not pts:
+            pts.append((0.0, n))
+        n += (new == "prefill") - (old == "prefill")
+        if at > t0:
+            pts.append((at - t0, n))
+    return t0, (pts or [(0.0, n)]) + [(max(0.0, end - t0), n)]

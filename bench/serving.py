@@ -374,6 +374,11 @@ def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None
         return res["runs"][0]["summary"]["all"]["goodput_rps"]
     fixed = {label: goodput(label) for label in results if label in COMPARE and label != "adaptive"}
     flat["role_switches"] = len(results["adaptive"].get("role_switches", []))
+    if "role_switches" in results["adaptive"] and "started" in results["adaptive"]["runs"][0]:
+        from bench.plots import roles_over_time
+        # [seconds since the first measured request, prefill workers from then on]
+        flat["adaptive_prefill_workers_over_time"] = [[round(t, 1), n] for t, n in
+                                                      roles_over_time(results["adaptive"])[1]]
     if fixed:
         best = max(fixed, key=fixed.get)
         if fixed[best] > 0:

@@ -47,3 +47,15 @@ def test_an_adaptive_run_plots_its_roles_over_time(tmp_path):
     paths = plot_all({"adaptive": {"runs": [run], "role_switches": switches}}, str(tmp_path))
     assert [p.name for p in paths] == ["latency_cdf.png", "tpot_over_time.png", "roles_over_time.png"]
     assert paths[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_roles_over_time_start_at_the_first_request_and_stop_at_the_last_response():
+    from bench.plots import roles_over_time
+    run = _run(0.5, 0.3)
+    for r in run["results"]:
+        r.end = r.sent + 1.0  # the last response at 110.0
+    run["started"] = 100.0
+    switches = [(99.0, "p", "prefill", "decode"), (101.5, "p", "decode", "prefill"), (104.0, "p", "prefill", "decode"),
+                (150.0, "p", "decode", "prefill")]  # (the last one after every response: not drawn)
+    assert roles_over_time({"runs": [run], "role_switches": switches}) == (
+        100.0, [(0.0, 0), (1.5, 1), (4.0, 0), (10.0, 0)])
