@@ -88,8 +88,9 @@ def roles_over_time(res: dict) -> tuple[float, list[tuple[float, int]]]:
     adaptive cluster: it starts with one prefill worker; switches before the first request set
     where the line starts, switches after the last response are left out."""
     runs = res["runs"]
-    t0 = runs[0]["started"]
-    end = max((r.end for run in runs for r in run["results"]), default=t0)
+    t0 = runs[0]["started"]  # (wall clock, as the switches' times; a result's are perf_counter's)
+    end = max((run["started"] + max(r.end for r in run["results"]) - min(r.sent for r in run["results"])
+               for run in runs if run["results"]), default=t0)
     n, pts = 1, []
     for at, _, old, new in sorted(res["role_switches"]):
         if at > end:

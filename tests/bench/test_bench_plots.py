@@ -59,3 +59,15 @@ def test_roles_over_time_start_at_the_first_request_and_stop_at_the_last_respons
                 (150.0, "p", "decode", "prefill")]  # (the last one after every response: not drawn)
     assert roles_over_time({"runs": [run], "role_switches": switches}) == (
         100.0, [(0.0, 0), (1.5, 1), (4.0, 0), (10.0, 0)])
+
+
+def test_roles_over_time_take_the_runs_span_from_their_own_clock():
+    """Switch times are wall-clock (the router's), a result's times perf_counter's: the span
+    comes from each run's results, placed at the run's wall-clock start."""
+    from bench.plots import roles_over_time
+    run = _run(0.5, 0.3)
+    for r in run["results"]:
+        r.end = r.sent + 1.0  # perf_counter: the run spans 100.0 .. 110.0
+    run["started"] = 1_700_000_000.0
+    switches = [(1_700_000_002.0, "p", "prefill", "decode"), (1_700_000_050.0, "p", "decode", "prefill")]
+    assert roles_over_time({"runs": [run], "role_switches": switches})[1] == [(0.0, 1), (2.0, 0), (10.0, 0)]
