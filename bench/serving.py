@@ -160,9 +160,9 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
     (a callable: KV bytes the decode workers received so far), the MB each run moved."""
     runs = []
     if args.warmup:
-        # Not counted: a fresh cluster's first requests pay one-time costs (kernels compiled
-        # or JIT-ed for new shapes, first allocations), 5-15 s on the 2-core machine. Other
-        # prompts than the measured ones (another seed): no prefix of theirs is warmed.
+        # Not counted: a fresh cluster's first requests are slow (the first took 10-15 s on the
+        # 2-core machine in every mode). Other prompts than the measured ones (another seed): no
+        # prefix of theirs is warmed.
         warm = make_workload(args.warmup, args.dataset, vocab, args.seed + 1, args.prompt_tokens, args.max_tokens,
                              args.long_share, args.long_tokens, args.prefix_groups, args.prefix_tokens)
         asyncio.run(run(server, warm, concurrency=2, seed=args.seed + 1))
@@ -299,8 +299,6 @@ def _kv_bytes(cluster):
     """KV bytes the cluster's decode workers have received (their latest status reports; every
     transfer of a finished request is complete, so it is counted once the worker reports
     again: waits for one heartbeat)."""
-    import time
-
     def total() -> int:
         time.sleep(2.0)  # (a report follows every step and at least every heartbeat)
         return sum(w.status.kv_transfer.bytes for w in list(cluster.router.pools.workers.values())

@@ -76,7 +76,6 @@ class DecodeCalls:
         return self._call(submit_if_cached)
 
 
-
 @ray.remote
 class DecodeActor(DecodeCalls, WorkerActor):
     role = "decode"  # "colocated" when it also prefills

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,13 @@ class Worker:
         queued = s.queued_prompt_tokens + sum(t for _, _, t in self.pending)
         return WorkerLoad(self.worker_id, self.role, max(0, free), s.kv_blocks_total, s.block_size,
                           queued, s.remaining_decode_tokens, accepting=self.state == "ready")
+
+
+def _least_loaded(workers: Iterable[Worker]) -> Worker | None:
+    """The worker holding the fewest KV blocks, then running the fewest requests (the cheapest
+    to drain); None if there is none."""
+    return min(workers, key=lambda w: (w.status.kv_blocks_used, w.status.running, w.worker_id) if w.status
+               else (0, 0, w.worker_id), default=None)
 
 
 def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
@@ -204,11 +211,9 @@ class Pools(Liveness):
         """Stop placing on one worker of the pool (the least loaded) and retire it once it
         holds nothing: no request of the router's (``holds``), nothing running or waiting, no
         KV block (so its transfers ended). None if the pool has no ready worker."""
-        ready = [w for w in self.workers.values() if w.role == role and w.state == "ready"]
-        if not ready:
+        w = _least_loaded(w for w in self.workers.values() if w.role == role and w.state == "ready")
+        if w is None:
             return None
-        w = min(ready, key=lambda w: (w.status.kv_blocks_used, w.status.running, w.worker_id) if w.status
-                else (0, 0, w.worker_id))
         w.state = "draining"
         self._spawn(self._retire(w, holds), f"retire-{w.worker_id}")
         return w
@@ -219,12 +224,10 @@ class Pools(Liveness):
         or the least loaded ready one. It takes no new work at once (draining), and joins the
         other pool, the same process, once it holds nothing (as for retiring). None: no such
         worker."""
-        ready = [w for w in self.workers.values() if w.adaptive and w.role == old and w.state == "ready"
-                 and worker_id in (None, w.worker_id)]
-        if not ready:
+        w = _least_loaded(w for w in self.workers.values() if w.adaptive and w.role == old and w.state == "ready"
+                          and worker_id in (None, w.worker_id))
+        if w is None:
             return None
-        w = min(ready, key=lambda w: (w.status.kv_blocks_used, w.status.running, w.worker_id) if w.status
-                else (0, 0, w.worker_id))
         w.state, w.next_role = "draining", new
         self._spawn(self._switch(w, holds), f"switch-{w.worker_id}")
         return w

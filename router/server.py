@@ -395,8 +395,9 @@ class Router(pb_grpc.GenerationServicer):
                 pw = self.pools.workers.get(p.worker_id)
                 if dw.state != "ready" or pw is None or pw.state != "ready" or pw.role != "prefill" \
                         or dw.role not in roles:
-                    # Either was lost (or drained, or switched roles) while decode answered: the loss reached no job
-                    # of ours yet, so nothing would re-run this one. Free the reservation, again.
+                    # Either was lost (or drained, or switched roles) while decode answered: the
+                    # loss reached no job of ours yet, so nothing would re-run this one. Free the
+                    # reservation, again.
                     if dw.state in ("ready", "draining"):
                         dw.actor.abort.remote(job.key)
                     continue

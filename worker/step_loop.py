@@ -15,10 +15,8 @@ the admitting call) is dropped here when it passes, even if the router's abort n
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import logging
-import operator
 import os
 import threading
 import time
@@ -30,6 +28,7 @@ from typing import Any
 from engine.llm_engine import RequestOutput
 from engine.quant import quantization_name
 from engine.request import RequestStatus
+from kvtransfer.base import TransferStats
 from worker.protocol import Failed, Key, ModelInfo, Record, Report, Tokens, WorkerStatus, encode_report
 
 log = logging.getLogger("pdserve.worker")
@@ -363,7 +362,7 @@ class StepLoop:
             tokens_per_s=tokens / TOKEN_RATE_WINDOW_S, generated_tokens=self._generated,
             prefix_query_tokens=bm.prefix_queries, prefix_hit_tokens=bm.prefix_hits,
             admitted=self.admitted, metrics_address=self.metrics_address,
-            kv_transfer=functools.reduce(operator.add, sides[1:], dataclasses.replace(sides[0])) if sides else None,
+            kv_transfer=sum(sides, TransferStats()) if sides else None,
             speculative=eng.spec.stats() if getattr(eng, "spec", None) is not None else None)
 
     def model_info(self) -> ModelInfo:
