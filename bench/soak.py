@@ -27,14 +27,30 @@ from bench.chaos import FAULT_KINDS, Chaos, cluster_config, log, run_chaos
 
 
 def rss_mb(pid: int) -> float | None:
+    return memory(pid).get("rss")
+
+
+# /proc/<pid>/status fields, in kB: the resident set and its split. Anonymous memory is the
+# heap (malloc, torch); shmem is mapped shared segments (UCX's shared-memory transports map
+# their peers' segments), file is code and mapped files.
+_FIELDS = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+
+
+def memory(pid: int) -> dict[str, float]:
+    """MB by kind (``rss``, ``anon``, ``file``, ``shmem``) and ``sysv``: the SysV shared-memory
+    segments mapped (a count); {} if the process is gone."""
+    out: dict[str, float] = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+                key = line.split(None, 1)[0] if line.strip() else ""
+                if key in _FIELDS:
+                    out[_FIELDS[key]] = int(line.split()[1]) / 1024
+        with open(f"/proc/{pid}/maps") as f:
+            out["sysv"] = sum(1 for line in f if "SYSV" in line)
+    except (OSError, ValueError):
+        return {}
+    return out
 
 
 def slope_per_h(series: list[tuple[float, float]]) -> tuple[float, float]:
@@ -56,6 +72,7 @@ class Soak(Chaos):
     def __init__(self, cluster, args) -> None:
         super().__init__(cluster, args)
         self.samples: dict[str, list[tuple[float, float]]] = {}  # "name pid" -> (t, MB)
+        self.parts: dict[str, list[tuple[float, dict]]] = {}  # "name pid" -> (t, memory())
         self.t0 = time.monotonic()
 
     def sample(self) -> None:
@@ -63,8 +80,9 @@ class Soak(Chaos):
         procs = {f"router {os.getpid()}": os.getpid()}
         procs.update({f"{w['id']} {w['pid']}": w["pid"] for w in self.workers() if w["pid"]})
         for name, pid in procs.items():
-            if (mb := rss_mb(pid)) is not None:
-                self.samples.setdefault(name, []).append((now, mb))
+            if (m := memory(pid)).get("rss") is not None:
+                self.samples.setdefault(name, []).append((now, m["rss"]))
+                self.parts.setdefault(name, []).append((now, m))
 
     def _sampler(self) -> None:
         while not self.done.is_set():
@@ -104,6 +122,10 @@ class Soak(Chaos):
                          "stderr_mb_per_h": round(se, 2), "second_half_mb_per_h": round(late, 2),
                          "series": [(round(t), round(m, 1)) for t, m in kept[::max(1, len(kept) // 30)]],
                          "flat": abs(slope) <= max(2 * se, self.args.flat_mb_per_h)}
+            parts = [m for t, m in self.parts.get(name, []) if t >= self.args.warmup_s]
+            if parts:  # where the change is: heap (anon), shared segments (shmem, sysv), files
+                out[name]["change"] = {k: round(parts[-1].get(k, 0) - parts[0].get(k, 0), 1)
+                                       for k in ("anon", "shmem", "file", "sysv")}
         return out
 
 
@@ -120,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=120.0, help="RSS before this is not fitted (default 120)")
     p.add_argument("--flat-mb-per-h", type=float, default=5.0,
                    help="growth this small counts as flat whatever the noise (default 5 MB/h)")
+    p.add_argument("--samples-out", default=None,
+                   help="write every memory sample and fault time here as JSON (to attribute steps to faults)")
     p.set_defaults(requests=0, faults_per_kind=0)
     return p
 
@@ -146,12 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         import ray
         ray.shutdown()
     growth = soak.growth()
+    if args.samples_out:
+        with open(args.samples_out, "w") as f:
+            json.dump({"memory": soak.parts, "faults": [(x.kind, x.worker, round(x.at - soak.t0, 1))
+                                                        for x in soak.run.faults]}, f)
     out.update(rss=growth, max_growth_mb_per_h=max((g["growth_mb_per_h"] for g in growth.values()), default=None),
                all_flat=all(g["flat"] for g in growth.values()), duration_s=args.duration_s)
     for name, g in sorted(growth.items()):
         print(f"{name:<24}{g['rss_mb_first']:>9.1f} MB -> {g['rss_mb_last']:>7.1f} MB over {g['minutes']:>5.1f} min: "
               f"{g['growth_mb_per_h']:+8.2f} ± {g['stderr_mb_per_h']:.2f} MB/h (second half {g['second_half_mb_per_h']:+.2f}) "
-              f"{'flat' if g['flat'] else 'GROWS'}")
+              f"{'flat' if g['flat'] else 'GROWS'}"
+              + (" (" + ", ".join(f"{k} {v:+g}" for k, v in g["change"].items()) + ")" if "change" in g else ""))
     print(f"requests {out['requests']} (identical {out['completed_identical']}, errored {out['errored']}, wrong "
           f"{out['wrong']}, hung {out['hung']}), faults {out['faults']}, leaked blocks {out['leaked_blocks']}")
     print(json.dumps(out))

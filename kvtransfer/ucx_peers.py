@@ -27,8 +27,10 @@ remote"). An endpoint per connection grew a prefill worker's RSS by 10-33 MB per
 (disconnect, drop, idle) therefore closes nothing. An endpoint is closed for good
 only when a send on it failed (``discard``), when the process at its address has surely exited
 (checked as a connection starts: a kept endpoint would take messages to a dead peer silently,
-where making a new one fails at once), past ``MAX_PEERS`` endpoints (least recently connected
-first), and when the transport closes (``close_all``).
+where making a new one fails at once; and every ``PRUNE_EVERY_S`` for every kept endpoint whose
+process is known: a restarted peer comes back at a new address, so the dead one's endpoint
+would otherwise be kept, with what UCX holds for it, until ``MAX_PEERS``), past ``MAX_PEERS``
+endpoints (least recently connected first), and when the transport closes (``close_all``).
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class PeerTable:
     def __init__(self, make: Callable[[bytes], object], close: Callable[[object], None]) -> None:
         self._make, self._close = make, close
         self._peers: dict[int, Peer] = {}
-        self._eps: dict[bytes, object] = {}  # least recently connected first
+        # address -> (endpoint, its process if known); least recently connected first
+        self._eps: dict[bytes, tuple[object, str | None]] = {}
         self._next_prune = 0.0
 
     def get(self, uid: int) -> Peer | None:
@@ -123,29 +126,35 @@ class PeerTable:
                 del self._peers[uid]
             elif idle > ENDPOINT_IDLE_S:
                 p.ep = None
+        for address, (ep, process) in list(self._eps.items()):
+            if process is not None and process_gone(process):  # its peer died: nobody will use it
+                del self._eps[address]
+                self._retire(ep)
 
     def new_connection(self, p: Peer) -> None:
         """Set ``p.ep`` for a new connection to ``p``: the endpoint kept for its address, unless
         its process has surely exited, else a new one. Raises what ``make`` raises (nothing kept)."""
-        ep = self._eps.pop(p.address, None)
-        if ep is not None and p.process is not None and process_gone(p.process):
+        ep, process = self._eps.pop(p.address, (None, None))
+        process = p.process or process
+        if ep is not None and process is not None and process_gone(process):
             self._retire(ep)  # making a new one reports it unreachable
             ep = None
         if ep is None:
             ep = self._make(p.address)
-        self._eps[p.address] = p.ep = ep
+        self._eps[p.address] = (ep, process)
+        p.ep = ep
         while len(self._eps) > MAX_PEERS:
-            self._retire(self._eps.pop(next(iter(self._eps))))
+            self._retire(self._eps.pop(next(iter(self._eps)))[0])
 
     def discard(self, ep: object) -> None:
         """Close a broken endpoint for good: the next connection to its address makes a new one."""
-        for address in [a for a, e in self._eps.items() if e is ep]:
+        for address in [a for a, (e, _) in self._eps.items() if e is ep]:
             del self._eps[address]
             self._retire(ep)
 
     def close_all(self) -> None:
         """Close every endpoint and forget every peer (the transport is closing)."""
-        for ep in self._eps.values():
+        for ep, _ in self._eps.values():
             self._close(ep)
         self._eps.clear()
         self._peers.clear()

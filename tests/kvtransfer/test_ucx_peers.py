@@ -1,7 +1,8 @@
 """The UCX transport's peer table (kvtransfer/ucx_peers.py): it stays bounded as peers come and
 go, never forgets a peer whose next message would not bring its address back, and keeps one
 endpoint per address for every connection to it (closed for good only when broken, when its
-process has exited, past MAX_PEERS addresses, or at close)."""
+process has exited (at the next connection to it or the next prune), past MAX_PEERS addresses,
+or at close)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,23 @@ def test_a_kept_endpoint_is_not_reused_once_its_process_has_exited():
     except ConnectionError:
         pass
     assert ucx.closed == ["ep0-a"] and t.num_endpoints == 0 and t.get(1).ep is None
+
+
+def test_a_kept_endpoint_whose_process_exited_is_closed_by_the_next_prune():
+    """A restarted peer comes back at a new address: nothing would ever connect to the dead one's
+    again, so its endpoint (and what UCX holds for it) goes once its process is surely gone."""
+    ucx = FakeUcx()
+    t = ucx.table()
+    for uid, address, process in ((1, b"dead", _exited_process()), (2, b"alive", this_process()), (3, b"unknown", None)):
+        t.dial(uid, address, process, 0.0)
+        t.new_connection(t.get(uid))  # (the dead one's made before its process is checked: a new endpoint)
+        t.forget(uid)  # disconnected: the endpoint stays for the next connection to the address
+    assert t.num_endpoints == 3 and ucx.closed == []
+    t.prune(0.0)
+    assert ucx.closed == ["ep0-dead"] and t.num_endpoints == 2  # alive and unknowable: kept
+    t.dial(2, b"alive", None, 1.0)  # a later connection that does not say its process: the kept one's is used
+    t.new_connection(t.get(2))
+    assert t.get(2).ep == "ep1-alive" and ucx.made == ["ep0-dead", "ep1-alive", "ep2-unknown"]
 
 
 def test_past_max_peers_endpoints_the_least_recently_connected_one_is_closed(monkeypatch):

@@ -1,0 +1,50 @@
+"""bench/soak.py's memory sampling: the resident set split by kind adds up to it, and a SysV
+shared-memory segment mapped into the process is counted (UCX's shared-memory transports map
+their peers' segments that way: the soak tells those apart from heap growth)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from bench.soak import memory
+
+IPC_PRIVATE, IPC_CREAT, IPC_RMID = 0, 0o1000, 0
+
+
+def test_kinds_add_up_to_the_resident_set():
+    m = memory(os.getpid())
+    # VmRSS is by definition RssAnon + RssFile + RssShmem, each in whole kB: exact in MB floats
+    # up to float rounding of three kB/1024 divisions.
+    assert abs(m["anon"] + m["file"] + m["shmem"] - m["rss"]) < 1e-6 and m["anon"] > 0
+
+
+def test_a_mapped_sysv_segment_is_counted_and_its_touched_pages_are_shmem():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    libc.shmdt.argtypes = [ctypes.c_void_p]
+    size = 8 << 20
+    before = memory(os.getpid())
+    shmid = libc.shmget(IPC_PRIVATE, ctypes.c_size_t(size), IPC_CREAT | 0o600)
+    assert shmid >= 0, os.strerror(ctypes.get_errno())
+    addr = libc.shmat(shmid, None, 0)
+    try:
+        libc.shmctl(shmid, IPC_RMID, None)  # gone once detached, whatever happens below
+        ctypes.memset(addr, 1, size)  # touch every page: resident now
+        during = memory(os.getpid())
+        assert during["sysv"] == before["sysv"] + 1
+        # 8 MB touched; other shared pages of this process may come or go meanwhile (none here
+        # do on their own, but allow 1 MB either way rather than assume it).
+        assert abs(during["shmem"] - before["shmem"] - 8) < 1
+    finally:
+        libc.shmdt(ctypes.c_void_p(addr))
+    assert memory(os.getpid())["sysv"] == before["sysv"]
+
+
+def test_a_process_that_is_gone_reads_as_nothing():
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert memory(p.pid) == {}
