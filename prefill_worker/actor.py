@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ray
 
+from engine import PREFILL_ONEDNN_CACHE_ENTRIES
 from engine.request import SamplingParams
 from worker.actor import WorkerActor
 from worker.protocol import Key, Record, Reservation
@@ -60,6 +61,7 @@ class PrefillCalls:
 @ray.remote
 class PrefillActor(PrefillCalls, WorkerActor):
     role = "prefill"
+    onednn_cache_entries = PREFILL_ONEDNN_CACHE_ENTRIES  # its row counts are prompt lengths
 
     def _make(self, engine, new_transport, lease_s, options, auth):
         from prefill_worker.worker import PrefillWorker

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from engine import ONEDNN_CACHE_ENTRIES, bound_onednn_caches
 from engine.config import EngineConfig
 from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport
@@ -19,9 +20,14 @@ from worker.step_loop import StepLoop, WorkerOptions
 class WorkerActor(StepLoop):
     """Base of ``PrefillActor``, ``DecodeActor`` and ``AdaptiveActor`` (each wrapped by ``ray.remote``)."""
 
+    # oneDNN's per-shape caches (engine/__init__.py): the role's size, set before the engine
+    # makes its first primitive.
+    onednn_cache_entries = ONEDNN_CACHE_ENTRIES
+
     def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
         import ray
         import torch
+        bound_onednn_caches(self.onednn_cache_entries)
 
         from engine.llm_engine import LLMEngine
         from kvtransfer.base import get_transport

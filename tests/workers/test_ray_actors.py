@@ -47,6 +47,13 @@ def test_prefill_and_decode_actors_serve_greedy_requests(ray_session, model_path
             cores = ray.get(prefill.__ray_call__.remote(threads))
             assert cores["kv-stream"] == cores["ucx-progress"] == {last}
             assert last not in cores["step-loop"] and cores["step-loop"]
+        def onednn(self) -> list[str]:  # runs in the actor: its oneDNN cache sizes
+            return [os.environ.get(v) for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")]
+        from engine import ONEDNN_CACHE_ENTRIES, PREFILL_ONEDNN_CACHE_ENTRIES
+        # The actors inherit this process's environment, engine defaults included: the prefill
+        # actor's row counts are prompt lengths, so it runs with the small size (engine/__init__.py).
+        assert ray.get(prefill.__ray_call__.remote(onednn)) == [str(PREFILL_ONEDNN_CACHE_ENTRIES)] * 2
+        assert ray.get(decode.__ray_call__.remote(onednn)) == [str(ONEDNN_CACHE_ENTRIES)] * 2
         address = ray.get(decode.address.remote())
         ray.get(prefill.connect.remote(address))
         for rid, text in zip(want, PROMPTS):
