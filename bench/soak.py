@@ -37,8 +37,8 @@ _FIELDS = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:":
 
 
 def memory(pid: int) -> dict[str, float]:
-    """MB by kind (``rss``, ``anon``, ``file``, ``shmem``) and ``sysv``: the SysV shared-memory
-    segments mapped (a count); {} if the process is gone."""
+    """MB by kind (``rss``, ``anon``, ``file``, ``shmem``) and ``sysv``: how many SysV shared-memory
+    mappings it has; {} if the process is gone."""
     out: dict[str, float] = {}
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -46,10 +46,13 @@ def memory(pid: int) -> dict[str, float]:
                 key = line.split(None, 1)[0] if line.strip() else ""
                 if key in _FIELDS:
                     out[_FIELDS[key]] = int(line.split()[1]) / 1024
-        with open(f"/proc/{pid}/maps") as f:
-            out["sysv"] = sum(1 for line in f if "SYSV" in line)
     except (OSError, ValueError):
         return {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            out["sysv"] = sum(1 for line in f if "SYSV" in line)
+    except OSError:  # (another user's process): the RSS sample stands without it
+        pass
     return out
 
 

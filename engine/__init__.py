@@ -23,20 +23,20 @@ ONEDNN_CACHE_ENTRIES = 128
 # noise). 16 still holds a chunked prompt's full-chunk shape and one tail (7 primitives each).
 PREFILL_ONEDNN_CACHE_ENTRIES = 16
 _ONEDNN_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-# Which of them pdserve set (a process's children, Ray's local workers, inherit the values
-# with this list): those are defaults a worker may change; any other value is the user's.
+# What pdserve set them to (``VAR=value,...``): a process's children, Ray's local workers, inherit
+# it with them. A variable still at the value recorded there is a default a worker may change;
+# any other value is the user's.
 _DEFAULTED = "PDSERVE_ONEDNN_CACHE_DEFAULTED"
 
 
 def bound_onednn_caches(entries: int) -> None:
     """Size both oneDNN caches to ``entries`` unless the user's environment sized them (that
     wins). Takes effect only before the process's first oneDNN primitive."""
-    ours = set(filter(None, os.environ.get(_DEFAULTED, "").split(",")))
+    ours = dict(kv.split("=", 1) for kv in os.environ.get(_DEFAULTED, "").split(",") if "=" in kv)
     for var in _ONEDNN_VARS:
-        if var not in os.environ or var in ours:
-            os.environ[var] = str(entries)
-            ours.add(var)
-    os.environ[_DEFAULTED] = ",".join(sorted(ours))
+        if not os.environ.get(var) or ours.get(var) == os.environ[var]:
+            os.environ[var] = ours[var] = str(entries)
+    os.environ[_DEFAULTED] = ",".join(f"{k}={v}" for k, v in sorted(ours.items()))
 
 
 bound_onednn_caches(ONEDNN_CACHE_ENTRIES)

@@ -205,6 +205,8 @@ def process_gone(process: str) -> bool:
         state, started = _stat(int(pid))
         return started != start or state in ("Z", "X", "x")  # exited, not yet reaped: a zombie
     except FileNotFoundError:
-        return True  # no such process any more
+        # No such process any more, unless /proc hides other users' processes (hidepid): then
+        # init is hidden too, and a missing pid tells nothing.
+        return os.path.exists("/proc/1/stat")
     except (OSError, IndexError):
         return False

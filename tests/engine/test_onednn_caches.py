@@ -33,7 +33,11 @@ def test_a_worker_resizes_pdserves_defaults_even_when_inherited_but_never_the_us
     resize = "engine.bound_onednn_caches(16)"
     assert _run({}, resize) == ["16", "16"]
     # A Ray worker process inherits the driver's environment, defaults and all: still ours.
-    inherited = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128", MARK: ",".join(VARS)}
+    inherited = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128",
+                 MARK: "LRU_CACHE_CAPACITY=128,ONEDNN_PRIMITIVE_CACHE_CAPACITY=128"}
     assert _run(inherited, resize) == ["16", "16"]
     # The user sized one of them (to our default's value, even): that one stays.
     assert _run({"LRU_CACHE_CAPACITY": "128"}, resize) == ["16", "128"]
+    # ... also when they changed it after a pdserve process had set it (the mark inherited).
+    assert _run({**inherited, "LRU_CACHE_CAPACITY": "512"}, resize) == ["16", "512"]
+    assert _run({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": ""}, resize)[0] == "16"  # empty: not a size
