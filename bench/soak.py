@@ -26,10 +26,6 @@ from collections.abc import Sequence
 from bench.chaos import FAULT_KINDS, Chaos, cluster_config, log, run_chaos
 
 
-def rss_mb(pid: int) -> float | None:
-    return memory(pid).get("rss")
-
-
 # /proc/<pid>/status fields, in kB: the resident set and its split. Anonymous memory is the
 # heap (malloc, torch); shmem is mapped shared segments (UCX's shared-memory transports map
 # their peers' segments), file is code and mapped files.
