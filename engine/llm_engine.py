@@ -110,7 +110,8 @@ class LLMEngine:
         # in activation width): logged once, reported in model info
         from engine.quant.cpu_kernels import report
         st = getattr(self.model, "single_token", None)
-        self.kernels = report(self.model, single_token=st is not None, rows=st.max_rows if st is not None else 1)
+        self.kernels = report(self.model, single_token=st.kernel if st is not None else None,
+                              rows=st.max_rows if st is not None else 1)
         log.info("kernels: %s", self.kernels)
         self.load_seconds = time.monotonic() - t0
 

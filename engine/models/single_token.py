@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -44,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
+from engine.models.native import NativeLayers, int4_weights as native_int4_weights, library as native_library
+from engine.models.native import supported as native_supported
 from engine.quant.formats import interleave4
 
 log = logging.getLogger(__name__)
@@ -210,9 +213,10 @@ class SingleTokenDecoder:
                      (f"{i}.d", m.down_proj)]
         mods.append(("head", model.lm_head))
         self._mods, self._weights = mods, self._into_huge_pages(mods)
-        self.sync()
         self.ln1 = [l.input_layernorm.weight for l in model.layers]
         self.ln2 = [l.post_attention_layernorm.weight for l in model.layers]
+        self.native: NativeLayers | None = None  # set by warm_up where the native kernels serve
+        self.sync()
 
     def sync(self) -> None:
         """(Re)build each linear's tuple from its module: after a module's activation dtype
@@ -229,6 +233,37 @@ class SingleTokenDecoder:
                 self.lin[name] = (weights[name], mod._scales_zeros, mod.group_size, bias)
             else:
                 self.lin[name] = (weights[name], torch.ones(n), torch.zeros(n), bias)
+        if self.native is not None:
+            self.native = self._native_layers(self.native.lib)
+
+    def _native_lin(self, lanes: int) -> dict[str, tuple]:
+        """The linears as the native kernels read them: fp32 and INT8 as they are here; INT4 in
+        the kernels' own layout (a second copy of the INT4 weights, in huge pages: torch's
+        int4pack layout differs between ISAs and serves the batched steps)."""
+        mods = {n: m for n, m in self._mods if _is_int4(m)}
+        if not mods:
+            return self.lin
+        qws = {n: m.quantized_weight() for n, m in mods.items()}
+        buf = hugepage_empty(sum(qw.q.numel() // 2 for qw in qws.values()), torch.uint8)
+        out, pos = dict(self.lin), 0
+        for name, qw in qws.items():
+            n, k = qw.q.shape
+            if qw.group_size % (2 * lanes) or k % qw.group_size:
+                return {}  # a layout the kernels do not read: the caller keeps the compiled graphs
+            view = buf[pos:pos + n * k // 2].view(n, k // 2)
+            pos += n * k // 2
+            w, s, z = native_int4_weights(qw.q, qw.scale.view(n, -1), qw.zero.view(n, -1), qw.group_size, lanes, view)
+            out[name] = (w, s, z, self.lin[name][3], qw.group_size)
+        return out
+
+    def _native_layers(self, lib, lin: dict[str, tuple] | None = None) -> NativeLayers:
+        return NativeLayers(lib, lin if lin is not None else self._native_lin(lib.pd_vector_width()), self.ln1,
+                            self.ln2, self.model.norm.weight, self.eps, self.nq, self.nkv, self.max_rows)
+
+    @property
+    def kernel(self) -> str:
+        """What runs these steps: "native" (engine/models/native_decode.c) or "compiled"."""
+        return "native" if self.native is not None else "compiled"
 
     def _into_huge_pages(self, mods: list[tuple[str, nn.Module]]) -> dict[str, torch.Tensor]:
         """Each linear's weight in one huge-page buffer per dtype: fp32 weights copied (the
@@ -280,11 +315,18 @@ class SingleTokenDecoder:
     def warm_up(self) -> bool:
         """Compile every graph now (with dummy inputs), so no request waits for it.
 
+        Where every linear is fp32 or INT8 and the native kernels build here, those serve and
+        nothing is compiled (``PDSERVE_NATIVE_DECODE=0`` keeps the compiled graphs, to compare).
         Returns False (and logs why) when compiling fails, e.g. no C++ compiler on the machine:
         the caller then keeps the eager path.
         """
+        lib = native_library() if os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0" else None
         try:
-            self._run_once()
+            lin = self._native_lin(lib.pd_vector_width()) if lib is not None else {}
+            if lin and all(native_supported(t, lib.pd_vector_width()) for t in lin.values()):
+                self.native = self._native_layers(lib, lin)
+            else:
+                self._run_once()
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the eager path"
             log.warning("compiled one-token decode path unavailable, using eager: %s", str(e).splitlines()[0])
             return False
@@ -329,6 +371,8 @@ class SingleTokenDecoder:
         m, lin = self.model, self.lin
         if not 1 <= input_ids.shape[0] <= self.max_rows:
             raise ValueError(f"{input_ids.shape[0]} tokens: the compiled path runs 1..{self.max_rows}")
+        if self.native is not None:
+            return self._forward_native(input_ids, positions, meta, kv_caches, layer_done)
         cos, sin = m.rotary.cos[positions][:, None], m.rotary.sin[positions][:, None]
         h = m.embed_tokens.weight[input_ids]
         pre, post_pre, post = _compiled("_pre"), _compiled("_post_pre"), _compiled("_post")
@@ -346,8 +390,40 @@ class SingleTokenDecoder:
                 h = post(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"], self.eps)
         return h
 
+    def _forward_native(self, input_ids, positions, meta, kv_caches, layer_done) -> torch.Tensor:
+        m, nat = self.model, self.native
+        nat.set_threads(torch.get_num_threads())
+        rows, nq, nkv = input_ids.shape[0], self.nq, self.nkv
+        cos, sin = m.rotary.cos[positions].contiguous(), m.rotary.sin[positions].contiguous()
+        h = m.embed_tokens.weight[input_ids].contiguous()  # a fresh tensor: updated in place below
+        qkv = nat.pre(h, cos, sin)
+        last = len(m.layers) - 1
+        a0 = m.layers[0].self_attn
+        if nat.attends(a0.backend, kv_caches):  # attention read in place from the paged cache too
+            attn, keep = nat.step_attention(meta, positions, a0.scale)
+            attn_p = ctypes.addressof(attn)
+            for i in range(last + 1):
+                nat.layer(i, i == last, h, qkv, cos, sin, attn_p, kv_caches[i])
+                if layer_done is not None:
+                    layer_done(i)
+            del keep
+            return h
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            o = a.backend.forward(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:], kv_caches[i], meta,
+                                  a.scale).reshape(rows, -1).contiguous()
+            if layer_done is not None:
+                layer_done(i)
+            if i < last:
+                qkv = nat.post_pre(i, h, o, cos, sin)
+            else:
+                nat.post(i, h, o)
+        return h
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> fp32 logits [T, vocab] (final norm + LM head as one pass)."""
         if not 1 <= hidden.shape[0] <= self.max_rows:
             raise ValueError(f"{hidden.shape[0]} rows: the compiled path runs 1..{self.max_rows}")
+        if self.native is not None:
+            return self.native.logits(hidden)
         return _compiled("_logits")(hidden, self.model.norm.weight, self.lin["head"], self.eps)

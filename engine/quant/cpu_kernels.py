@@ -15,12 +15,13 @@ accuracy:
         ``ONEDNN_MAX_CPU_ISA`` can force a smaller ISA; ``ATEN_CPU_CAPABILITY`` does not reach them).
     INT8 weight-only (``_weight_int8pack_mm``, bf16 activations): the same arithmetic on every
         class (measured bit-equal outputs under AVX2 and AVX-512 dispatch): the output is rounded
-        to bf16, a relative error of up to 2^-8 per output, on any CPU. The compiled one-token
-        GEMV (engine/models/single_token.py) reads the same int8 weights with fp32 activations
-        and accumulation: exact INT8 arithmetic up to fp32 summation order. So an INT8 greedy
-        output can differ at a near-tie between a step of few tokens (the GEMV: up to
-        ``EngineConfig.compiled_rows``) and a larger one (int8pack): seen on a Xeon with AMX,
-        with speculation's verify steps.
+        to bf16, a relative error of up to 2^-8 per output, on any CPU. The small-step GEMV
+        (engine/models/native_decode.c, or the compiled graphs of single_token.py) reads the
+        same int8 weights with fp32 activations and accumulation: exact INT8 arithmetic up to
+        fp32 summation order. So an INT8 greedy output can differ at a near-tie between a step
+        of few tokens (the GEMV: up to ``EngineConfig.compiled_rows``) and a larger one
+        (int8pack): seen on a Xeon with AMX, with speculation's verify steps. INT4 likewise:
+        the native GEMV applies int4pack's weights (bf16-rounded scales) to fp32 activations.
 
 :func:`report` is the one-line summary a worker logs at load and puts in its model info.
 """
@@ -110,29 +111,36 @@ def w8a8_reduce_range() -> bool:
     return reduce
 
 
-def report(model: torch.nn.Module | None = None, single_token: bool = False, rows: int = 1) -> str:
-    """One line: the CPU class and the kernel each quantized format of ``model`` runs here
-    (``single_token``: with the compiled path for steps of up to ``rows`` tokens).
+def report(model: torch.nn.Module | None = None, single_token: str | None = None, rows: int = 1) -> str:
+    """One line: the CPU class and the kernel each quantized format of ``model`` runs here, with
+    the small-step decode path where there is one (``single_token``: "native" for
+    engine/models/native_decode.c, "compiled" for the torch.compile'd graphs; steps of up to
+    ``rows`` tokens).
 
-    e.g. ``"cpu AVX2; int8: int8pack bf16-act (batched), compiled fp32 GEMV (steps <= 4 tokens);
+    e.g. ``"cpu AVX2; int8: int8pack bf16-act (batched), native GEMV (steps <= 4 tokens);
     w8a8: x86 7-bit act (int16 pair sums saturate here)"``.
     """
     steps = "one-token" if rows <= 1 else f"steps <= {rows} tokens"
     from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
     parts = [f"cpu {cpu_class()}"]
     kinds: dict[str, str] = {}
+    native = single_token == "native"
     for mod in (model.modules() if model is not None else ()):
         if isinstance(mod, Int8Linear) and "int8" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
-            fast = f", compiled fp32 GEMV ({steps})" if single_token else ""
+            fast = (f", native GEMV ({steps})" if native else f", compiled fp32 GEMV ({steps})") if single_token else ""
             kinds["int8"] = f"{mod.kernel} {act}-act (batched){fast}"
         elif isinstance(mod, Int4Linear) and "int4" not in kinds:
-            fast = f" (batched; {steps}: inside the compiled graphs)" if single_token else ""
-            kinds["int4"] = f"{mod.kernel} {str(mod.act_dtype).removeprefix('torch.')}-act{fast}"
+            act = str(mod.act_dtype).removeprefix("torch.")
+            if native:
+                kinds["int4"] = f"{mod.kernel} {act}-act (batched), native GEMV ({steps})"
+            else:
+                fast = f" (batched; {steps}: inside the compiled graphs)" if single_token else ""
+                kinds["int4"] = f"{mod.kernel} {act}-act{fast}"
         elif isinstance(mod, W8A8Linear) and "w8a8" not in kinds:
             kinds["w8a8"] = (f"{torch.backends.quantized.engine} "
                              + ("7-bit act (int16 pair sums saturate here)" if mod.reduce_range else "8-bit act"))
     parts += [f"{k}: {v}" for k, v in kinds.items()]
     if not kinds and single_token:
-        parts.append(f"fp32: compiled GEMV ({steps})")
+        parts.append(f"fp32: {single_token} GEMV ({steps})")
     return "; ".join(parts)

@@ -152,6 +152,7 @@ def test_hugepage_buffer():
 
 def test_compile_failure_falls_back_to_eager(make_engine, monkeypatch):
     import engine.models.single_token as st
+    monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs, which then fail to compile
 
     def broken(name):
         raise RuntimeError("no C++ compiler here")
@@ -193,9 +194,10 @@ def _same_as_eager(fast, eager) -> SamplingParams:
     return sp
 
 
-def test_int4_weights_take_the_compiled_path_too(make_engine):
+def test_int4_weights_take_the_compiled_path_too(make_engine, monkeypatch):
     """INT4 linears call the int4pack kernel from inside the compiled graphs, on the packed
     weight moved into the huge-page buffer (shared with the batched path)."""
+    monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
     fast = make_engine(quantization="int4")
     eager = make_engine(quantization="int4", compile_decode=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
@@ -208,7 +210,8 @@ def test_int4_weights_take_the_compiled_path_too(make_engine):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int8-asym"])
-def test_int8_weights_take_the_compiled_path_too(make_engine, quant):
+def test_int8_weights_take_the_compiled_path_too(make_engine, quant, monkeypatch):
+    monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
     fast = make_engine(quantization=quant, compile_decode_rows=1)  # batched steps: the INT8 kernel
     eager = make_engine(quantization=quant, compile_decode=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
@@ -251,11 +254,12 @@ def test_interleaved_int8_state_dict_stays_canonical(make_engine):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_small_batches_take_the_compiled_path(make_engine, quant):
+def test_quantized_small_batches_take_the_compiled_path(make_engine, quant, monkeypatch):
     """A batch of three through the compiled graphs, INT8 (one pass over the weight words
     updating every row) and INT4 (the int4pack kernel on all rows): fp32 activations on both
     sides, so only summation order and the fused norms' rounding differ (the bound of
     _same_as_eager)."""
+    monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
     fast, eager = make_engine(quantization=quant), make_engine(quantization=quant, compile_decode=False)
     _quant_activations(fast, torch.float32)
     _quant_activations(eager, torch.float32)

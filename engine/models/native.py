@@ -1,0 +1,234 @@
+"""The native small-step decode kernels (native_decode.c): built at load, called through ctypes.
+
+:func:`library` compiles ``native_decode.c`` once per source, compiler and ISA into a cache
+folder (``PDSERVE_NATIVE_CACHE``, default ``~/.cache/pdserve/native``; a few seconds with gcc)
+and loads it. The ISA is the one torch dispatches at (``torch.backends.cpu.get_cpu_capability()``,
+which ``ATEN_CPU_CAPABILITY`` lowers, as ``make test-avx2`` does): AVX-512 or AVX2 + FMA; any
+other CPU, or a machine without a C compiler, gets None and keeps the compiled graphs
+(engine/models/single_token.py). The library links the libgomp torch loaded (same soname), so
+its threads are torch's OpenMP pool, not a second one competing for the cores.
+
+:class:`NativeLayers` holds the C structs of one model (pointers into the decoder's huge-page
+weights, which must outlive it) and runs the calls the compiled graphs would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_decode.c")
+# What each torch dispatch level may use: exactly what make test-avx2's smallest CPU has, or
+# the AVX-512 subset every AVX-512 CPU of this project's kind has (F, BW, VL, DQ).
+ISA_FLAGS = {"AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
+             "AVX2": ("-mavx2", "-mfma")}
+W_F32, W_I8, W_I4 = 0, 1, 2
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PDSERVE_NATIVE_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "native"
+
+
+def _build(cc: str, flags: tuple[str, ...], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # compiled next to its final name, then renamed: processes building at once each get a
+    # whole file, never a half-written one
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", *flags, str(SOURCE), "-o", tmp, "-lm"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-800:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library for this process's ISA, or None (logged) where there is none."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    flags = ISA_FLAGS.get(cap)
+    if flags is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        log.info("native decode kernels: none for %s/%s, using the compiled graphs", platform.machine(), cap)
+        return None
+    cc = os.environ.get("CC") or "gcc"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags)).encode()).hexdigest()[:16]
+    so = cache_dir() / f"native_decode_{cap.lower()}_{key}.so"
+    try:
+        if not so.exists():
+            _build(cc, flags, so)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native decode kernels unavailable (%s), using the compiled graphs", str(e).splitlines()[0])
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.pd_pre.argtypes = [p, p, i, p, p, p, p]
+    lib.pd_post.argtypes = [p, p, i, p, p]
+    lib.pd_post_pre.argtypes = [p, p, p, i, p, p, p, p, p]
+    lib.pd_logits.argtypes = [p, p, p, i, p, p]
+    lib.pd_layer.argtypes = [p, p, p, i, p, p, p, p, p, p, p, p]
+    for f in (lib.pd_pre, lib.pd_post, lib.pd_post_pre, lib.pd_logits, lib.pd_layer):
+        f.restype = None
+    lib.pd_vector_width.restype = i
+    return lib
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("zs", ctypes.c_void_p), ("b", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64), ("group", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Lin), ("o", Lin), ("gu", Lin), ("d", Lin), ("ln1", ctypes.c_void_p),
+                ("ln2", ctypes.c_void_p)]
+
+
+class Ctx(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("inter", ctypes.c_int64), ("nq", ctypes.c_int64),
+                ("nkv", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("max_rows", ctypes.c_int64),
+                ("threads", ctypes.c_int64), ("eps", ctypes.c_float), ("scratch", ctypes.c_void_p)]
+
+
+class Attn(ctypes.Structure):
+    _fields_ = [("slots", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("tables", ctypes.c_void_p),
+                ("width", ctypes.c_int64), ("block_size", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+def int4_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, lanes: int, out: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An INT4 linear in the kernel's layout: q [N, K] (0..15) packed into ``out`` (uint8 [N, K/2])
+    in blocks of 2 * ``lanes`` columns (byte i: column i low, column lanes + i high), and the
+    group scales s and offsets z [N, K/group] of w = (q - 8) * s + z, rounded to bf16 as torch's
+    int4pack kernel stores them (Int4Linear.kernel_weight), so both paths apply the same weights."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // (2 * lanes), 2, lanes)
+    out.view(n, k // (2 * lanes), lanes).copy_(blocks[:, :, 0] | (blocks[:, :, 1] << 4))
+    s = scale.to(torch.bfloat16).float()
+    z = ((8.0 - zero) * scale).to(torch.bfloat16).float()
+    return out, s.contiguous(), z.contiguous()
+
+
+def supported(lin: tuple, lanes: int) -> bool:
+    """A linear the kernels read: fp32 or INT8 words (single_token.py's tuple (w, s, zs, b)), or
+    INT4 in native layout (w, s, z, b, group) with groups of whole vector pairs."""
+    if len(lin) == 5:
+        w, group = lin[0], lin[4]
+        return w.dtype == torch.uint8 and group % (2 * lanes) == 0 and (2 * w.shape[-1]) % group == 0
+    return lin[0].dtype in (torch.float32, torch.int32)
+
+
+class NativeLayers:
+    """One model's structs and buffers. ``lin``: the linears by name ("{i}.qkv", "{i}.o",
+    "{i}.gu", "{i}.d", "head"), each a tuple :func:`supported` accepts; ``ln1``/``ln2``/``norm``:
+    norm weights."""
+
+    def __init__(self, lib: ctypes.CDLL, lin: dict[str, tuple], ln1: list[torch.Tensor], ln2: list[torch.Tensor],
+                 norm: torch.Tensor, eps: float, nq: int, nkv: int, max_rows: int) -> None:
+        self.lib = lib
+        self._keep: list[torch.Tensor] = []  # every tensor a struct points into
+        n = len(ln1)
+        self.layers = (Layer * n)()
+        for i in range(n):
+            self.layers[i] = Layer(self._lin(lin[f"{i}.qkv"]), self._lin(lin[f"{i}.o"]), self._lin(lin[f"{i}.gu"]),
+                                   self._lin(lin[f"{i}.d"]), self._ptr(ln1[i]), self._ptr(ln2[i]))
+        hidden, inter = ln1[0].numel(), self.layers[0].gu.n // 2
+        self.head_dim = self.layers[0].qkv.n // (nq + 2 * nkv)
+        self.head = self._lin(lin["head"])
+        self.vocab = self.head.n
+        self.norm = self._ptr(norm)
+        wide = max(hidden, 2 * inter)
+        self.scratch = torch.empty(4 * max_rows * wide)
+        self.ctx = Ctx(hidden, inter, nq, nkv, self.head_dim, max_rows, torch.get_num_threads(), eps,
+                       self.scratch.data_ptr())
+        self.ctx_p = ctypes.addressof(self.ctx)
+        self.layer_p = [ctypes.addressof(self.layers[i]) for i in range(n)]
+        self.head_p = ctypes.addressof(self.head)
+        # the q/k/v of each step size, rewritten by every layer (attention reads them first),
+        # and the attention output the native attention writes
+        self.qkv = [torch.empty(r, nq + 2 * nkv, self.head_dim) for r in range(1, max_rows + 1)]
+        self.o = torch.empty(max_rows, nq * self.head_dim)
+        self.lanes = lib.pd_vector_width()
+
+    def attends(self, backend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether attention can run natively too: the CPU SDPA backend's layout (flat fp32 slots
+        [slots, nkv, D], contiguous) and a head size the kernel's vectors and buffer fit."""
+        k = kv_caches[0][0]
+        return (getattr(backend, "name", "") == "sdpa" and k.dtype == torch.float32 and k.is_contiguous()
+                and k.device.type == "cpu" and self.head_dim % self.lanes == 0 and self.head_dim <= 256)
+
+    def step_attention(self, meta, positions: torch.Tensor, scale: float) -> tuple[Attn, list[torch.Tensor]]:
+        """The step's Attn struct (and the tensors it points into, to keep alive for the step)."""
+        width = max(len(t) for t in meta.block_tables)
+        rows = []
+        for q, table in zip(meta.query_lens, meta.block_tables):
+            rows += [list(table) + [0] * (width - len(table))] * q
+        tables = torch.tensor(rows, dtype=torch.long)
+        slots, pos = meta.slot_mapping.contiguous(), positions.to(torch.long).contiguous()
+        return (Attn(slots.data_ptr(), pos.data_ptr(), tables.data_ptr(), width, meta.block_size, scale),
+                [slots, pos, tables])
+
+    def layer(self, i: int, last: bool, h: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              attn_p: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Layer i's attention (its K/V into the cache first), o_proj and MLP into h, and unless
+        ``last`` layer i+1's norm + qkv + rotary into ``qkv``."""
+        self.lib.pd_layer(self.ctx_p, self.layer_p[i], None if last else self.layer_p[i + 1], h.shape[0],
+                          h.data_ptr(), qkv.data_ptr(), self.o.data_ptr(), cos.data_ptr(), sin.data_ptr(), attn_p,
+                          kv[0].data_ptr(), kv[1].data_ptr())
+
+    def _ptr(self, t: torch.Tensor) -> int:
+        t = t.detach().float().contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _lin(self, lin: tuple) -> Lin:
+        w, s, zs, b = lin[:4]
+        if not w.is_contiguous():
+            raise ValueError("native kernels read contiguous weights")
+        kind = {torch.int32: W_I8, torch.uint8: W_I4}.get(w.dtype, W_F32)
+        k = w.shape[-1] * {W_I8: 4, W_I4: 2, W_F32: 1}[kind]
+        self._keep.append(w)
+        return Lin(w.data_ptr(), self._ptr(s), self._ptr(zs), self._ptr(b), w.shape[0], k, kind,
+                   lin[4] if kind == W_I4 else 0)
+
+    def set_threads(self, threads: int) -> None:
+        self.ctx.threads = max(1, threads)
+
+    def pre(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """norm + qkv + rotary of layer 0 into this step size's q/k/v buffer [R, nq+2nkv, D]."""
+        out = self.qkv[h.shape[0] - 1]
+        self.lib.pd_pre(self.ctx_p, self.layer_p[0], h.shape[0], h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                        out.data_ptr())
+        return out
+
+    def post_pre(self, i: int, h: torch.Tensor, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Layer i's o_proj and MLP into h (in place), then layer i+1's norm + qkv + rotary."""
+        out = self.qkv[h.shape[0] - 1]
+        self.lib.pd_post_pre(self.ctx_p, self.layer_p[i], self.layer_p[i + 1], h.shape[0], h.data_ptr(),
+                             o.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+        return out
+
+    def post(self, i: int, h: torch.Tensor, o: torch.Tensor) -> None:
+        self.lib.pd_post(self.ctx_p, self.layer_p[i], h.shape[0], h.data_ptr(), o.data_ptr())
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.contiguous()
+        out = torch.empty(h.shape[0], self.vocab)
+        self.lib.pd_logits(self.ctx_p, self.head_p, self.norm, h.shape[0], h.data_ptr(), out.data_ptr())
+        return out

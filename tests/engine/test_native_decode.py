@@ -1,0 +1,152 @@
+"""The native small-step decode kernels (engine/models/native_decode.c, built by native.py):
+chosen where they build, logits equal to the eager path for every weight format and step shape
+(one token, small batches, verify steps) with attention read in place from the paged cache, the
+AVX2 build as well as this CPU's, and the compiled graphs kept where no library builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models import native
+from engine.request import SamplingParams
+
+from tests.engine.test_architectures import CASES, _save_tiny
+from tests.engine.test_single_token import _batched_same_as_eager, _count_calls, _quant_activations, _same_as_eager
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_native_kernels_serve_small_steps_here(make_engine):
+    """Every machine of this project's kind is x86-64 with gcc (inductor needs it too): the
+    library builds for the ISA torch dispatches at, and the engine's small steps use it."""
+    assert X86
+    lib = native.library()
+    assert lib is not None
+    assert lib.pd_vector_width() == {"AVX512": 16, "AVX2": 8}[torch.backends.cpu.get_cpu_capability()]
+    eng = make_engine(quantization="int4")
+    assert eng.model.single_token.kernel == "native"
+    assert "int4: int4pack" in eng.kernels and "native GEMV (steps <= 4 tokens)" in eng.kernels
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int8-asym", "int4"])
+@pytest.mark.parametrize("case", ["llama-gqa", "llama-tied", "qwen2-bias"])
+def test_tiny_models_match_the_eager_path(case, quant, tmp_path, model_path, make_engine):
+    """Three requests decoding together (different contexts, so different block tables per row),
+    then one alone, through the native kernels against the eager forward, fp32 activations on
+    both sides: only summation order differs (the 1e-4 bound of test_single_token)."""
+    kind, extra = CASES[case]
+    _save_tiny(kind, tmp_path, model_path, **extra)
+    fast = make_engine(model=tmp_path, memory_gb=0.02, quantization=quant)
+    eager = make_engine(model=tmp_path, memory_gb=0.02, quantization=quant, compile_decode=False)
+    assert fast.model.single_token.kernel == "native"
+    _quant_activations(fast, torch.float32)
+    _quant_activations(eager, torch.float32)
+    prompts = [list(range(400, 437)), list(range(600, 603)), list(range(800, 819))]
+    assert _batched_same_as_eager(fast, eager, prompts, max_tokens=20).count(3) == 19
+    assert _batched_same_as_eager(fast, eager, prompts[:1], max_tokens=8).count(1) == 7
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_real_model_matches_the_eager_path(make_engine, quant):
+    fast = make_engine(quantization=quant)
+    eager = make_engine(quantization=quant, compile_decode=False)
+    assert fast.model.single_token.kernel == "native"
+    _same_as_eager(fast, eager)
+
+
+def test_verify_steps_run_natively(make_engine):
+    """n-gram speculation at batch 1: each 1+K verify step's rows attend causally to their own
+    positions, read from the paged cache; greedy output is the eager engine's."""
+    from engine.config import SpeculativeConfig
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    fast, eager = make_engine(speculative=spec), make_engine(speculative=spec, compile_decode=False)
+    assert fast.model.single_token.kernel == "native"
+    calls = _count_calls(fast)
+    prompt = [11, 12, 13, 14, 15] * 8
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert fast.generate([prompt], sp)[0].token_ids == eager.generate([prompt], sp)[0].token_ids
+    assert 5 in calls
+
+
+_AVX2_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.models import native
+    from engine.request import SamplingParams
+    out = {"capability": torch.backends.cpu.get_cpu_capability(), "lanes": native.library().pd_vector_width()}
+    for quant in (None, "int8", "int4"):
+        engines = []
+        for fast in (True, False):
+            eng = LLMEngine(EngineConfig(model=sys.argv[1], quantization=quant, compile_decode=fast,
+                                         cache=CacheConfig(memory_gb=0.02)), progress=False)
+            for m in eng.model.modules():
+                if hasattr(m, "set_act_dtype"):
+                    m.set_act_dtype(torch.float32)
+            if eng.model.single_token is not None:
+                eng.model.single_token.sync()
+            seen = []
+            inner = eng.model.compute_logits
+            eng.model.compute_logits = lambda h, inner=inner, seen=seen: seen.append(inner(h)) or seen[-1]
+            sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            toks = [o.token_ids for o in eng.generate([list(range(400, 437)), list(range(600, 611))], sp)]
+            engines.append((eng.model.single_token.kernel if fast else None, toks, seen))
+        (kernel, a, la), (_, b, lb) = engines
+        rel = max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(la, lb))
+        out[str(quant)] = {"kernel": kernel, "same_tokens": a == b, "rel": rel, "steps": len(la)}
+    print(json.dumps(out))
+""")
+
+
+def test_the_avx2_build_matches_the_eager_path_too(tmp_path, model_path):
+    """The kernels an AVX2-only CPU runs (8-lane vectors, its own INT4 layout), on any x86-64:
+    a process with torch's dispatch held to AVX2 builds that variant and serves a tiny model
+    in fp32, INT8 and INT4 with the eager path's tokens and logits (the 1e-4 bound above)."""
+    assert X86
+    _save_tiny("llama", tmp_path / "m", model_path)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PDSERVE_NATIVE_CACHE": str(tmp_path / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    r = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(tmp_path / "m")], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["capability"] == "AVX2" and out["lanes"] == 8
+    assert list((tmp_path / "cache").glob("native_decode_avx2_*.so"))
+    for quant in ("None", "int8", "int4"):
+        got = out[quant]
+        assert got["kernel"] == "native" and got["same_tokens"] and got["steps"] == 12, (quant, got)
+        assert got["rel"] < 1e-4, (quant, got)
+
+
+def test_without_a_compiler_the_compiled_graphs_serve(make_engine, monkeypatch, tmp_path, caplog):
+    """No library builds (here: a compiler that fails, an empty cache): a warning, and the
+    compiled graphs run the small steps with the same tokens."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="engine.models.native"):
+            eng = make_engine()
+        assert native.library() is None
+    finally:
+        native.library.cache_clear()
+    assert eng.model.single_token.kernel == "compiled" and "compiled GEMV" in eng.kernels
+    assert "native decode kernels unavailable" in caplog.text
+    ref = make_engine(compile_decode=False)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
+
+
+def test_native_off_keeps_the_compiled_graphs(make_engine, monkeypatch):
+    monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")
+    eng = make_engine(quantization="int8")
+    assert eng.model.single_token.kernel == "compiled" and "compiled fp32 GEMV" in eng.kernels
