@@ -1,4 +1,11 @@
-"""Small-step decode fast path: a few tokens through torch.compile'd (inductor) kernels.
+"""Small-step decode fast path: a few tokens through native kernels or torch.compile'd graphs.
+
+Two implementations of the same math. Where they build (x86-64 with AVX-512 or AVX2 + FMA and
+a C compiler: every machine of this project's kind), the native kernels of native_decode.c
+serve: one call per layer does attention (read in place from the paged cache), o_proj, MLP and
+the next layer's qkv, and their INT8/INT4 GEMVs widen packed weights in registers (measured on
+a 2-core AVX-512 Xeon, batch-1 INT8 decode: see the README's vs_llamacpp table). Elsewhere, or
+with ``PDSERVE_NATIVE_DECODE=0``, the torch.compile'd graphs described below serve.
 
 A step that carries a single token (one request decoding) is bound by reading the weights
 (538 MB for SmolLM2 in fp32), and in eager torch also by ~30 small ops per layer, each a
