@@ -93,6 +93,17 @@ typedef struct {
 } ctx_t;
 
 #define NB 4  /* weight rows per block: independent FMA chains, one weight load for every x row */
+/* A block's NB rows are contiguous and so are the next blocks': each row's reader prefetches the
+ * same offset PF_AHEAD blocks ahead, a cache line at a time. Without it the packed formats read
+ * 13 (INT8) and 10 (INT4) GB/s of weights from memory on a 2-core Xeon where fp32 streams 25: a
+ * 16-byte load per 16 weights keeps too few cache misses in flight. Measured there (30 layers +
+ * LM head, one token, median of 7 interleaved sweeps), PF_AHEAD 0 (none) / 1 / 2 / 3 / 4: INT8
+ * 9.8 / 5.4 / 4.9 / 4.9 / 4.7 ms, INT4 (g32) 8.4 / 5.9 / 5.7 / 5.5 / 5.6, fp32 20.3 / 17.5 / 18.0 /
+ * 18.1 / 18.5. */
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#ifndef PF_AHEAD
+#define PF_AHEAD 2
+#endif
 #define RB 4  /* x rows per pass over a weight block (registers: NB * RB accumulators) */
 
 /* out[j][r] = w[j] . x[r] for the block's nb <= NB weight rows and rb <= RB x rows. Inlined with
@@ -104,7 +115,10 @@ dot_block(const void *w, int64_t k, int kind, int nb, int rb, const float *x, in
     for (int j = 0; j < nb; j++)
         for (int r = 0; r < rb; r++) acc[j][r] = vzero();
     int64_t kv = k - k % VW;
+    const int64_t esz = kind == W_I8 ? 1 : 4, row = k * esz;
     for (int64_t c = 0; c < kv; c += VW) {
+        if (((c * esz) & 63) == 0)
+            for (int j = 0; j < nb; j++) PREFETCH((const char *)w + (PF_AHEAD * NB + j) * row + c * esz);
         vf xr[RB];
         for (int r = 0; r < rb; r++) xr[r] = vload(x + r * ldx + c);
         for (int j = 0; j < nb; j++) {
@@ -138,6 +152,8 @@ dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_
             zv[j] = vset1(z[j * ng + gi]);
         }
         for (int64_t c = gi * g; c < (gi + 1) * g; c += 2 * VW) {
+            if (((c / 2) & 63) == 0)
+                for (int j = 0; j < nb; j++) PREFETCH(w + (PF_AHEAD * NB + j) * (k / 2) + c / 2);
             vf xl[RB], xh[RB];
             for (int r = 0; r < rb; r++) {
                 xl[r] = vload(x + r * ldx + c);
