@@ -198,30 +198,30 @@ class EngineConfig:
     # weight quantization applied at load: "none", "int8", "int4", "int4-g64", "w8a8" (see
     # engine/quant/config.py); a quantized checkpoint folder as `model` needs none here
     quantization: str | None = None
-    # one-token steps (a single request decoding) through torch.compile'd kernels over plain
-    # weights in huge pages (engine/models/single_token.py): fp32 CPU only; costs a second copy
-    # of the decoder weights and a few seconds of compiling at load
+    # small decode steps (one request, a small batch, a verify step) through the fast path over
+    # plain weights in huge pages (engine/models/single_token.py): native kernels built at load
+    # (engine/models/native_decode.c), or torch.compile'd graphs where those do not build; fp32,
+    # INT8 or INT4 models on CPU; costs a second copy of the fp32 decoder weights
     compile_decode: bool = True
-    # steps of up to this many tokens (a small decode batch) run the compiled path too, and with
-    # speculation so does a 1+K verify step; bigger steps run the eager batched forward. Each
-    # row count is its own set of graphs, compiled at load (1..32). 4: past it, oneDNN's fp32
-    # GEMM and torch's INT4 kernel keep up (bench/engine.py --compare-rows)
-    compile_decode_rows: int = 4
+    # steps of up to this many tokens (1..32) take that path, and with speculation always a 1+K
+    # verify step; bigger steps run the eager batched forward. None: 32 with the native kernels
+    # (they beat the eager forward at 8 and 32 rows: bench/decode_rows.py), 4 with the compiled
+    # graphs (each row count is its own set of graphs, compiled at load; past 4 oneDNN keeps up)
+    compile_decode_rows: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
-    def compiled_rows(self) -> int:
-        """The largest step the compiled decode path runs: ``compile_decode_rows``, or one
-        request's 1+K verify step when speculating (at most 32)."""
-        verify = self.speculative.num_speculative_tokens + 1 if self.speculative is not None else 1
-        return min(32, max(self.compile_decode_rows, verify))
+    def verify_rows(self) -> int:
+        """Rows of one request's 1+K verify step when speculating (else 1): the fast decode path
+        runs at least this many."""
+        return self.speculative.num_speculative_tokens + 1 if self.speculative is not None else 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not 1 <= self.compile_decode_rows <= 32:
+        if self.compile_decode_rows is not None and not 1 <= self.compile_decode_rows <= 32:
             raise ValueError(f"compile_decode_rows must be in 1..32, got {self.compile_decode_rows}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

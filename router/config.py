@@ -77,11 +77,12 @@ class DecodePool:
     speculative: DecodeSpeculative = field(default_factory=DecodeSpeculative)
     # decode weights: none | int8 | int4 | int4-g64 | w8a8 (RTN at load) or a quantized checkpoint folder
     quantization: str = "none"
-    # one-token steps through compiled kernels (fp32 CPU): faster batch-1 decode for a second
-    # copy of the decoder weights in memory and a few seconds of compiling at worker start
+    # small steps through the fast path (native kernels, or compiled graphs where those do not
+    # build; fp32, INT8, INT4 on CPU): faster decode for a second copy of the fp32 weights
     compile_decode: bool = _engine(EngineConfig, "compile_decode")
-    # ... and steps of up to this many tokens (small batches; a verify step always): 1..32
-    compile_decode_rows: int = _engine(EngineConfig, "compile_decode_rows")
+    # ... for steps of up to this many tokens (a verify step always): 1..32, or None (32 native,
+    # 4 compiled)
+    compile_decode_rows: int | None = _engine(EngineConfig, "compile_decode_rows")
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "decode.compile_decode_rows": (lambda v: 1 <= v <= 32, "in 1..32"),
+    "decode.compile_decode_rows": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                                           and 1 <= v <= 32),
+                                   "null (32 with the native kernels, 4 with the compiled graphs) or an integer in 1..32"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
     "prefill.transfer_cpus": (lambda v: all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
                               and len(set(v)) == len(v), "a list of distinct core numbers (>= 0), or []"),

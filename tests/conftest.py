@@ -66,7 +66,7 @@ def make_engine(model_path) -> Iterator[Callable[..., LLMEngine]]:
              num_blocks: int | None = None, block_size: int = 16, dtype: str = "float32",
              max_num_seqs: int = 64, model: str | None = None, compile_decode: bool = True,
              quantization: str | None = None, speculative=None, num_threads: int | None = None,
-             compile_decode_rows: int = 4) -> LLMEngine:
+             compile_decode_rows: int | None = None) -> LLMEngine:
         cfg = EngineConfig(
             model=str(model) if model is not None else str(model_path), dtype=dtype,
             compile_decode=compile_decode, compile_decode_rows=compile_decode_rows,

@@ -128,16 +128,16 @@ def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                device: str = "cpu", quantization=None, prepack: bool = True,
-               single_token: bool = False, compile_rows: int = 1) -> LlamaForCausalLM:
+               single_token: bool = False, compile_rows: int | None = 1, min_rows: int = 1) -> LlamaForCausalLM:
     """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
 
     A quantized checkpoint folder (engine/quant/checkpoint.py) loads as saved; otherwise
     ``quantization`` (an ``engine.quant.QuantConfig`` or short name like "int8") is applied
     with round-to-nearest (W8A8: SmoothQuant, calibrated here on the bundled sample) before the
     remaining fp32 linears are prepacked (``prepack=False``
-    keeps plain ``nn.Linear``, e.g. for offline quantization). ``single_token`` adds the compiled
-    decode path (engine/models/single_token.py) for steps of up to ``compile_rows`` tokens where
-    the model supports it, compiled here.
+    keeps plain ``nn.Linear``, e.g. for offline quantization). ``single_token`` adds the fast
+    decode path (engine/models/single_token.py) for steps of up to ``compile_rows`` tokens (None:
+    its default; at least ``min_rows``) where the model supports it, built here.
 
     Raises:
         ModelLoadError: unsupported config, or weights that do not match it.
@@ -147,7 +147,7 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
         if quantization is not None:
             raise ValueError(f"{str(path)!r} is already a quantized checkpoint: leave quantization unset")
         return _with_single_token(load_quantized(path, backend, dtype, device, prepack=False),
-                                  single_token, prepack and can_prepack(dtype, device), compile_rows)
+                                  single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows)
     cfg = ModelConfig.from_hf(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend)
@@ -177,7 +177,7 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     if quantization is not None:
         from engine.quant import quantize
         quantize(model, quantization, _load_calibration(path, quantization))
-    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows)
+    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows)
 
 
 LOAD_CALIB_TOKENS = 2048  # SmoothQuant at load: ~2 s on SmolLM2-135M, 2 CPU cores
@@ -199,11 +199,11 @@ def _load_calibration(path: Path, quantization) -> list[list[int]] | None:
 
 
 def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool,
-                       compile_rows: int = 1) -> LlamaForCausalLM:
-    """Attach the compiled decode path (if asked for and supported), prepack, compile."""
+                       compile_rows: int | None = 1, min_rows: int = 1) -> LlamaForCausalLM:
+    """Attach the fast decode path (if asked for and supported), prepack, build it."""
     if single_token and SingleTokenDecoder.supports(model):
         # copies the plain weights: before prepacking
-        model.single_token = SingleTokenDecoder(model, compile_rows)
+        model.single_token = SingleTokenDecoder(model, compile_rows, min_rows)
     if prepack:
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)

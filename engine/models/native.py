@@ -125,19 +125,11 @@ def int4_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
     return out, s.contiguous(), z.contiguous()
 
 
-def supported(lin: tuple, lanes: int) -> bool:
-    """A linear the kernels read: fp32 or INT8 words (single_token.py's tuple (w, s, zs, b)), or
-    INT4 in native layout (w, s, z, b, group) with groups of whole vector pairs."""
-    if len(lin) == 5:
-        w, group = lin[0], lin[4]
-        return w.dtype == torch.uint8 and group % (2 * lanes) == 0 and (2 * w.shape[-1]) % group == 0
-    return lin[0].dtype in (torch.float32, torch.int32)
-
-
 class NativeLayers:
     """One model's structs and buffers. ``lin``: the linears by name ("{i}.qkv", "{i}.o",
-    "{i}.gu", "{i}.d", "head"), each a tuple :func:`supported` accepts; ``ln1``/``ln2``/``norm``:
-    norm weights."""
+    "{i}.gu", "{i}.d", "head"), each fp32 or INT8 words as single_token.py holds them (w, s,
+    zs, b), or INT4 in the layout of :func:`int4_weights` (w, s, z, b, group); ``ln1``/``ln2``/
+    ``norm``: norm weights."""
 
     def __init__(self, lib: ctypes.CDLL, lin: dict[str, tuple], ln1: list[torch.Tensor], ln2: list[torch.Tensor],
                  norm: torch.Tensor, eps: float, nq: int, nkv: int, max_rows: int) -> None:

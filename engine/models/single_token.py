@@ -53,11 +53,11 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata
 from engine.models.native import NativeLayers, int4_weights as native_int4_weights, library as native_library
-from engine.models.native import supported as native_supported
 from engine.quant.formats import interleave4
 
 log = logging.getLogger(__name__)
 
+NATIVE_ROWS, COMPILED_ROWS = 32, 4  # the largest step each implementation runs by default
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
@@ -206,11 +206,9 @@ class SingleTokenDecoder:
     into the same cache the batched path reads.
     """
 
-    def __init__(self, model: nn.Module, max_rows: int = 1) -> None:
+    def __init__(self, model: nn.Module, max_rows: int | None = 1, min_rows: int = 1) -> None:
         cfg = model.config
         self.model = model
-        # steps of 1..max_rows tokens each get their own graphs (compiled at load)
-        self.max_rows = max(1, max_rows)
         self.eps, self.nq, self.nkv = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads
         self.tied = model.lm_head.weight is model.embed_tokens.weight if _is_fp32(model.lm_head) else False
         mods: list[tuple[str, nn.Module]] = []
@@ -224,6 +222,15 @@ class SingleTokenDecoder:
         self.ln2 = [l.post_attention_layernorm.weight for l in model.layers]
         self.native: NativeLayers | None = None  # set by warm_up where the native kernels serve
         self.sync()
+        lib = native_library() if os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0" else None
+        self._lib = lib if lib is not None and self._native_reads_all(lib.pd_vector_width()) else None
+        # Steps of 1..max_rows tokens run here (at least min_rows: a 1+K verify step; at most
+        # 32). None: NATIVE_ROWS with the native kernels, which compile nothing per row count
+        # and beat the eager batched forward at 8 and 32 rows (bench/decode_rows.py, README);
+        # COMPILED_ROWS with the graphs, where each row count is compiled at load and oneDNN's
+        # GEMM keeps up past 4.
+        rows = max_rows if max_rows is not None else NATIVE_ROWS if self._lib is not None else COMPILED_ROWS
+        self.max_rows = min(32, max(1, rows, min_rows))
 
     def sync(self) -> None:
         """(Re)build each linear's tuple from its module: after a module's activation dtype
@@ -243,6 +250,15 @@ class SingleTokenDecoder:
         if self.native is not None:
             self.native = self._native_layers(self.native.lib)
 
+    def _native_reads_all(self, lanes: int) -> bool:
+        """Every linear is fp32, INT8, or INT4 in groups of whole vector pairs (``lanes`` floats
+        each), and attention heads fit the kernel's vectors: the native kernels can serve."""
+        head_dim = self.model.config.head_dim
+        if head_dim % lanes or head_dim > 256:
+            return False
+        return all(not _is_int4(m) or (m.group_size % (2 * lanes) == 0 and m.in_features % m.group_size == 0)
+                   for _, m in self._mods)
+
     def _native_lin(self, lanes: int) -> dict[str, tuple]:
         """The linears as the native kernels read them: fp32 and INT8 as they are here; INT4 in
         the kernels' own layout (a second copy of the INT4 weights, in huge pages: torch's
@@ -255,17 +271,15 @@ class SingleTokenDecoder:
         out, pos = dict(self.lin), 0
         for name, qw in qws.items():
             n, k = qw.q.shape
-            if qw.group_size % (2 * lanes) or k % qw.group_size:
-                return {}  # a layout the kernels do not read: the caller keeps the compiled graphs
             view = buf[pos:pos + n * k // 2].view(n, k // 2)
             pos += n * k // 2
             w, s, z = native_int4_weights(qw.q, qw.scale.view(n, -1), qw.zero.view(n, -1), qw.group_size, lanes, view)
             out[name] = (w, s, z, self.lin[name][3], qw.group_size)
         return out
 
-    def _native_layers(self, lib, lin: dict[str, tuple] | None = None) -> NativeLayers:
-        return NativeLayers(lib, lin if lin is not None else self._native_lin(lib.pd_vector_width()), self.ln1,
-                            self.ln2, self.model.norm.weight, self.eps, self.nq, self.nkv, self.max_rows)
+    def _native_layers(self, lib) -> NativeLayers:
+        return NativeLayers(lib, self._native_lin(lib.pd_vector_width()), self.ln1, self.ln2, self.model.norm.weight,
+                            self.eps, self.nq, self.nkv, self.max_rows)
 
     @property
     def kernel(self) -> str:
@@ -322,16 +336,14 @@ class SingleTokenDecoder:
     def warm_up(self) -> bool:
         """Compile every graph now (with dummy inputs), so no request waits for it.
 
-        Where every linear is fp32 or INT8 and the native kernels build here, those serve and
-        nothing is compiled (``PDSERVE_NATIVE_DECODE=0`` keeps the compiled graphs, to compare).
-        Returns False (and logs why) when compiling fails, e.g. no C++ compiler on the machine:
-        the caller then keeps the eager path.
+        Where the native kernels build and read every linear, they serve and nothing is compiled
+        (``PDSERVE_NATIVE_DECODE=0`` keeps the compiled graphs, to compare). Returns False (and
+        logs why) when compiling fails, e.g. no C++ compiler on the machine: the caller then
+        keeps the eager path.
         """
-        lib = native_library() if os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0" else None
         try:
-            lin = self._native_lin(lib.pd_vector_width()) if lib is not None else {}
-            if lin and all(native_supported(t, lib.pd_vector_width()) for t in lin.values()):
-                self.native = self._native_layers(lib, lin)
+            if self._lib is not None:
+                self.native = self._native_layers(self._lib)
             else:
                 self._run_once()
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the eager path"

@@ -19,7 +19,7 @@ accuracy:
         (engine/models/native_decode.c, or the compiled graphs of single_token.py) reads the
         same int8 weights with fp32 activations and accumulation: exact INT8 arithmetic up to
         fp32 summation order. So an INT8 greedy output can differ at a near-tie between a step
-        of few tokens (the GEMV: up to ``EngineConfig.compiled_rows``) and a larger one
+        of few tokens (the GEMV: up to ``EngineConfig.compile_decode_rows``) and a larger one
         (int8pack): seen on a Xeon with AMX, with speculation's verify steps. INT4 likewise:
         the native GEMV applies int4pack's weights (bf16-rounded scales) to fp32 activations.
 
