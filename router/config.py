@@ -215,7 +215,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "decode.compile_decode_rows": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
                                                            and 1 <= v <= 32),
-                                   "null (32 with the native kernels, 4 with the compiled graphs) or an integer in 1..32"),
+                                   "null (32 with the native kernels, 4 with the compiled graphs) or an integer "
+                                   "in 1..32"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
     "prefill.transfer_cpus": (lambda v: all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
                               and len(set(v)) == len(v), "a list of distinct core numbers (>= 0), or []"),
