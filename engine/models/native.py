@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -43,17 +44,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "native"
 
 
-def _build(cc: str, flags: tuple[str, ...], out: Path) -> None:
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+
+
+def _build(cmd: list[str], out: Path) -> None:
+    """Run ``cmd`` (the compile line, writing to the path after its "-o") into ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     # compiled next to its final name, then renamed: processes building at once each get a
     # whole file, never a half-written one
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", *flags, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [tmp if a == "{out}" else a for a in cmd]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-800:]}")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would lock other users out of a shared cache
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -62,20 +68,28 @@ def _build(cc: str, flags: tuple[str, ...], out: Path) -> None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built library for this process's ISA, or None (logged) where there is none."""
+    """The built library for this process's ISA, or None (logged) where there is none.
+
+    ``CC`` picks the compiler (default gcc): it must link GNU OpenMP (libgomp), the runtime
+    torch ships, or its threads would be a second pool competing with torch's."""
     cap = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(cap)
     if flags is None or platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("native decode kernels: none for %s/%s, using the compiled graphs", platform.machine(), cap)
         return None
-    cc = os.environ.get("CC") or "gcc"
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags)).encode()).hexdigest()[:16]
-    so = cache_dir() / f"native_decode_{cap.lower()}_{key}.so"
     try:
+        cc = shlex.split(os.environ.get("CC") or "gcc")
+        cmd = [*cc, *BASE_FLAGS, *flags, str(SOURCE), "-o", "{out}", "-lm"]
+        # the key covers the source, the whole command and the compiler's version: a change to
+        # any of them builds anew instead of loading a stale library
+        version = subprocess.run([*cc, "-dumpfullversion"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((*cmd, version.strip())).encode()).hexdigest()[:16]
+        so = cache_dir() / f"native_decode_{cap.lower()}_{key}.so"
         if not so.exists():
-            _build(cc, flags, so)
+            _build(cmd, so)
         lib = ctypes.CDLL(str(so))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+        # no compiler, a failed build, an unwritable or unknown home: the compiled graphs serve
         log.warning("native decode kernels unavailable (%s), using the compiled graphs", str(e).splitlines()[0])
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -145,7 +159,7 @@ class NativeLayers:
         self.head = self._lin(lin["head"])
         self.vocab = self.head.n
         self.norm = self._ptr(norm)
-        wide = max(hidden, 2 * inter)
+        wide = max(hidden, 2 * inter, nq * self.head_dim)  # every linear's input and output
         self.scratch = torch.empty(4 * max_rows * wide)
         self.ctx = Ctx(hidden, inter, nq, nkv, self.head_dim, max_rows, torch.get_num_threads(), eps,
                        self.scratch.data_ptr())
@@ -203,7 +217,10 @@ class NativeLayers:
         self.ctx.threads = max(1, threads)
 
     def pre(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """norm + qkv + rotary of layer 0 into this step size's q/k/v buffer [R, nq+2nkv, D]."""
+        """norm + qkv + rotary of layer 0 into this step size's q/k/v buffer [R, nq+2nkv, D].
+        The buffers (scratch, q/k/v, attention output) are this object's: one step at a time."""
+        if not 1 <= h.shape[0] <= self.ctx.max_rows or not h.is_contiguous():
+            raise ValueError(f"native kernels take 1..{self.ctx.max_rows} contiguous rows, got {tuple(h.shape)}")
         out = self.qkv[h.shape[0] - 1]
         self.lib.pd_pre(self.ctx_p, self.layer_p[0], h.shape[0], h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                         out.data_ptr())
@@ -220,6 +237,8 @@ class NativeLayers:
         self.lib.pd_post(self.ctx_p, self.layer_p[i], h.shape[0], h.data_ptr(), o.data_ptr())
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if not 1 <= h.shape[0] <= self.ctx.max_rows:
+            raise ValueError(f"native kernels take 1..{self.ctx.max_rows} rows, got {h.shape[0]}")
         h = h.contiguous()
         out = torch.empty(h.shape[0], self.vocab)
         self.lib.pd_logits(self.ctx_p, self.head_p, self.norm, h.shape[0], h.data_ptr(), out.data_ptr())

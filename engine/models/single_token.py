@@ -229,8 +229,12 @@ class SingleTokenDecoder:
         # and beat the eager batched forward at 8 and 32 rows (bench/decode_rows.py, README);
         # COMPILED_ROWS with the graphs, where each row count is compiled at load and oneDNN's
         # GEMM keeps up past 4.
-        rows = max_rows if max_rows is not None else NATIVE_ROWS if self._lib is not None else COMPILED_ROWS
-        self.max_rows = min(32, max(1, rows, min_rows))
+        self._rows, self._min_rows = max_rows, min_rows
+        self.max_rows = self._max_rows()
+
+    def _max_rows(self) -> int:
+        rows = self._rows if self._rows is not None else NATIVE_ROWS if self._lib is not None else COMPILED_ROWS
+        return min(32, max(1, rows, self._min_rows))
 
     def sync(self) -> None:
         """(Re)build each linear's tuple from its module: after a module's activation dtype
@@ -341,10 +345,16 @@ class SingleTokenDecoder:
         logs why) when compiling fails, e.g. no C++ compiler on the machine: the caller then
         keeps the eager path.
         """
-        try:
-            if self._lib is not None:
+        if self._lib is not None:
+            try:
                 self.native = self._native_layers(self._lib)
-            else:
+                self._check_native()
+            except Exception as e:  # noqa: BLE001 - whatever failed, the compiled graphs can serve
+                log.warning("native decode kernels failed at load (%s), using the compiled graphs", e)
+                self.native, self._lib = None, None
+                self.max_rows = self._max_rows()
+        try:
+            if self.native is None:
                 self._run_once()
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the eager path"
             log.warning("compiled one-token decode path unavailable, using eager: %s", str(e).splitlines()[0])
@@ -355,6 +365,19 @@ class SingleTokenDecoder:
             if isinstance(m.lm_head, nn.Linear):
                 m.lm_head.weight = m.embed_tokens.weight
         return True
+
+    def _check_native(self) -> None:
+        """One dummy token through every native entry point but attention: a library that
+        loads but cannot run here fails now, not on the first request."""
+        nat, m = self.native, self.model
+        h, o = torch.zeros(1, m.embed_tokens.weight.shape[1]), torch.zeros(1, self.nq * nat.head_dim)
+        cos, sin = m.rotary.cos[:1].contiguous(), m.rotary.sin[:1].contiguous()
+        nat.pre(h, cos, sin)
+        if len(m.layers) > 1:
+            nat.post_pre(0, h, o, cos, sin)
+        nat.post(len(m.layers) - 1, h, o)
+        if not bool(torch.isfinite(nat.logits(h)).all()):
+            raise RuntimeError("non-finite logits from a zero input")
 
     def _run_once(self) -> None:
         m, lin = self.model, self.lin

@@ -120,7 +120,8 @@ def test_the_avx2_build_matches_the_eager_path_too(tmp_path, model_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["capability"] == "AVX2" and out["lanes"] == 8
-    assert list((tmp_path / "cache").glob("native_decode_avx2_*.so"))
+    built = list((tmp_path / "cache").glob("native_decode_avx2_*.so"))
+    assert len(built) == 1 and built[0].stat().st_mode & 0o777 == 0o644  # readable from a shared cache
     for quant in ("None", "int8", "int4"):
         got = out[quant]
         assert got["kernel"] == "native" and got["same_tokens"] and got["steps"] == 12, (quant, got)
@@ -144,6 +145,21 @@ def test_without_a_compiler_the_compiled_graphs_serve(make_engine, monkeypatch, 
     ref = make_engine(compile_decode=False)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
+
+
+def test_a_library_that_fails_at_load_leaves_the_compiled_graphs(make_engine, monkeypatch, caplog):
+    """Built and loaded but failing its load-time check: the compiled graphs serve, with their
+    own default rows (each row count is compiled), not the eager path."""
+    from engine.models.single_token import COMPILED_ROWS, SingleTokenDecoder
+
+    def broken(self):
+        raise RuntimeError("illegal instruction in a test")
+    monkeypatch.setattr(SingleTokenDecoder, "_check_native", broken)
+    with caplog.at_level("WARNING", logger="engine.models.single_token"):
+        eng = make_engine()
+    st = eng.model.single_token
+    assert st.kernel == "compiled" and st.max_rows == COMPILED_ROWS
+    assert "native decode kernels failed at load (illegal instruction in a test)" in caplog.text
 
 
 def test_native_off_keeps_the_compiled_graphs(make_engine, monkeypatch):
