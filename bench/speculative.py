@@ -132,11 +132,12 @@ def share_weights() -> None:
     cache: dict = {}
     real = loader.load_model
 
-    def cached(path, backend, dtype, device="cpu", quantization=None, prepack=True, single_token=False):
-        key = (str(path), dtype, device, str(quantization), prepack, single_token)
+    def cached(path, backend, dtype, device="cpu", quantization=None, prepack=True, single_token=False, **fast):
+        # fast: the fast path's rows (compile_rows, min_rows), which differ with K: part of the key
+        key = (str(path), dtype, device, str(quantization), prepack, single_token, tuple(sorted(fast.items())))
         if key not in cache:
             cache[key] = real(path, backend, dtype, device, quantization=quantization, prepack=prepack,
-                              single_token=single_token)
+                              single_token=single_token, **fast)
         return cache[key]
     loader.load_model = cached
     le.load_model = cached
