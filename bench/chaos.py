@@ -83,7 +83,7 @@ def make_specs(n: int, seed: int, max_tokens: int, long_words: int) -> list[Spec
     return out
 
 
-@dataclass
+@dataclass(slots=True)  # one per request, kept in the router's process (the soak weighs it): small
 class Outcome:
     spec: int
     start: float

@@ -65,6 +65,13 @@ def slope_per_h(series: list[tuple[float, float]]) -> tuple[float, float]:
     return float(a), se
 
 
+def grows(slope: float, se: float, flat_mb_per_h: float) -> bool:
+    """A process grows when its slope is above both its noise (two standard errors) and what is
+    too small to matter. Only growth counts: a falling RSS (a start-up peak given back) is
+    not a leak."""
+    return slope > max(2 * se, flat_mb_per_h)
+
+
 class Soak(Chaos):
     """Chaos's load and faults, spread over a duration, with RSS sampling."""
 
@@ -120,7 +127,7 @@ class Soak(Chaos):
                          "minutes": round((kept[-1][0] - kept[0][0]) / 60, 1), "growth_mb_per_h": round(slope, 2),
                          "stderr_mb_per_h": round(se, 2), "second_half_mb_per_h": round(late, 2),
                          "series": [(round(t), round(m, 1)) for t, m in kept[::max(1, len(kept) // 30)]],
-                         "flat": abs(slope) <= max(2 * se, self.args.flat_mb_per_h)}
+                         "flat": not grows(slope, se, self.args.flat_mb_per_h)}
             parts = [m for t, m in self.parts.get(name, []) if t >= self.args.warmup_s]
             if parts:  # where the change is: heap (anon), shared segments (shmem, sysv), files
                 out[name]["change"] = {k: round(parts[-1].get(k, 0) - parts[0].get(k, 0), 1)

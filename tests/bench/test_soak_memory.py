@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from bench.soak import memory
+from bench.soak import grows, memory, slope_per_h
 
 IPC_PRIVATE, IPC_CREAT, IPC_RMID = 0, 0o1000, 0
 
@@ -48,3 +48,14 @@ def test_a_process_that_is_gone_reads_as_nothing():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     assert memory(p.pid) == {}
+
+
+def test_only_growth_beyond_noise_and_the_floor_counts():
+    rising = [(t, 1000 + t / 360) for t in range(0, 1800, 60)]  # +10 MB/h, no noise
+    falling = [(t, 1000 - t / 36) for t in range(0, 1800, 60)]  # -100 MB/h: a start-up peak given back
+    slope, se = slope_per_h(rising)
+    assert abs(slope - 10) < 1e-6 and grows(slope, se, 5.0) and not grows(slope, se, 20.0)
+    assert not grows(*slope_per_h(falling), 5.0)
+    noisy = [(t, 1000 + t / 360 + (40 if (t // 60) % 2 else -40)) for t in range(0, 1800, 60)]
+    slope, se = slope_per_h(noisy)  # the same 10 MB/h under +-40 MB of noise: within two errors
+    assert 2 * se > slope and not grows(slope, se, 5.0)
