@@ -83,14 +83,6 @@ def make_specs(n: int, seed: int, max_tokens: int, long_words: int) -> list[Spec
     return out
 
 
-@dataclass(slots=True)  # one per request, kept in the router's process (the soak weighs it): small
-class Outcome:
-    spec: int
-    start: float
-    end: float = 0.0
-    status: str = ""  # identical | wrong | hung | a gRPC status name
-
-
 @dataclass
 class Fault:
     kind: str
@@ -103,7 +95,11 @@ class Fault:
 class Run:
     """What one chaos run saw (filled by the load, the driver and the final checks)."""
 
-    outcomes: list[Outcome] = field(default_factory=list)
+    # How each request ended (identical | wrong | hung | a gRPC status name), counted: nothing
+    # is kept per request (the soak weighs the router's process, which runs the load too)
+    status: Counter = field(default_factory=Counter)
+    requests: int = 0
+    in_flight: int = 0  # sent and not answered: hung, once the run is over
     faults: list[Fault] = field(default_factory=list)
     pids: set[int] = field(default_factory=set)
     unrecovered: bool = False  # a pool stayed without a ready worker for hang_s: counted as hung
@@ -153,13 +149,16 @@ class Chaos:
                 counter[0] += 1
                 if i >= n and self.done.is_set():
                     return
-                o = Outcome(i % len(self.specs), time.monotonic())
-                self.run.outcomes.append(o)
+                self.run.requests += 1
+                self.run.in_flight += 1
+            spec = i % len(self.specs)
             try:
-                o.status = "identical" if self.generate(self.specs[o.spec], f"c{i}") == want[o.spec] else "wrong"
+                status = "identical" if self.generate(self.specs[spec], f"c{i}") == want[spec] else "wrong"
             except grpc.RpcError as e:
-                o.status = "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
-            o.end = time.monotonic()
+                status = "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
+            with self.run.lock:
+                self.run.status[status] += 1
+                self.run.in_flight -= 1
 
     # ---- faults ------------------------------------------------------------------------------
     def _victim(self, role: str) -> dict | None:
@@ -266,14 +265,14 @@ class Chaos:
 
     def summary(self, leaked: int, stranded: int | None, wall: float) -> dict:
         import numpy as np
-        o, f = self.run.outcomes, self.run.faults
-        status = Counter(x.status for x in o)
+        f, status = self.run.faults, self.run.status
         rec = [x.recovery_s for x in f if x.recovery_s is not None]
         errored = {k: v for k, v in status.items() if k not in ("identical", "wrong", "hung")}
-        return {"requests": len(o), "faults": len(f), "faults_by_kind": dict(Counter(x.kind for x in f)),
+        return {"requests": self.run.requests, "faults": len(f), "faults_by_kind": dict(Counter(x.kind for x in f)),
                 "completed_identical": status["identical"], "errored": sum(errored.values()),
-                "errored_by_status": errored, "wrong": status["wrong"], "hung": status["hung"] + sum(
-                    1 for x in o if not x.status) + int(self.run.unrecovered), "leaked_blocks": leaked, "stranded_blocks": stranded,
+                "errored_by_status": errored, "wrong": status["wrong"],
+                "hung": status["hung"] + self.run.in_flight + int(self.run.unrecovered),
+                "leaked_blocks": leaked, "stranded_blocks": stranded,
                 "swept_blocks": int(self.cluster.router.metrics.swept_blocks._value.get()),
                 "reruns": int(self.cluster.router.metrics.retries._value.get()),
                 "recovered": len(rec), "recovery_s_p50": float(np.percentile(rec, 50)) if rec else None,

@@ -16,8 +16,10 @@ shrinking: drain a worker, which takes no new requests and exits when it holds n
 
 from __future__ import annotations
 
+import collections
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -100,6 +102,27 @@ def decide(role: str, now: float, s: Signals, t: PrefillTargets | DecodeTargets,
             and now - state.last_change >= t.down_delay_s:
         return _change(state, now, -1, why)
     return 0, ""
+
+
+class Recent:
+    """(finished at, TTFT, TPOT) of the requests finished within ``window_s`` (the pool
+    signals' window), at most ``cap`` of them. Older ones are dropped as new ones finish: under
+    a steady load the router's memory stays flat once a window is full."""
+
+    def __init__(self, window_s: float, cap: int = 4096) -> None:
+        self.window_s = window_s
+        self._q: collections.deque[tuple[float, float | None, float | None]] = collections.deque(maxlen=cap)
+
+    def add(self, now: float, ttft: float | None, tpot: float | None) -> None:
+        self._q.append((now, ttft, tpot))
+        while self._q[0][0] < now - self.window_s:
+            self._q.popleft()
+
+    def __iter__(self) -> Iterator[tuple[float, float | None, float | None]]:
+        return iter(self._q)
+
+    def __len__(self) -> int:
+        return len(self._q)
 
 
 def _change(state: PoolState, now: float, delta: int, why: str) -> tuple[int, str]:

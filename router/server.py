@@ -25,7 +25,6 @@ blocks held for no live request (``Router.sweep``: the last line, expected never
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import time
@@ -38,7 +37,7 @@ from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.auth import FrontDoor
-from router.autoscale import PoolController
+from router.autoscale import PoolController, Recent
 from router.roles import RoleController
 from router.config import ClusterConfig
 from router.jobs import Aborted, Job, Lost
@@ -89,7 +88,7 @@ class Router(pb_grpc.GenerationServicer):
         self.prefix = PrefixIndex() if cfg.router.prefix_aware else None
         from router.metrics import RouterMetrics
         self.metrics = RouterMetrics(self)
-        self.recent: collections.deque[tuple[float, float | None, float | None]] = collections.deque(maxlen=4096)
+        self.recent = Recent(cfg.autoscale.window_s)  # latencies the pool signals read
         self.autoscaler = PoolController(self, cfg.autoscale) if cfg.autoscale.enabled else None
         # Adaptive: disaggregated placement over workers whose roles switch (router.roles)
         self.roles_controller = RoleController(self, cfg.roles, cfg.autoscale) if cfg.mode == "adaptive" else None
@@ -204,7 +203,7 @@ class Router(pb_grpc.GenerationServicer):
         return any(worker is j.prefill or worker is j.decode for j in self.jobs.values())
 
     def _observe(self, job: Job, outcome: str) -> None:
-        self.recent.append((time.monotonic(), job.ttft, job.tpot))
+        self.recent.add(time.monotonic(), job.ttft, job.tpot)
         m = self.metrics
         m.requests.labels(outcome).inc()
         m.generation_tokens.inc(len(job.generated))

@@ -59,3 +59,22 @@ def test_only_growth_beyond_noise_and_the_floor_counts():
     noisy = [(t, 1000 + t / 360 + (40 if (t // 60) % 2 else -40)) for t in range(0, 1800, 60)]
     slope, se = slope_per_h(noisy)  # the same 10 MB/h under +-40 MB of noise: within two errors
     assert 2 * se > slope and not grows(slope, se, 5.0)
+
+
+def test_samples_are_kept_compactly_and_fitted_after_the_warm_up():
+    """A process's samples are flat doubles (56 bytes each in the process the soak weighs, which
+    is also the router's); growth is fitted on those after the warm-up, and the change split by kind."""
+    import sys
+    from types import SimpleNamespace
+
+    from bench.soak import Soak
+    soak = object.__new__(Soak)
+    soak.rows, soak.args = {}, SimpleNamespace(warmup_s=100.0, fault_every_s=60.0, flat_mb_per_h=5.0)
+    for i in range(61):  # one sample a minute for an hour: 500 MB, +10 MB/h of heap after a start-up step
+        anon = 400.0 + (50.0 if i >= 1 else 0.0) + 10.0 * i / 60
+        soak.record("w 1", 60.0 * i, {"rss": anon + 100.0, "anon": anon, "file": 100.0, "shmem": 0.0, "sysv": 2})
+    g = soak.growth()["w 1"]
+    assert abs(g["growth_mb_per_h"] - 10.0) < 1e-6 and not g["flat"]  # exact: a straight line after the warm-up
+    assert g["change"] == {"anon": round(10.0 * 58 / 60, 1), "shmem": 0.0, "file": 0.0, "sysv": 0.0}
+    assert soak.parts("w 1")[0] == (0.0, {"rss": 500.0, "anon": 400.0, "file": 100.0, "shmem": 0.0, "sysv": 2.0})
+    assert sys.getsizeof(soak.rows["w 1"]) < 61 * 6 * 8 + 200  # (the array's header, over-allocation aside)

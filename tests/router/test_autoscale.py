@@ -92,3 +92,21 @@ def test_controller_grows_and_drains_through_the_pools():
     router.pools.workers["prefill-0"].status.queued_prompt_tokens = 0
     assert ctl.step(2.0) == [] and ctl.step(3.1)[0].startswith("prefill -1 (draining prefill-new)")
     assert len(ctl.events) == 2 and "prefill-new" not in router.pools.workers
+
+
+def test_recent_latencies_keep_only_the_window():
+    """The pool signals read the last ``window_s`` of finished requests: older ones are gone
+    as new ones finish, so the router's memory stays flat under any steady load; ``cap``
+    bounds a burst."""
+    from router.autoscale import Recent, pool_signals
+    r = Recent(window_s=30.0)
+    for i in range(100):  # a request finishing every second for 100 s: the last 30 s stay
+        r.add(float(i), 0.5 + i, 0.01)
+    assert len(r) == 31 and min(t for t, _, _ in r) == 69.0
+    burst = Recent(window_s=30.0, cap=100)
+    for i in range(1000):
+        burst.add(5.0, 1.0, None)
+    assert len(burst) == 100
+    from types import SimpleNamespace
+    router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=r, queued=0)
+    assert pool_signals(router, "prefill", now=99.0, window_s=10.0).ttft_p90_s == 0.5 + 98  # (89..99: p90 is 98)
