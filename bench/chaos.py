@@ -265,13 +265,15 @@ class Chaos:
 
     def summary(self, leaked: int, stranded: int | None, wall: float) -> dict:
         import numpy as np
-        f, status = self.run.faults, self.run.status
+        with self.run.lock:  # (a client that outlived its join may still be finishing)
+            f, status, requests, in_flight = list(self.run.faults), Counter(self.run.status), self.run.requests, \
+                self.run.in_flight
         rec = [x.recovery_s for x in f if x.recovery_s is not None]
         errored = {k: v for k, v in status.items() if k not in ("identical", "wrong", "hung")}
-        return {"requests": self.run.requests, "faults": len(f), "faults_by_kind": dict(Counter(x.kind for x in f)),
+        return {"requests": requests, "faults": len(f), "faults_by_kind": dict(Counter(x.kind for x in f)),
                 "completed_identical": status["identical"], "errored": sum(errored.values()),
                 "errored_by_status": errored, "wrong": status["wrong"],
-                "hung": status["hung"] + self.run.in_flight + int(self.run.unrecovered),
+                "hung": status["hung"] + in_flight + int(self.run.unrecovered),
                 "leaked_blocks": leaked, "stranded_blocks": stranded,
                 "swept_blocks": int(self.cluster.router.metrics.swept_blocks._value.get()),
                 "reruns": int(self.cluster.router.metrics.retries._value.get()),

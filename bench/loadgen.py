@@ -83,7 +83,7 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
 
 def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens: str = "256",
                   max_tokens: str = "64", long_share: float = 0.2, long_tokens: int = 1536,
-                  prefix_groups: int = 6, prefix_tokens: int = 1536) -> list[RequestSpec]:
+                  prefix_groups: int = 6, prefix_tokens: int = 1536, token_seed: int = 0) -> list[RequestSpec]:
     """``n`` requests from a dataset: ``random`` (random token prompts of ``prompt_tokens``,
     ``max_tokens`` new tokens), ``mix`` (short chat turns with ``long_share`` long documents
     of ``long_tokens`` that want short answers), ``shared-prefix`` (as SGLang's generated
@@ -93,21 +93,23 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
     load: the first half long documents and chat turns, the second half chat turns wanting
     long answers, 128-256 tokens), or a JSONL file path
     (``{"prompt": ...}`` or ``{"token_ids": [...]}`` per line, optional ``"max_tokens"``; used
-    round-robin). Prompts of the other datasets are distinct: the prefix cache never helps."""
+    round-robin). Prompts of the other datasets are distinct: the prefix cache never helps.
+    ``seed`` draws the shape (kinds, lengths, ``max_tokens``, groups), ``token_seed`` the
+    tokens: the same shape with other prompts (a sweep's rates) is another ``token_seed``."""
     if n < 1:
         raise BenchError(f"the number of requests must be >= 1, got {n}")
-    rng = random.Random(seed)
+    rng, ids = random.Random(seed), random.Random(f"{seed}/{token_seed}")
     if dataset == "shared-prefix":
         if prefix_groups < 1 or prefix_tokens < 1:
             raise BenchError(f"shared-prefix: groups and prefix tokens must be >= 1, got {prefix_groups}, "
                              f"{prefix_tokens}")
-        systems = [_random_ids(rng, prefix_tokens, vocab) for _ in range(prefix_groups)]
+        systems = [_random_ids(ids, prefix_tokens, vocab) for _ in range(prefix_groups)]
         return [RequestSpec("shared", rng.randint(16, 48),
                             systems[i if i < prefix_groups else rng.randrange(prefix_groups)]
-                            + _random_ids(rng, rng.randint(32, 96), vocab)) for i in range(n)]
+                            + _random_ids(ids, rng.randint(32, 96), vocab)) for i in range(n)]
     if dataset == "random":
         (plo, phi), (mlo, mhi) = parse_range(prompt_tokens, "prompt tokens"), parse_range(max_tokens, "max tokens")
-        return [RequestSpec("fixed", rng.randint(mlo, mhi), _random_ids(rng, rng.randint(plo, phi), vocab))
+        return [RequestSpec("fixed", rng.randint(mlo, mhi), _random_ids(ids, rng.randint(plo, phi), vocab))
                 for _ in range(n)]
     if dataset == "phase":
         # Prompt-heavy, then decode-heavy. The first half: long documents (half to all of
@@ -118,10 +120,10 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
         for i in range(n):
             if i < n // 2 and rng.random() < 0.5:
                 out.append(RequestSpec("long", rng.randint(8, 16),
-                                       _random_ids(rng, rng.randint(long_tokens // 2, long_tokens), vocab)))
+                                       _random_ids(ids, rng.randint(long_tokens // 2, long_tokens), vocab)))
             else:
                 out.append(RequestSpec("chat", rng.randint(48, 96) if i < n // 2 else rng.randint(128, 256),
-                                       _random_ids(rng, rng.randint(24, 96), vocab)))
+                                       _random_ids(ids, rng.randint(24, 96), vocab)))
         return out
     if dataset == "mix":
         if not 0 <= long_share <= 1:
@@ -129,9 +131,9 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
         out = []
         for i in range(n):
             if rng.random() < long_share:
-                out.append(RequestSpec("long", 8, _random_ids(rng, long_tokens, vocab)))
+                out.append(RequestSpec("long", 8, _random_ids(ids, long_tokens, vocab)))
             else:
-                out.append(RequestSpec("chat", rng.randint(48, 96), _random_ids(rng, rng.randint(24, 96), vocab)))
+                out.append(RequestSpec("chat", rng.randint(48, 96), _random_ids(ids, rng.randint(24, 96), vocab)))
         return out
     path = Path(dataset)
     if not path.is_file():

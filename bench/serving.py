@@ -67,8 +67,6 @@ def prefix_compare(cluster: str) -> dict[str, dict]:
     base = PREFIX_CLUSTERS[cluster]
     return {"prefix-blind": {**base, "router.prefix_aware": False},
             "prefix-aware": {**base, "router.prefix_aware": True}}
-# A sweep's k-th rate draws its prompts from seed + k * this (the warm-up from seed + 1).
-RUN_SEED_STRIDE = 1000
 SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked",
          "disaggregated-local": "local", "adaptive": "adaptive",
          "prefix-blind": "blind", "prefix-aware": "aware"}
@@ -194,13 +192,13 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
 
 
 def _workload(args, vocab: int, run: int = 0):
-    """The requests of a sweep's ``run``-th rate: the same for every mode at that rate, and
-    other prompts at every rate. With the same prompts, every rate after the first found them
-    all in the prefix cache (hit rate 0.97 on the mix) and measured a warm cache against the
-    first rate's cold one. (A JSONL file's prompts are what they are: they repeat.)"""
-    return make_workload(args.num_requests, args.dataset, vocab, args.seed + RUN_SEED_STRIDE * run,
-                         args.prompt_tokens, args.max_tokens, args.long_share, args.long_tokens, args.prefix_groups,
-                         args.prefix_tokens)
+    """The requests of a sweep's ``run``-th rate: the same for every mode at that rate; at
+    every rate the same shape (kinds, lengths, answers) with other tokens. With the same
+    prompts, every rate after the first found them all in the prefix cache (hit rate 0.97 on
+    the mix) and measured a warm cache against the first rate's cold one. (A JSONL file's
+    prompts are what they are: they repeat.)"""
+    return make_workload(args.num_requests, args.dataset, vocab, args.seed, args.prompt_tokens, args.max_tokens,
+                         args.long_share, args.long_tokens, args.prefix_groups, args.prefix_tokens, token_seed=run)
 
 
 def _start(cfg):

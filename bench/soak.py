@@ -18,6 +18,7 @@ import bench  # noqa: F401
 import argparse
 import array
 import json
+import math
 import os
 import sys
 import threading
@@ -79,7 +80,7 @@ class Soak(Chaos):
 
     def __init__(self, cluster, args) -> None:
         super().__init__(cluster, args)
-        # "name pid" -> rows of (t, then MB by kind, sysv) as flat doubles: a sample costs 56
+        # "name pid" -> rows of (t, then MB by kind, sysv) as flat doubles: a sample costs 48
         # bytes in the process it weighs (a tuple and a dict per sample cost ~0.6 KB: 1.4 MB/h)
         self.rows: dict[str, array.array] = {}
         self.t0 = time.monotonic()
@@ -118,12 +119,13 @@ class Soak(Chaos):
         self.sample()
 
     def record(self, name: str, t: float, m: dict[str, float]) -> None:
-        self.rows.setdefault(name, array.array("d")).extend([t] + [m.get(k, 0.0) for k in _KINDS])
+        # (NaN: not read, e.g. another user's process has no readable maps)
+        self.rows.setdefault(name, array.array("d")).extend([t] + [m.get(k, math.nan) for k in _KINDS])
 
     def parts(self, name: str) -> list[tuple[float, dict[str, float]]]:
         """(t, memory()) per sample of one process."""
         r, w = self.rows[name], 1 + len(_KINDS)
-        return [(r[i], dict(zip(_KINDS, r[i + 1:i + w]))) for i in range(0, len(r), w)]
+        return [(r[i], {k: v for k, v in zip(_KINDS, r[i + 1:i + w]) if not math.isnan(v)}) for i in range(0, len(r), w)]
 
     def growth(self) -> dict[str, dict]:
         out = {}
@@ -140,7 +142,8 @@ class Soak(Chaos):
                          "series": [(round(t), round(m, 1)) for t, m in kept[::max(1, len(kept) // 30)]],
                          "flat": not grows(slope, se, self.args.flat_mb_per_h)}
             # where the change is: heap (anon), shared segments (shmem, sysv), files
-            out[name]["change"] = {k: round(parts[-1][1][k] - parts[0][1][k], 1) for k in ("anon", "shmem", "file", "sysv")}
+            out[name]["change"] = {k: round(parts[-1][1].get(k, 0) - parts[0][1].get(k, 0), 1)
+                                   for k in ("anon", "shmem", "file", "sysv")}
         return out
 
 

@@ -80,14 +80,18 @@ def test_on_a_sweep_goodput_is_the_highest_rate_within_the_slos_and_none_is_zero
 
 
 @pytest.mark.parametrize("dataset", ["mix", "shared-prefix", "phase", "random"])
-def test_each_rate_of_a_sweep_sends_other_prompts_and_every_mode_the_same(dataset):
+def test_each_rate_of_a_sweep_sends_other_prompts_of_the_same_shape(dataset):
     """The same prompts at every rate made every rate after the first a prefix-cache hit (0.97
-    on the mix): the sweep compared a warm cache with a cold one. Each rate draws its own; a
-    mode's run at a rate is the same as any other mode's there; the warm-up's are none of them."""
+    on the mix): the sweep compared a warm cache with a cold one. Each rate draws its own
+    tokens, in the same shape (kinds, lengths, answers: only the rate changes); a mode's run at
+    a rate is the same as any other mode's there; the warm-up's prompts are none of them."""
     from bench.serving import _workload
-    args = build_parser().parse_args(["--compare", "--dataset", dataset, "--rates", "0.5,1,2", "--num-requests", "12"])
+    args = build_parser().parse_args(["--compare", "--dataset", dataset, "--rates", "0.5,1,2", "--num-requests", "12",
+                                      "--prompt-tokens", "20:300"])
     runs = [_workload(args, 1000, k) for k in range(3)]
     assert [_workload(args, 1000, k) for k in range(3)] == runs  # every mode: the same at a rate
+    shape = [[(s.kind, len(s.token_ids), s.max_tokens) for s in r] for r in runs]
+    assert shape[0] == shape[1] == shape[2] and len({n for _, n, _ in shape[0]}) > 1
     blocks = [{tuple(s.token_ids[:16]) for s in r} for r in runs]  # (a 16-token block: a prefix hit)
     assert not blocks[0] & blocks[1] and not blocks[1] & blocks[2] and not blocks[0] & blocks[2]
     args.seed += 1  # the warm-up's seed

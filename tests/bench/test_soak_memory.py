@@ -62,7 +62,7 @@ def test_only_growth_beyond_noise_and_the_floor_counts():
 
 
 def test_samples_are_kept_compactly_and_fitted_after_the_warm_up():
-    """A process's samples are flat doubles (56 bytes each in the process the soak weighs, which
+    """A process's samples are flat doubles (48 bytes each in the process the soak weighs, which
     is also the router's); growth is fitted on those after the warm-up, and the change split by kind."""
     import sys
     from types import SimpleNamespace
@@ -77,4 +77,7 @@ def test_samples_are_kept_compactly_and_fitted_after_the_warm_up():
     assert abs(g["growth_mb_per_h"] - 10.0) < 1e-6 and not g["flat"]  # exact: a straight line after the warm-up
     assert g["change"] == {"anon": round(10.0 * 58 / 60, 1), "shmem": 0.0, "file": 0.0, "sysv": 0.0}
     assert soak.parts("w 1")[0] == (0.0, {"rss": 500.0, "anon": 400.0, "file": 100.0, "shmem": 0.0, "sysv": 2.0})
-    assert sys.getsizeof(soak.rows["w 1"]) < 61 * 6 * 8 + 200  # (the array's header, over-allocation aside)
+    # 61 rows of 6 doubles, the array's header (64 bytes) and its over-allocation (~1/16)
+    assert sys.getsizeof(soak.rows["w 1"]) < 61 * 6 * 8 * 17 / 16 + 64
+    soak.record("w 2", 0.0, {"rss": 1.0})  # what was not read stays unread
+    assert soak.parts("w 2") == [(0.0, {"rss": 1.0})]
