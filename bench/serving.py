@@ -163,8 +163,7 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
         # Not counted: a fresh cluster's first requests are slow (the first took 10-15 s on the
         # 2-core machine in every mode). Other prompts than the measured ones (another seed): no
         # prefix of theirs is warmed.
-        warm = make_workload(args.warmup, args.dataset, vocab, args.seed + 1, args.prompt_tokens, args.max_tokens,
-                             args.long_share, args.long_tokens, args.prefix_groups, args.prefix_tokens)
+        warm = _workload(args, vocab, n=args.warmup, seed=args.seed + 1)
         asyncio.run(run(server, warm, concurrency=2, seed=args.seed + 1))
     for k, rate in enumerate(_rates(args)):
         specs = _workload(args, vocab, k)
@@ -191,14 +190,16 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
         [(r["rate"], r["summary"]["all"]) for r in runs if r["rate"] is not None])}
 
 
-def _workload(args, vocab: int, run: int = 0):
+def _workload(args, vocab: int, run: int = 0, n: int | None = None, seed: int | None = None):
     """The requests of a sweep's ``run``-th rate: the same for every mode at that rate; at
     every rate the same shape (kinds, lengths, answers) with other tokens. With the same
     prompts, every rate after the first found them all in the prefix cache (hit rate 0.97 on
     the mix) and measured a warm cache against the first rate's cold one. (A JSONL file's
-    prompts are what they are: they repeat.)"""
-    return make_workload(args.num_requests, args.dataset, vocab, args.seed, args.prompt_tokens, args.max_tokens,
-                         args.long_share, args.long_tokens, args.prefix_groups, args.prefix_tokens, token_seed=run)
+    prompts are what they are: they repeat.) ``n`` and ``seed``: other than the arguments'
+    (the warm-up's)."""
+    return make_workload(args.num_requests if n is None else n, args.dataset, vocab,
+                         args.seed if seed is None else seed, args.prompt_tokens, args.max_tokens, args.long_share,
+                         args.long_tokens, args.prefix_groups, args.prefix_tokens, token_seed=run)
 
 
 def _start(cfg):

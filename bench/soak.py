@@ -125,7 +125,8 @@ class Soak(Chaos):
     def parts(self, name: str) -> list[tuple[float, dict[str, float]]]:
         """(t, memory()) per sample of one process."""
         r, w = self.rows[name], 1 + len(_KINDS)
-        return [(r[i], {k: v for k, v in zip(_KINDS, r[i + 1:i + w]) if not math.isnan(v)}) for i in range(0, len(r), w)]
+        return [(r[i], {k: v for k, v in zip(_KINDS, r[i + 1:i + w]) if not math.isnan(v)})
+                for i in range(0, len(r), w)]
 
     def growth(self) -> dict[str, dict]:
         out = {}
@@ -190,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     growth = soak.growth()
     if args.samples_out:
         with open(args.samples_out, "w") as f:
-            json.dump({"memory": {name: soak.parts(name) for name in soak.rows}, "faults": [(x.kind, x.worker, round(x.at - soak.t0, 1))
-                                                        for x in soak.run.faults]}, f)
+            json.dump({"memory": {name: soak.parts(name) for name in soak.rows},
+                       "faults": [(x.kind, x.worker, round(x.at - soak.t0, 1)) for x in soak.run.faults]}, f)
     out.update(rss=growth, max_growth_mb_per_h=max((g["growth_mb_per_h"] for g in growth.values()), default=None),
                all_flat=all(g["flat"] for g in growth.values()), duration_s=args.duration_s)
     for name, g in sorted(growth.items()):
