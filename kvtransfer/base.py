@@ -192,7 +192,13 @@ class FrameTransport(ABC):
 
     @abstractmethod
     def bind(self) -> str:
-        """Start accepting peers; returns the address others ``connect`` to."""
+        """Start accepting peers; returns the address others ``connect`` to (the newest, where
+        a transport's address can change: ``ucx.py``)."""
+
+    def identity(self, address: str) -> str:
+        """What stays the same across every address one peer has had: the key to know a peer
+        by (the address itself, unless the transport's addresses change)."""
+        return address
 
     @abstractmethod
     def connect(self, address: str) -> str:

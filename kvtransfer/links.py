@@ -13,7 +13,8 @@ sender's). Those that failed because the connection dropped could not be told to
 receiver: their ``fail`` goes out first on the next connection to it (``untold``), so a
 receiver that did not notice the drop itself frees their blocks then rather than at its lease.
 
-Tables (exactly these): ``_links`` (receiver address → :class:`Link`; forgotten by
+Tables (exactly these): ``_links`` (receiver → :class:`Link`, keyed by the transport's
+``identity`` of its address, so every address one receiver has had finds its link; forgotten by
 ``forget``, when refused, or when a blocking handshake times out) and ``_hello`` (peer id →
 the layout its hello_ok carried; only while a handshake to it waits).
 """
@@ -38,6 +39,7 @@ class LayoutMismatch(ValueError):
 @dataclasses.dataclass
 class Link:
     peer: str  # the transport's peer id for the current connection
+    address: str  # the receiver's address, the newest given
     layout: KVLayout | None  # the receiver's, from its last hello_ok (None before the first)
     state: str = "connecting"  # connecting | ready | dropped | refused
     deadline: float | None = None  # a background re-dial: no hello_ok by then (sender's clock) fails it
@@ -64,21 +66,29 @@ class Links:
         self._hello: dict[str, KVLayout | None] = {}
 
     def get(self, address: str) -> Link | None:
-        return self._links.get(address)
+        """The link to the receiver at ``address``, which may be a newer address of it than the
+        link's: the transport is told (it keeps whichever is newer), so a peer that missed the
+        receiver's announcement of it follows the control plane's copy."""
+        link = self._links.get(self.transport.identity(address))
+        if link is not None and address != link.address:
+            self.transport.connect(address)  # (the same peer id: a record update, no handshake)
+            link.address = address
+        return link
 
     def dial(self, address: str, deadline: float | None = None) -> Link:
         """The link to ``address``: a fresh connection and hello unless it is ready or
         connecting already. Messages sent on it from now on follow the hello."""
-        link = self._links.get(address)
+        key = self.transport.identity(address)
+        link = self._links.get(key)
         if link is not None and link.state in ("ready", "connecting"):
             return link
         peer = self.transport.connect(address)
         self._hello[peer] = None
         self._send(peer, encode_control("hello", layout=layout_to_wire(self.layout)))
-        new = Link(peer, link.layout if link is not None else None, deadline=deadline)
+        new = Link(peer, address, link.layout if link is not None else None, deadline=deadline)
         for tid in link.untold if link is not None else ():
             self._send(peer, encode_control("fail", id=tid, reason="the connection it went on dropped"))
-        self._links[address] = new
+        self._links[key] = new
         return new
 
     def answered(self, peer: str, wire_layout: object) -> None:
@@ -89,9 +99,10 @@ class Links:
 
     def settle(self) -> None:
         """Finish the handshakes whose answer arrived; fail those past their deadline."""
-        for address, link in list(self._links.items()):
+        for link in list(self._links.values()):
             if link.state != "connecting":
                 continue
+            address = link.address
             remote = self._hello.get(link.peer)
             if remote is not None:
                 del self._hello[link.peer]
@@ -115,22 +126,23 @@ class Links:
         """The transport reports ``peer``'s connection dropped: its transfers FAIL (the receiver
         is told on the next connection) and the link waits for the next dial."""
         self._hello.pop(peer, None)
-        for address, link in self._links.items():
+        for link in self._links.values():
             if link.peer == peer and link.state in ("ready", "connecting"):
                 link.state, link.why = "dropped", why
-                link.untold += self._fail_on(peer, f"connection to KV receiver {address} dropped: {why}", False)
+                link.untold += self._fail_on(peer, f"connection to KV receiver {link.address} dropped: {why}", False)
 
     def close(self, address: str, reason: str, forget: bool) -> None:
         """Close the connection to ``address`` (transfers on it FAIL with ``reason``); forget
         the address, or leave it dropped. No-op for an unknown address."""
-        link = self._links.get(address)
+        key = self.transport.identity(address)
+        link = self._links.get(key)
         if link is None:
             return
         failed = self._fail_on(link.peer, reason, link.state == "ready")
         self._hello.pop(link.peer, None)
         self.transport.disconnect(link.peer)
         if forget:
-            del self._links[address]
+            del self._links[key]
         else:
             link.state, link.why = "dropped", reason
             link.untold += failed

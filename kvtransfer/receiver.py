@@ -172,11 +172,21 @@ class KVReceiver(TransferTable):
         self.transport, self.layout, self.kv_caches = transport, layout, kv_caches
         self.lease_s, self._clock = lease_s, clock
         self.auth = auth.for_transport(transport) if auth is not None else None
-        self.address = transport.bind()
+        self._address = transport.bind()  # (``address``: the transport's newest)
         self._init_table()  # _transfers: id -> _Incoming
         self.trailers: dict[str, dict] = {}
         self.dropped_frames = 0  # data messages not written: unknown/ended transfer, duplicate, garbage
         self.bad_messages = 0  # control messages that made no sense
+
+    @property
+    def address(self) -> str:
+        """Where senders reach this receiver: the transport's newest address (a UCX transport's
+        changes when it replaces its worker; older ones still reach it for a while)."""
+        try:
+            self._address = self.transport.bind()
+        except RuntimeError:  # closed: the last one it had
+            pass
+        return self._address
 
     # ---- decode's side of the lifecycle -------------------------------------------------
     def expect(self, transfer_id: str, block_ids: Sequence[int], num_tokens: int,

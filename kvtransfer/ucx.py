@@ -56,6 +56,13 @@ until ``close`` cancels them after ``linger_s`` (UCX cannot cancel them one by o
 that just stops is noticed by the lifecycle's lease, or by whoever calls ``disconnect``.
 There is no flow control: a receiver that stops calling ``recv`` accumulates messages.
 
+Replaced workers. What UCX maps of a peer stays mapped until our UCX worker is destroyed, so
+once enough peers are gone for good (``ucx_peers.py``, "Stale peers") and nothing is in
+flight, the progress thread replaces the worker (``ucx_generation.py``): the uid stays, the
+address (``bind``) changes, every known peer is told the new one on a new connection, and the
+old worker keeps receiving until it is quiet, then is destroyed. A peer that dials an older
+address of a uid than one it has heard keeps the newer (addresses carry the generation).
+
 Environment. ``UCX_TLS`` and other ``UCX_*`` variables pass through unchanged unless the
 ``tls`` argument is given. ``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` here (ucxx sets
 ``UCX_MEMTYPE_CACHE``, which otherwise triggers a warning).
@@ -79,6 +86,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 
 from kvtransfer import ucx_device, ucx_wire as wire  # noqa: E402
 from kvtransfer.base import MAX_DROP_REPORTS, Buffer, FrameTransport, register_transport  # noqa: E402
+from kvtransfer.ucx_generation import Generation  # noqa: E402
 from kvtransfer.ucx_peers import PeerTable, this_process  # noqa: E402
 from kvtransfer.ucx_recv import ReceiveSide, _check  # noqa: E402
 
@@ -128,21 +136,22 @@ class UcxTransport(ReceiveSide, FrameTransport):
             device = ucx_device.default_device()
         self.device = device
         self.device_frames = device is not None  # FrameTransport capability: send/recv GPU memory
-        config = {"TLS": tls} if tls else None
-        self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-        self._worker = ucx_api.UCXWorker(self._ctx)
-        self._worker.init_blocking_progress_mode()  # creates the epoll fd the idle wait uses
+        self._config = {"TLS": tls} if tls else None
+        self._gen = Generation.make(0, self._config)  # the UCX worker in use (ucx_generation.py)
+        self._retiring: list[Generation] = []  # replaced ones, receiving until quiet
+        self.recycles = 0  # workers replaced
         self.uid = secrets.randbits(32)
-        self._addr_bytes = self._worker.address.tobytes()
-        self.address = wire.format_address(self.uid, self._addr_bytes, this_process())
+        self._process = this_process()
+        self.address = wire.format_address(self.uid, self._gen.address, self._process)
         self.linger_s = linger_s
-        # (_SEND, uid, buffers, lengths, kinds, CUDA events) | (_CONNECT, uid, address, process) | (_DISCONNECT, uid)
+        # (_SEND, uid, buffers, lengths, kinds, CUDA events) | (_CONNECT, uid, address, process, gen) | (_DISCONNECT, uid)
         self._outbox: deque[tuple] = deque()
         self._inbox: deque[tuple[str, list[Buffer] | str]] = deque()  # frames, or why a peer dropped
         self._dropped: deque[tuple[str, str]] = deque(maxlen=MAX_DROP_REPORTS)  # caller's side of the marks
         # Owned by the progress thread only:
         self._peers = PeerTable(self._make_endpoint, _close_endpoint)
-        self._sending: list[tuple[int, object, object, object]] = []  # (uid, endpoint, request, buffer kept alive)
+        # (uid, endpoint, request, buffer kept alive, the generation it went on)
+        self._sending: list[tuple[int, object, object, object, Generation]] = []
         self._init_receive_side()  # _receiving, _cut, _banned (ucx_recv.py)
         self.unroutable = 0  # messages dropped: their peer was unreachable or unknown
         self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
@@ -159,10 +168,19 @@ class UcxTransport(ReceiveSide, FrameTransport):
     # ---- caller side ---------------------------------------------------------------------
     def bind(self) -> str:
         """Returns:
-            ``ucx://<uid>/<worker address, base64>``; reachable from construction on.
+            ``ucx://<uid>/<worker address, base64>/<process>[/<generation>]``; reachable from
+            construction on. It changes when the UCX worker is replaced (module doc): the
+            newest is what to publish; an older one reaches this side for a while yet.
         """
         self._check_open()
         return self.address
+
+    def identity(self, address: str) -> str:
+        """The peer id of ``address``: the same for every address of one transport (its uid)."""
+        try:
+            return wire.peer_id(wire.parse_address(address)[0])
+        except ValueError:
+            return address
 
     def connect(self, address: str) -> str:
         """Args:
@@ -173,8 +191,8 @@ class UcxTransport(ReceiveSide, FrameTransport):
             ValueError: ``address`` is not a ucx address.
         """
         self._check_open()
-        uid, addr, process = wire.parse_address(address)
-        self._outbox.append((_CONNECT, uid, addr, process))
+        uid, addr, process, gen = wire.parse_address(address)
+        self._outbox.append((_CONNECT, uid, addr, process, gen))
         self._wake()
         return wire.peer_id(uid)
 
@@ -209,8 +227,8 @@ class UcxTransport(ReceiveSide, FrameTransport):
         if uid is None:
             raise ValueError(f"unknown ucx peer {peer!r}: connect() to it first, "
                              "or reply to an id from recv()")
-        if len(frames) > wire.MAX_FRAMES:
-            raise ValueError(f"{len(frames)} frames in one message; at most {wire.MAX_FRAMES}")
+        if not 1 <= len(frames) <= wire.MAX_FRAMES:  # (an empty message is the transport's own)
+            raise ValueError(f"{len(frames)} frames in one message; 1 to {wire.MAX_FRAMES}")
         views, lengths, kinds, events = [], [], "", []
         for f in frames:
             if ucx_device.is_device(f):
@@ -302,14 +320,19 @@ class UcxTransport(ReceiveSide, FrameTransport):
         finally:
             self._shutdown()
 
+    def _generations(self) -> list[Generation]:
+        """Retiring ones first: what a peer sent to our old worker was sent before what it
+        sends to the new one, and each sender's messages are queued as their headers are found."""
+        return [*self._retiring, self._gen]
+
     def _pump(self) -> tuple[bool, bool]:
         """One round of progress and bookkeeping.
 
         Returns:
             (whether anything was posted or completed, whether requests are in flight).
         """
-        w = self._worker
-        w.progress()
+        for g in self._generations():
+            g.worker.progress()
         now = time.monotonic()
         completed = False
         # In order; a message waits for the kernels producing its device frames.
@@ -318,16 +341,16 @@ class UcxTransport(ReceiveSide, FrameTransport):
             if kind == _SEND:
                 self._post_send(uid, *rest[:3], now)
             elif kind == _CONNECT:
-                self._peers.dial(uid, rest[0], rest[1], now)
+                self._peers.dial(uid, rest[0], rest[1], now, rest[2])
             else:
                 self._peers.forget(uid)
             completed = True
         completed = self._probe_headers() or completed
         if self._sending:
             still = []
-            for uid, ep, req, keep in self._sending:
+            for uid, ep, req, keep, gen in self._sending:
                 if not req.completed:
-                    still.append((uid, ep, req, keep))
+                    still.append((uid, ep, req, keep, gen))
                 elif not _check(req, "send"):
                     current = (p := self._peers.get(uid)) is not None and p.ep is ep
                     self._peers.discard(ep)  # broken: the next connection to its address makes a new one
@@ -337,7 +360,60 @@ class UcxTransport(ReceiveSide, FrameTransport):
             self._sending = still
         received, receiving = self._deliver(now)
         self._peers.prune(now)
+        if self._peers.superseded:
+            self._peers.close_superseded(lambda ep: any(s[1] is ep for s in self._sending))
+        self._replace_worker_if_due(now)
+        self._destroy_retired(now)
         return completed or received, receiving or bool(self._sending) or bool(self._outbox)
+
+    def _replace_worker_if_due(self, now: float) -> None:
+        """A new UCX worker once enough peers are stale and nothing is in flight (module doc);
+        every known peer is sent an empty message on a new connection: our new address."""
+        if self._retiring or self._peers.stale < self._peers.recycle_at or self._outbox:
+            return
+        # Nothing in flight to or from a live peer (what a dead one left never completes: it is
+        # cancelled with the old worker), so no peer sees our messages out of order.
+        live = set(self._peers.live_uids())
+        if any(s[0] in live for s in self._sending) or any(u in live for u in self._receiving):
+            return
+        old = self._gen
+        try:
+            new = Generation.make(old.number + 1, self._config)
+        except ucx_api.UCXError as e:  # (out of resources): the old one serves on, tried again later
+            logger.warning("ucx: could not make a new worker (%s); keeping the old one", e)
+            self._peers.stale = 0
+            return
+        stale = self._peers.stale
+        old.endpoints, old.retired_at = self._peers.take_endpoints(), now
+        self._retiring.append(old)
+        self._gen = new
+        self.address = wire.format_address(self.uid, new.address, self._process, new.number)
+        self.recycles += 1
+        logger.info("ucx %s: replaced its UCX worker (generation %d, %d stale peers); telling %d peers",
+                    wire.peer_id(self.uid), new.number, stale, len(live := self._peers.live_uids()))
+        for uid in live:
+            self._post_send(uid, [], [], "", now)
+
+    def _destroy_retired(self, now: float) -> None:
+        """Destroy replaced workers once quiet (``ucx_generation.py``); what is still in flight
+        on one then is cut, and its peer reported dropped."""
+        for g in list(self._retiring):
+            w = g.worker
+            live = set(self._peers.live_uids())  # (a send to a peer gone silently never completes)
+            busy = (any(s[4] is g and s[0] in live for s in self._sending) or any(m.worker is w for m in self._cut)
+                    or any(m.worker is w and not m.done() for q in self._receiving.values() for m in q))
+            if not g.due(now, busy):
+                continue
+            self._retiring.remove(g)
+            g.destroy(_close_endpoint)  # cancels what is in flight on it first: then its buffers go
+            self._sending = [s for s in self._sending if s[4] is not g]
+            for uid, queue in self._receiving.items():
+                cut = [m for m in queue if m.worker is w and not m.done()]
+                for m in cut:
+                    queue.remove(m)
+                if cut:
+                    self._lost(uid, "its messages to our replaced UCX worker were cut")
+            self._cut = [m for m in self._cut if m.worker is not w]
 
     def _post_send(self, uid: int, views: list, lengths: list[int], kinds: str, now: float) -> None:
         p = self._peers.get(uid)
@@ -356,16 +432,17 @@ class UcxTransport(ReceiveSide, FrameTransport):
                 return
             # A new connection's first message carries our address; a random first seq keeps its
             # tags apart from anything of an earlier connection still in flight.
-            hello, p.seq = self._addr_bytes, secrets.randbits(30)
+            hello, p.seq = self._gen.address, secrets.randbits(30)
         seq = p.seq
         p.seq, p.last = (seq + 1) & wire.SEQ_MASK, now
-        header = wire.pack_header(seq, lengths, kinds, hello)
+        header = wire.pack_header(seq, lengths, kinds, hello, self._process, self._gen.number)
         head_tag = ucx_api.UCXXTag(wire.tag(wire.HEADER, self.uid, seq))
-        self._sending.append((uid, p.ep, p.ep.tag_send(Array(header), head_tag), header))
+        g = self._gen
+        self._sending.append((uid, p.ep, p.ep.tag_send(Array(header), head_tag), header, g))
         data_tag = ucx_api.UCXXTag(wire.tag(wire.DATA, self.uid, seq))
         for v, n in zip(views, lengths):
             if n:
-                self._sending.append((uid, p.ep, p.ep.tag_send(Array(v), data_tag), v))
+                self._sending.append((uid, p.ep, p.ep.tag_send(Array(v), data_tag), v, g))
 
     def _lost(self, uid: int, why: str) -> None:
         """Report a dropped connection (after the messages already delivered from the peer) and
@@ -380,12 +457,13 @@ class UcxTransport(ReceiveSide, FrameTransport):
 
     def _make_endpoint(self, address: bytes) -> object:
         """Raises UCXError when it cannot be made (e.g. the peer's process is gone)."""
-        return self._worker.create_endpoint_from_worker_address(
+        return self._gen.worker.create_endpoint_from_worker_address(
             ucx_api.UCXAddress.create_from_buffer(address), endpoint_error_handling=False)
 
     def _idle_wait(self) -> None:
-        if self._worker.arm():  # False: events are pending, progress again at once
-            select.select([self._worker.epoll_file_descriptor, self._wake_r], [], [], _IDLE_WAIT_S)
+        workers = [g.worker for g in self._generations()]
+        if all(w.arm() for w in workers):  # False: events are pending, progress again at once
+            select.select([w.epoll_file_descriptor for w in workers] + [self._wake_r], [], [], _IDLE_WAIT_S)
         try:
             while os.read(self._wake_r, 4096):
                 pass
@@ -393,7 +471,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
             pass
 
     def _shutdown(self) -> None:
-        w = self._worker
+        w = self._gen.worker
         try:
             w.cancel_inflight_requests()
             self._peers.close_all()
@@ -403,10 +481,13 @@ class UcxTransport(ReceiveSide, FrameTransport):
             logger.exception("ucx transport shutdown")
         # Requests and endpoints hold the worker: drop them, then the worker, then buffers.
         self._peers.close_all()  # (again, in case the first call raised)
+        for g in self._retiring:
+            g.destroy(_close_endpoint)
         self._receiving.clear()
         self._sending.clear()
         self._cut.clear()
-        w = self._worker = self._ctx = None
+        self._retiring.clear()
+        self._gen.worker = self._gen.ctx = None
         self._outbox.clear()
         self._pool = wire.BufferPool(0)
 

@@ -31,6 +31,15 @@ where making a new one fails at once; and every ``PRUNE_EVERY_S`` for every kept
 process is known: a restarted peer comes back at a new address, so the dead one's endpoint
 would otherwise be kept, with what UCX holds for it, until ``MAX_PEERS``), past ``MAX_PEERS``
 endpoints (least recently connected first), and when the transport closes (``close_all``).
+
+Stale peers. What UCX holds for a peer (its shared-memory segments, mapped: ~1-2.5 MB) stays
+mapped while *our* UCX worker lives once that peer has connected back to it, whether or not
+our endpoint is closed; only destroying the worker unmaps it. So the table counts, in
+``stale``, the peers that are surely gone since our worker was made: an endpoint closed because
+its process exited, a heard peer forgotten for the same reason, and an address superseded by
+a newer one of the same uid (its process replaced its UCX worker: the generation in its
+hello, or in a dialed address, is higher). ``ucx.py`` replaces its worker when ``stale``
+passes ``recycle_at`` (and hands the table the new one's endpoints from then on: ``take_endpoints``).
 """
 
 from __future__ import annotations
@@ -51,6 +60,11 @@ PEER_IDLE_S = 2 * ENDPOINT_IDLE_S
 # restarted workers' addresses, endpoints) can cost.
 MAX_PEERS = 4096
 PRUNE_EVERY_S = 5.0  # how often idle records are looked for: idleness is measured in minutes
+# Replace the UCX worker once this many peers are stale (or twice the live peers, if more): a
+# replacement makes one stale peer in each live peer's table, so with at least twice the peers
+# as the bound, the replacements it sets off elsewhere die out (each side: fewer than 1/2 per
+# replacement). Memory held for stale peers stays below the bound times ~2.5 MB.
+RECYCLE_MIN_STALE = 4
 
 
 @dataclass
@@ -58,7 +72,8 @@ class Peer:
     address: bytes  # its worker address
     dialed: bool  # from connect(): kept until disconnect
     last: float  # monotonic time of the last message to or from it
-    process: str | None = None  # its process (``this_process()``, from its address string); None: unknown
+    process: str | None = None  # its process (``this_process()``, from its address or hello); None: unknown
+    gen: int = 0  # the generation of its UCX worker that ``address`` belongs to
     ep: object | None = None  # our endpoint to it while a connection is open
     seq: int = 0  # seq of the next message of that connection
 
@@ -78,6 +93,12 @@ class PeerTable:
         # address -> (endpoint, its process if known); least recently connected first
         self._eps: dict[bytes, tuple[object, str | None]] = {}
         self._next_prune = 0.0
+        self.stale = 0  # peers surely gone since our UCX worker was made (module doc)
+        self._gone: set[int] = set()  # uids whose process had exited, as of the last prune
+        # endpoints to addresses their peers left (``_moved``), to close once no send uses them
+        # (closing one cancels what is in flight on it: the peer's old worker still receives)
+        self.superseded: list[object] = []
+        self.recycle_at = RECYCLE_MIN_STALE  # ``stale`` at which to replace the UCX worker (module doc)
 
     def get(self, uid: int) -> Peer | None:
         return self._peers.get(uid)
@@ -88,32 +109,72 @@ class PeerTable:
     def __len__(self) -> int:
         return len(self._peers)
 
+    def live_uids(self) -> list[int]:
+        """Peers not known to be gone (as of the last prune, plus any since)."""
+        return [u for u in self._peers if u not in self._gone]
+
     @property
     def num_endpoints(self) -> int:
         return len(self._eps)
 
-    def dial(self, uid: int, address: bytes, process: str | None, now: float) -> None:
+    def dial(self, uid: int, address: bytes, process: str | None, now: float, gen: int = 0) -> None:
         p = self._peers.get(uid)
         if p is None:
-            self._peers[uid] = Peer(address, True, now, process)
-        else:
-            p.address, p.dialed, p.process = address, True, process
+            self._peers[uid] = Peer(address, True, now, process, gen=gen)
+            return
+        p.dialed = True
+        if gen >= p.gen:  # an older address (a stale copy from the control plane) changes nothing
+            self._moved(p, address, gen)
+            p.process = process or p.process
 
-    def heard(self, uid: int, address: bytes, now: float) -> None:
+    def heard(self, uid: int, address: bytes, now: float, process: str | None = None, gen: int = 0) -> None:
         """Record a hello (forgetting the least recently active heard peer past MAX_PEERS)."""
         p = self._peers.get(uid)
         if p is not None:
-            p.address, p.last = address, now
+            p.last = now
+            if gen >= p.gen:  # (a late hello of its older worker changes nothing)
+                self._moved(p, address, gen)
+                p.process = process or p.process
             return
-        self._peers[uid] = Peer(address, False, now)
+        self._peers[uid] = Peer(address, False, now, process, gen=gen)
         while len(self._peers) > MAX_PEERS:
             heard = [(q.last, u) for u, q in self._peers.items() if not q.dialed and u != uid]
             if not heard:
                 break
             del self._peers[min(heard)[1]]
 
+    def _moved(self, p: Peer, address: bytes, gen: int) -> None:
+        """``p`` is at ``address`` now; if that is a new one, its old one is gone for good (the
+        peer replaced its UCX worker): our connection ends and the old endpoint is closed."""
+        if address != p.address:
+            old = self._eps.pop(p.address, None)
+            if old is not None:
+                self.stale += 1
+                self.superseded.append(old[0])
+            p.address, p.ep = address, None
+        p.gen = gen
+
     def forget(self, uid: int) -> Peer | None:
         return self._peers.pop(uid, None)
+
+    def close_superseded(self, in_use: Callable[[object], bool]) -> None:
+        """Close the superseded endpoints no send is using any more."""
+        keep = [ep for ep in self.superseded if in_use(ep)]
+        for ep in self.superseded:
+            if not any(ep is k for k in keep):
+                self._close(ep)
+        self.superseded = keep
+
+    def take_endpoints(self) -> list[object]:
+        """Hand over every endpoint (our UCX worker is being replaced: they go with it) and end
+        every connection; peers are kept, ``stale`` starts again from 0."""
+        eps = [ep for ep, _ in self._eps.values()] + self.superseded
+        self._eps.clear()
+        self.superseded = []
+        for p in self._peers.values():
+            p.ep = None
+        self.stale = 0
+        return eps
 
     def prune(self, now: float) -> None:
         """Apply the idle rules (at most every PRUNE_EVERY_S)."""
@@ -122,14 +183,19 @@ class PeerTable:
         self._next_prune = now + PRUNE_EVERY_S
         for uid, p in list(self._peers.items()):
             idle = now - p.last
-            if not p.dialed and idle > PEER_IDLE_S:
+            if not p.dialed and (idle > PEER_IDLE_S or (p.process is not None and process_gone(p.process))):
                 del self._peers[uid]
+                if p.process is not None and process_gone(p.process) and p.address not in self._eps:
+                    self.stale += 1  # (one with an endpoint counts below)
             elif idle > ENDPOINT_IDLE_S:
                 p.ep = None
         for address, (ep, process) in list(self._eps.items()):
             if process is not None and process_gone(process):  # its peer died: nobody will use it
                 del self._eps[address]
+                self.stale += 1
                 self._retire(ep)
+        self._gone = {u for u, p in self._peers.items() if p.process is not None and process_gone(p.process)}
+        self.recycle_at = max(RECYCLE_MIN_STALE, 2 * (len(self._peers) - len(self._gone)))
 
     def new_connection(self, p: Peer) -> None:
         """Set ``p.ep`` for a new connection to ``p``: the endpoint kept for its address, unless
@@ -137,6 +203,7 @@ class PeerTable:
         ep, process = self._eps.pop(p.address, (None, None))
         process = p.process or process
         if ep is not None and process is not None and process_gone(process):
+            self.stale += 1
             self._retire(ep)  # making a new one reports it unreachable
             ep = None
         if ep is None:
@@ -154,9 +221,10 @@ class PeerTable:
 
     def close_all(self) -> None:
         """Close every endpoint and forget every peer (the transport is closing)."""
-        for ep, _ in self._eps.values():
+        for ep in [ep for ep, _ in self._eps.values()] + self.superseded:
             self._close(ep)
         self._eps.clear()
+        self.superseded = []
         self._peers.clear()
 
     def _retire(self, ep: object) -> None:

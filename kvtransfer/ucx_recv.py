@@ -1,7 +1,7 @@
 """The receiving half of the UCX transport's progress thread (``ucx.py`` runs it).
 
 A mixin of :class:`kvtransfer.ucx.UcxTransport`, run by its progress thread only; it uses
-these attributes of the transport: ``_worker``, ``_pool``, ``device``, ``_peers``
+these attributes of the transport: ``_generations()`` (its UCX workers: ``ucx_generation.py``), ``_pool``, ``device``, ``_peers``
 (``ucx_peers.py``), ``_inbox``, ``refused_device`` and ``_lost``. Its own tables:
 ``_receiving`` (uid → that peer's messages in arrival order, kept only while one is on its
 way), ``_cut`` (messages of a dropped connection, kept until UCX no longer writes into their
@@ -11,7 +11,11 @@ Each message: the header is probed from any sender and received; its frames' rec
 posted into buffers of the announced lengths (host: pooled; device: fresh CUDA memory); it is
 delivered once complete and first in its sender's order. A header carrying the sender's
 address marks the first message of a new connection of the sender's: messages of its earlier
-connection still incomplete then were cut with it, and a drop mark takes their place.
+connection still incomplete then were cut with it, and a drop mark takes their place (not
+those that came in on another of our workers, one we replaced: the peer sent them before it
+learnt our new address; nor when the hello is of the peer's newer worker, or a late one of its
+older: those complete, each worker lives on until quiet). A message of no frames is the transport's own (a
+peer telling its new address): it is not delivered.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class _Incoming:
     frames: list | None = None  # memoryviews / CUDA tensors; set once the header is parsed
     dropped: bool = False  # bad header or failed receive: never delivered
     lost: str | None = None  # a drop mark: why the sender's earlier connection is gone
+    worker: object = None  # the UCX worker of ours it came in on
+    internal: bool = False  # no frames: the transport's own message, not delivered
 
     def done(self) -> bool:
         return self.frames is not None and all(r.completed for r in self.frame_reqs)
@@ -60,7 +66,13 @@ class ReceiveSide:
 
     def _probe_headers(self) -> bool:
         """Post a receive for every header waiting; True if there was one."""
-        w, found = self._worker, False
+        found = False
+        for g in self._generations():
+            found = self._probe_worker(g.worker) or found
+        return found
+
+    def _probe_worker(self, w) -> bool:
+        found = False
         while True:
             probe = w.tag_probe(ucx_api.UCXXTag(wire.HEADER << wire.KIND_SHIFT),
                                 ucx_api.UCXXTagMask(3 << wire.KIND_SHIFT), remove=True)
@@ -76,7 +88,7 @@ class ReceiveSide:
             # A removed probe must still be received: a too long one is cut (and dropped).
             buf = np.empty(min(probe.length, wire.MAX_HEADER_BYTES), np.uint8)
             req = w.tag_recv_with_handle(Array(buf), probe)
-            self._receiving.setdefault(uid, deque()).append(_Incoming(req, buf, dropped=too_long))
+            self._receiving.setdefault(uid, deque()).append(_Incoming(req, buf, dropped=too_long, worker=w))
 
     def _deliver(self, now: float) -> tuple[bool, bool]:
         """Parse arrived headers, deliver complete messages in order, release cut ones.
@@ -100,7 +112,8 @@ class ReceiveSide:
                 elif not msg.dropped and uid not in self._banned:
                     if (p := self._peers.get(uid)) is not None:
                         p.last = now
-                    self._inbox.append((wire.peer_id(uid), msg.frames))
+                    if not msg.internal:
+                        self._inbox.append((wire.peer_id(uid), msg.frames))
             if queue:
                 in_flight = True
             else:
@@ -122,15 +135,18 @@ class ReceiveSide:
             self._lost(uid, "a receive from it failed")
             return
         try:
-            seq, lengths, hello, kinds = wire.parse_header(msg.header_buf)
+            seq, lengths, hello, kinds, process, gen = wire.parse_header(msg.header_buf)
         except ValueError as e:
             logger.error("ucx peer %s sent a bad header (%s); ignoring it from now on", wire.peer_id(uid), e)
             self._ban(uid)
             msg.dropped = True
             return
         if hello is not None:  # the first message of a new connection of the peer's
-            self._reconnected(uid, msg, queue)
-            self._peers.heard(uid, hello, time.monotonic())
+            known = self._peers.get(uid)
+            if known is None or gen == known.gen:  # (a newer worker's: its old one's messages complete;
+                self._reconnected(uid, msg, queue)  # an older one's, late: nothing of the newer is cut)
+            self._peers.heard(uid, hello, time.monotonic(), process, gen)
+            msg.internal = not lengths  # its new address only
         bufs: list | None = [None] * len(lengths)  # None: a host frame, from the pool
         if "d" in kinds:
             bufs = None if self.device is None else ucx_device.alloc_frames(lengths, kinds, self.device)
@@ -141,7 +157,7 @@ class ReceiveSide:
         for n, buf in zip(lengths, bufs):
             view = self._pool.take(n) if buf is None else buf
             if n:
-                msg.frame_reqs.append(self._worker.tag_recv(Array(view), tag))
+                msg.frame_reqs.append(msg.worker.tag_recv(Array(view), tag))
             msg.frames.append(view)
 
     def _reconnected(self, uid: int, msg: _Incoming, queue: deque[_Incoming]) -> None:
@@ -151,7 +167,7 @@ class ReceiveSide:
         next message to it starts a new one, with a hello and a fresh seq, on the UCX endpoint
         kept for its address -- ``ucx_peers.py``)."""
         older = list(queue)[:queue.index(msg)]
-        cut = [m for m in older if not m.done()]
+        cut = [m for m in older if not m.done() and m.worker is msg.worker]
         if not cut:
             return  # nothing in flight on the old connection (e.g. it ended when idle)
         for m in cut:

@@ -13,7 +13,12 @@ sender's earlier connection is gone. Each connection starts its seq at random (t
 message, modulo 2^30), so tags of an earlier one's messages still in flight are not taken for
 a new one's. The receiver probes for kind-1 tags from any
 sender, so the peer id it reports is the sender's uid -- the same id the sender got from
-``connect``. Lengths are checked against
+``connect``. A header that carries the address also carries, as its sixth and seventh elements
+(the memory-type string is then always the fifth), the sender's process (``ucx_peers``'s
+``this_process()``, or None) and the *generation* of its UCX worker (0 first; a transport that
+replaces its worker, ``ucx.py``, counts up): the receiver then knows when that process has
+exited, and which of two addresses of one uid is the newer (an older version refuses such a
+header: the workers of one cluster run one version). Lengths are checked against
 ``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_MESSAGE_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
 peer that announces more is logged and ignored from then on.
 """
@@ -30,6 +35,7 @@ MAX_FRAME_BYTES = 4 << 30  # announced frame lengths above this are refused
 MAX_MESSAGE_BYTES = 4 << 30  # ... and so are messages announcing more in all (a layer's KV is far less)
 MAX_FRAMES = 1 << 16
 MAX_HEADER_BYTES = 1 << 20
+MAX_PROCESS_CHARS = 128  # a process string (boot id, namespace, pid, start time) is ~60
 WIRE_VERSION = 1
 HEADER, DATA = 1, 2  # tag kinds
 KIND_SHIFT, UID_SHIFT, SEQ_MASK = 62, 30, (1 << 30) - 1
@@ -73,8 +79,9 @@ class BufferPool:
         return memoryview(arr)[:n]
 
 
-def parse_header(buf) -> tuple[int, list[int], bytes | None, str]:
-    """(seq, frame lengths, sender address or None, memory kinds) of a received header.
+def parse_header(buf) -> tuple[int, list[int], bytes | None, str, str | None, int]:
+    """(seq, frame lengths, sender address or None, memory kinds, sender process or None,
+    sender worker generation) of a received header.
 
     Raises:
         ValueError: not a header this version writes, or limits exceeded.
@@ -83,27 +90,36 @@ def parse_header(buf) -> tuple[int, list[int], bytes | None, str]:
         version, seq, lengths, hello, *rest = msgpack.unpackb(buf, use_list=True)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise ValueError(f"undecodable header: {e}") from None
-    kinds = rest[0] if len(rest) == 1 else "h" * len(lengths) if not rest and isinstance(lengths, list) else None
+    kinds = rest[0] if rest else "h" * len(lengths) if isinstance(lengths, list) else None
+    process, gen = rest[1:] if len(rest) == 3 else (None, 0)
     if (version != WIRE_VERSION or not isinstance(seq, int) or not isinstance(lengths, list)
+            or len(rest) not in (0, 1, 3) or (len(rest) == 3 and hello is None)
             or len(lengths) > MAX_FRAMES
             or not all(isinstance(n, int) and 0 <= n <= MAX_FRAME_BYTES for n in lengths)
             or sum(lengths) > MAX_MESSAGE_BYTES
-            or not (hello is None or isinstance(hello, bytes))
+            or not (hello is None or (isinstance(hello, bytes) and hello))
+            or not (process is None or (isinstance(process, str) and len(process) <= MAX_PROCESS_CHARS))
+            or type(gen) is not int or not 0 <= gen < 1 << 32
             or not isinstance(kinds, str) or len(kinds) != len(lengths) or kinds.strip("hd")):
         raise ValueError(f"bad header fields {version!r}, {seq!r}, {str(lengths)[:80]}, {str(rest)[:40]}")
-    return seq, lengths, hello, kinds
+    return seq, lengths, hello, kinds, process, gen
 
 
-def format_address(uid: int, worker_address: bytes, process: str | None = None) -> str:
-    """``ucx://<uid hex>/<base64 worker address>[/<process>]``; ``process`` (``ucx_peers``'s
-    ``this_process()``) lets a peer on this host tell that it has exited."""
-    tail = f"/{process}" if process else ""
+def format_address(uid: int, worker_address: bytes, process: str | None = None, gen: int = 0) -> str:
+    """``ucx://<uid hex>/<base64 worker address>[/<process>[/<generation>]]``; ``process``
+    (``ucx_peers``'s ``this_process()``, ``-`` when unknown) lets a peer on this host tell that
+    it has exited; the generation of the UCX worker (see the module doc) which address is newer."""
+    tail = f"/{process or '-'}/{gen}" if gen else f"/{process}" if process else ""
     return f"{_SCHEME}{peer_id(uid)}/{base64.urlsafe_b64encode(worker_address).decode()}{tail}"
 
 
-def pack_header(seq: int, lengths: list[int], kinds: str, hello: bytes | None) -> bytes:
-    """The wire header; the memory-type string only when some frame is on a device."""
+def pack_header(seq: int, lengths: list[int], kinds: str, hello: bytes | None,
+                process: str | None = None, gen: int = 0) -> bytes:
+    """The wire header; the memory-type string only when some frame is on a device or the
+    header carries the sender's address (then with its process and generation)."""
     fields = [WIRE_VERSION, seq, lengths, hello]
+    if hello is not None:
+        return msgpack.packb(fields + [kinds, process, gen])
     return msgpack.packb(fields + [kinds] if "d" in kinds else fields)
 
 
@@ -121,22 +137,24 @@ def byte_view(buf: object) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
-def parse_address(address: str) -> tuple[int, bytes, str | None]:
-    """(uid, worker address, process or None) of a ``format_address`` string.
+def parse_address(address: str) -> tuple[int, bytes, str | None, int]:
+    """(uid, worker address, process or None, generation) of a ``format_address`` string.
 
     Raises:
         ValueError: not a ucx address.
     """
-    bad = ValueError(f"not a ucx address (want {_SCHEME}<uid hex>/<base64 worker address>[/<process>]): "
+    bad = ValueError(f"not a ucx address (want {_SCHEME}<uid hex>/<base64 worker address>[/<process>[/<gen>]]): "
                      f"{str(address)[:80]!r}")
     if not isinstance(address, str) or not address.startswith(_SCHEME) or "/" not in address[len(_SCHEME):]:
         raise bad
     uid_hex, rest = address[len(_SCHEME):].split("/", 1)
-    b64, _, process = rest.partition("/")
+    b64, _, tail = rest.partition("/")
+    process, _, gen_str = tail.partition("/")
     try:
         uid, addr = int(uid_hex, 16), base64.urlsafe_b64decode(b64.encode())
+        gen = int(gen_str) if gen_str else 0
     except ValueError as e:
         raise bad from e
-    if not 0 <= uid < (1 << 32) or not addr:
+    if not 0 <= uid < (1 << 32) or not addr or not 0 <= gen < (1 << 32) or len(process) > MAX_PROCESS_CHARS:
         raise bad
-    return uid, addr, process or None
+    return uid, addr, (None if process in ("", "-") else process), gen

@@ -76,16 +76,17 @@ class PrefillWorker:
             # Never connected (it came up while this worker was coming up, so neither side's
             # bring-up paired them): handshake now, bounded; a failure fails this request only,
             # and for UNREACHABLE_S the next ones at once (the loop must not stall per submit).
-            if time.monotonic() < self._unreachable.get(decode_address, 0.0):
+            key = self.sender.transport.identity(decode_address)  # (every address it has had)
+            if time.monotonic() < self._unreachable.get(key, 0.0):
                 raise ConnectionError(f"KV receiver {decode_address} did not answer a handshake just now")
             try:
                 self.sender.connect(decode_address, timeout_s=CONNECT_ON_SUBMIT_S)
             except Exception:
                 now = time.monotonic()  # (expired entries go: the table stays as small as the churn)
                 self._unreachable = {a: t for a, t in self._unreachable.items() if t > now}
-                self._unreachable[decode_address] = now + UNREACHABLE_S
+                self._unreachable[key] = now + UNREACHABLE_S
                 raise
-            self._unreachable.pop(decode_address, None)
+            self._unreachable.pop(key, None)
         self.engine.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
         try:
             self.sender.begin(request_id, decode_address, len(prompt_ids) - r.token_start, token_start=r.token_start,

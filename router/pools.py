@@ -70,6 +70,8 @@ class Worker:
     def reported(self, status: WorkerStatus | None) -> None:
         """A new status (None: none yet, a new incarnation); reservations it shows are dropped."""
         self.status = status
+        if status is not None and status.kv_address and self.address is not None:
+            self.address = status.kv_address  # the newest (a replaced UCX worker's); older ones still reach it a while
         if status is None:
             self.pending, self.calls = [], 0
         else:

@@ -117,6 +117,9 @@ class WorkerStatus(msgspec.Struct):
     prefix_hit_tokens: int = 0
     admitted: int = 0  # admitting calls (reserve, submit) taken since start: the router's reservations
     metrics_address: str | None = None
+    # Its KV receiver's address now (decode, adaptive): a UCX receiver's changes when it
+    # replaces its UCX worker (kvtransfer/ucx_generation.py); the router publishes the newest.
+    kv_address: str | None = None
     kv_transfer: TransferStats | None = None  # sender's (prefill), receiver's (decode) or both added (adaptive)
     # engine.spec.decoder.SpecDecoder.stats(): alpha, tokens per verify, draft vs verify time
     speculative: dict[str, float | int | str | bool | None] | None = None

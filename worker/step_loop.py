@@ -350,7 +350,8 @@ class StepLoop:
         now = time.monotonic()
         tokens = sum(n for t, n in self._token_times if t >= now - TOKEN_RATE_WINDOW_S)
         # KV transfers it took part in: sent, received, or (an adaptive worker) both
-        sides = [x.stats for x in (getattr(self.worker, "sender", None), getattr(self.worker, "receiver", None)) if x]
+        receiver = getattr(self.worker, "receiver", None)
+        sides = [x.stats for x in (getattr(self.worker, "sender", None), receiver) if x]
         return WorkerStatus(
             role=self.role, incarnation=self.incarnation, pid=os.getpid(),
             kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks, block_size=bm.block_size,
@@ -362,6 +363,7 @@ class StepLoop:
             tokens_per_s=tokens / TOKEN_RATE_WINDOW_S, generated_tokens=self._generated,
             prefix_query_tokens=bm.prefix_queries, prefix_hit_tokens=bm.prefix_hits,
             admitted=self.admitted, metrics_address=self.metrics_address,
+            kv_address=receiver.address if receiver is not None else None,
             kv_transfer=sum(sides, TransferStats()) if sides else None,
             speculative=eng.spec.stats() if getattr(eng, "spec", None) is not None else None)
 

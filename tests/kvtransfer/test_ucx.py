@@ -209,7 +209,7 @@ def test_oversized_announcement_is_refused(make, lengths):
     address = server.bind()
     ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
     worker = ucx_api.UCXWorker(ctx)
-    uid, addr, _ = ucx_wire.parse_address(address)
+    uid, addr, _, _ = ucx_wire.parse_address(address)
     ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr),
                                                     endpoint_error_handling=False)
     bogus_uid = 0x0BAD0BAD
@@ -230,7 +230,7 @@ def test_oversized_announcement_is_refused(make, lengths):
 
 def test_tls_option_is_passed_to_ucx(make):
     server, client = make(tls="tcp"), make(tls="tcp")
-    assert client._ctx.config["TLS"] == "tcp"
+    assert client._gen.ctx.config["TLS"] == "tcp"
     payload = os.urandom(4 << 20)
     client.send(client.connect(server.bind()), [payload])
     _, frames = recv_wait(server, timeout=15)

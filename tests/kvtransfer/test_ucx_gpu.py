@@ -76,7 +76,7 @@ class _RawPeer:
         self.api, self.uid = ucx_api, uid
         self.ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
         self.worker = ucx_api.UCXWorker(self.ctx)
-        _, addr, _ = ucx_wire.parse_address(address)
+        _, addr, _, _ = ucx_wire.parse_address(address)
         self.ep = self.worker.create_endpoint_from_worker_address(
             ucx_api.UCXAddress.create_from_buffer(addr), endpoint_error_handling=False)
 

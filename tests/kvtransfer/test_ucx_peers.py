@@ -168,3 +168,52 @@ def test_past_max_peers_endpoints_the_least_recently_connected_one_is_closed(mon
     t.new_connection(t.get(3))
     assert ucx.closed == ["ep1-b"] and t.get(2).ep is None  # its connection ended with it
     assert t.get(1).ep == "ep0-a" and t.get(3).ep == "ep2-c" and t.num_endpoints == 2
+
+
+def test_peers_gone_for_good_are_counted_stale_and_the_bound_follows_the_live_ones():
+    """What UCX holds for a peer stays until our worker is replaced: the table counts the peers
+    surely gone (an endpoint whose process exited, a heard peer whose process exited), and asks
+    for a new worker at twice the live peers, at least RECYCLE_MIN_STALE."""
+    ucx = FakeUcx()
+    t = ucx.table()
+    dead = _exited_process()
+    t.dial(1, b"dialed-dead", dead, 0.0)
+    t.new_connection(t.get(1))
+    t.heard(2, b"heard-dead", 0.0, dead)  # its hello named its process
+    t.heard(3, b"heard-alive", 0.0, this_process())
+    t.dial(4, b"unknown", None, 0.0)
+    t.prune(0.0)
+    assert t.stale == 2 and ucx.closed == ["ep0-dialed-dead"]
+    assert t.get(2) is None and t.get(1) is not None  # heard: forgotten; dialed: kept until disconnect
+    assert sorted(t.live_uids()) == [3, 4] and t.recycle_at == ucx_peers.RECYCLE_MIN_STALE
+    for uid in range(10, 13):
+        t.heard(uid, b"p%d" % uid, 0.0, this_process())
+    t.prune(PRUNE_EVERY_S)
+    assert t.recycle_at == 2 * 5  # five live peers
+
+
+def test_a_newer_generation_moves_a_peer_and_a_stale_address_changes_nothing():
+    """A peer that replaced its UCX worker says so in its next hello (a higher generation): our
+    connection to it ends, the endpoint to its old address is counted stale and closed once no
+    send uses it; a
+    dial of its older address afterwards (a copy from the control plane) keeps the newer."""
+    ucx = FakeUcx()
+    t = ucx.table()
+    t.heard(7, b"gen0", 0.0, None, 0)
+    t.new_connection(t.get(7))
+    t.heard(7, b"gen0", 1.0, None, 0)  # another connection of the same worker: nothing moves
+    assert t.get(7).ep == "ep0-gen0" and t.stale == 0
+    t.heard(7, b"gen1", 2.0, None, 1)
+    assert t.get(7).address == b"gen1" and t.get(7).ep is None and t.get(7).gen == 1
+    assert t.stale == 1 and t.num_endpoints == 0 and t.superseded == ["ep0-gen0"]
+    t.close_superseded(lambda ep: True)  # a send still in flight on it: kept (closing cancels it)
+    assert ucx.closed == []
+    t.close_superseded(lambda ep: False)
+    assert ucx.closed == ["ep0-gen0"] and t.superseded == []
+    t.dial(7, b"gen0", None, 3.0, 0)  # stale
+    t.heard(7, b"gen0", 3.0, None, 0)  # a late hello of its old worker
+    assert t.get(7).address == b"gen1" and t.get(7).dialed
+    t.new_connection(t.get(7))
+    assert t.get(7).ep == "ep1-gen1"
+    assert t.take_endpoints() == ["ep1-gen1"]  # our worker is replaced: its endpoints go with it
+    assert t.get(7).ep is None and t.num_endpoints == 0 and t.stale == 0 and len(t) == 1

@@ -97,3 +97,23 @@ def test_pending_calls_count_in_a_workers_queue_until_its_report_shows_them():
 def _status(cls, admitted: int, queued: int):
     return cls(role="decode", incarnation="i", pid=1, kv_blocks_used=100, kv_blocks_total=200, block_size=16,
                queued_prompt_tokens=queued, admitted=admitted)
+
+
+def test_a_reported_kv_address_replaces_the_published_one():
+    """A decode worker whose UCX receiver replaced its worker reports its newest address: the
+    router publishes that one from then on (new prefill workers dial it; older copies still
+    reach the worker a while, kvtransfer/ucx_generation.py). A worker whose address was
+    forgotten (lost) gets none back from a report: its bring-up asks for it."""
+    import msgspec
+
+    from router.pools import Worker
+    from worker.protocol import WorkerStatus
+    w = Worker("decode-0", "decode", actor=None, state="ready")
+    w.address = "ucx://0000abcd/AAAA/p"
+    w.reported(_status(WorkerStatus, admitted=0, queued=0))  # no address in it: kept
+    assert w.address == "ucx://0000abcd/AAAA/p"
+    w.reported(msgspec.structs.replace(_status(WorkerStatus, 0, 0), kv_address="ucx://0000abcd/BBBB/p/1"))
+    assert w.address == "ucx://0000abcd/BBBB/p/1"
+    w.address = None
+    w.reported(msgspec.structs.replace(_status(WorkerStatus, 0, 0), kv_address="ucx://0000abcd/CCCC/p/2"))
+    assert w.address is None
