@@ -54,11 +54,16 @@ class DecodeWorker:
         return Reservation(secret or b"", slot.token_start)
 
     def abort(self, request_id: str) -> None:
-        """Fail the transfer first (late frames are then dropped), then free the blocks."""
+        """Fail the transfer first (late frames are then dropped), then free the blocks. The
+        transfer is forgotten at once: the router may reserve again under the same id (a
+        placement undone because its prefill worker was lost meanwhile), and a late report of
+        the old one would fail the new request."""
         try:
             self.receiver.abort(request_id)
         except KeyError:
             pass
+        self.receiver.forget(request_id)
+        self.receiver.take_trailer(request_id)
         self.engine.abort(request_id)
 
     def _admit(self, rid: str, trailer: dict | None) -> list[RequestOutput]:

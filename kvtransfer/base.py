@@ -146,6 +146,23 @@ class TransferTable:
         t = self._transfers.get(transfer_id)
         return t.error if t is not None else self._ended.get(transfer_id, (None, None))[1]
 
+    def forget(self, transfer_id: str) -> None:
+        """Take a final transfer out of the live table without ``pop_finished`` reporting it:
+        its owner is done with it (aborted its request), and its id may be used again at once
+        (a re-placed request is reserved under the same id right after its abort). No-op for a
+        transfer still live or unknown."""
+        t = self._transfers.get(transfer_id)
+        if t is None or not t.state.is_final:
+            return
+        del self._transfers[transfer_id]
+        if transfer_id in self._finished:
+            self._finished.remove(transfer_id)
+        self._first_byte.pop(transfer_id, None)
+        self.stats.failed += t.state == TransferState.FAILED
+        self._ended[transfer_id] = (t.state, t.error)
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
+
     def pop_finished(self) -> list[tuple[str, TransferState]]:
         """Transfers that became DONE or FAILED since the last call, in order; they leave the
         live table. The caller frees or admits their blocks now."""

@@ -135,6 +135,27 @@ def test_decode_worker_frees_blocks_when_the_transfer_fails(model_path):
         dw.close()
 
 
+def test_a_request_reserved_again_right_after_its_abort_is_a_new_one(model_path):
+    """The router undoes a placement whose prefill worker was lost while decode answered
+    (abort), then reserves the same attempt again, before the decode loop has stepped: the
+    new reservation is taken (it was refused as 'already expected', an internal error seen in
+    a soak), and the old transfer's failure is never reported against it."""
+    dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport("zmq"), lease_s=30.0)
+    try:
+        sp = SamplingParams(max_tokens=4)
+        assert dw.reserve("k#0", [5, 6, 7, 8], sp) is not None
+        dw.abort("k#0")
+        assert dw.reserve("k#0", [5, 6, 7, 8], sp) is not None
+        for _ in range(3):
+            dw.step()
+        assert "k#0" not in dw.failed and dw.receiver.poll("k#0") is TransferState.WAITING
+        assert dw.engine.block_manager.num_used_blocks > 0  # the new reservation's blocks
+        dw.abort("k#0")
+        assert dw.engine.block_manager.num_used_blocks == 0 and not dw.engine.has_unfinished()
+    finally:
+        dw.close()
+
+
 @pytest.mark.parametrize("transfer_thread", [False, True])
 def test_a_transfer_that_cannot_be_sent_fails_its_request_only(model_path, tokenizer, connect_kv, transfer_thread):
     """An id too long for a KV frame header (the router refuses such ids; a worker must still
