@@ -145,7 +145,8 @@ class PeerTable:
 
     def _moved(self, p: Peer, address: bytes, gen: int) -> None:
         """``p`` is at ``address`` now; if that is a new one, its old one is gone for good (the
-        peer replaced its UCX worker): our connection ends and the old endpoint is closed."""
+        peer replaced its UCX worker): our connection ends, and the old endpoint is closed once
+        no send uses it (``close_superseded``)."""
         if address != p.address:
             old = self._eps.pop(p.address, None)
             if old is not None:
@@ -181,12 +182,15 @@ class PeerTable:
         if now < self._next_prune:
             return
         self._next_prune = now + PRUNE_EVERY_S
+        # Each peer's process is looked up once per prune (a /proc read each)
+        gone = {u for u, p in self._peers.items() if p.process is not None and process_gone(p.process)}
         for uid, p in list(self._peers.items()):
             idle = now - p.last
-            if not p.dialed and (idle > PEER_IDLE_S or (p.process is not None and process_gone(p.process))):
+            if not p.dialed and (idle > PEER_IDLE_S or uid in gone):
                 del self._peers[uid]
-                if p.process is not None and process_gone(p.process) and p.address not in self._eps:
+                if uid in gone and p.address not in self._eps:
                     self.stale += 1  # (one with an endpoint counts below)
+                gone.discard(uid)
             elif idle > ENDPOINT_IDLE_S:
                 p.ep = None
         for address, (ep, process) in list(self._eps.items()):
@@ -194,8 +198,8 @@ class PeerTable:
                 del self._eps[address]
                 self.stale += 1
                 self._retire(ep)
-        self._gone = {u for u, p in self._peers.items() if p.process is not None and process_gone(p.process)}
-        self.recycle_at = max(RECYCLE_MIN_STALE, 2 * (len(self._peers) - len(self._gone)))
+        self._gone = gone  # the dialed ones left (kept until disconnect)
+        self.recycle_at = max(RECYCLE_MIN_STALE, 2 * (len(self._peers) - len(gone)))
 
     def new_connection(self, p: Peer) -> None:
         """Set ``p.ep`` for a new connection to ``p``: the endpoint kept for its address, unless
