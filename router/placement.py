@@ -20,7 +20,8 @@ part is short is prefilled by the decode worker chosen for it instead of the pre
 queue at the pool, no transfer, no second hop, at the price of that many prompt tokens computed
 between the worker's decode steps (the bound on the stall its running streams see, so it is the
 one knob: ``router.local_prefill_tokens``). A decode worker already holding a backlog of local
-prompt tokens sends the next ones to the pool.
+prompt tokens sends the next ones to the pool; an idle one (no stream, no queue) takes a long
+prompt too while the pool has a queue.
 
 Disaggregated, a decode worker that caches a prompt's prefix shares those blocks and is sent
 only the rest (its ``reserve`` answers where the transfer starts); prefix-aware, its cached
@@ -132,7 +133,10 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
         headroom = w.free_blocks * w.block_size - promised - need_tokens
         if w.free_blocks < w.blocks_for(need_tokens) or headroom < 0:
             continue
-        cost, score = 0, headroom
+        # A decode worker's queue is its local prefills' (conditional disaggregation, below): a
+        # request placed there waits for them, and its prompt, if local too, stalls the
+        # streams there longer; the worker with the shorter one wins among those that fit.
+        cost, score = w.queued_prompt_tokens if w.role == "decode" else 0, headroom
         if prefix is not None and w.role == "colocated":
             cost = prefill_cost(w, prompt_tokens, prefix)
         elif prefix is not None:  # (the part live requests hold is in the headroom already)
@@ -145,18 +149,31 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
     return best
 
 
-def prefill_where(uncached_tokens: int, decode: WorkerLoad, local_tokens: int) -> tuple[str, str]:
+def prefill_where(uncached_tokens: int, decode: WorkerLoad, local_tokens: int,
+                  pool_queued: int | None = None) -> tuple[str, str]:
     """Where a disaggregated request's prompt is prefilled: ("pool" | "local", reason).
 
     ``local_tokens`` (``router.local_prefill_tokens``; 0: off) is the most uncached prompt
-    tokens a decode worker prefills itself. Reasons: ``short`` (local); ``off``, ``long`` (more
-    than that), ``decode_busy`` (the worker's queued prompt tokens plus these would pass twice
-    the limit: its streams would stall for longer than the knob allows) for the pool. (The
-    router adds ``cache_miss``: local by a prefix the worker turned out not to hold.)
+    tokens a decode worker prefills itself between its decode steps; ``pool_queued`` the
+    prompt tokens the least busy prefill worker still has to compute (None: unknown). Reasons:
+
+    - ``short`` (local): at most ``local_tokens``;
+    - ``pool_busy`` (local): longer, but the decode worker is idle (no stream to stall, no
+      prompt of its own queued) while the pool has a queue: here it starts at once, with no
+      wait, no transfer and no second hop; there it would wait for the queue;
+    - ``off``, ``long`` (pool): more than ``local_tokens``, and the decode worker has streams
+      (they would stall for the whole prompt) or the pool is free;
+    - ``decode_busy`` (pool): the worker's queued prompt tokens plus these would pass twice
+      the limit: its streams would stall for longer than the knob allows.
+
+    (The router adds ``cache_miss``: local by a prefix the worker turned out not to hold.)
     """
     if local_tokens <= 0:
         return "pool", "off"
     if uncached_tokens > local_tokens:
+        idle = decode.queued_prompt_tokens == 0 and decode.remaining_decode_tokens == 0
+        if idle and pool_queued:
+            return "local", "pool_busy"
         return "pool", "long"
     if decode.queued_prompt_tokens + uncached_tokens > 2 * local_tokens:
         return "pool", "decode_busy"

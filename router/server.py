@@ -326,7 +326,8 @@ class Router(pb_grpc.GenerationServicer):
                 cached_d = min(view.cached.get(d.worker_id, 0), len(ids) - 1) if decode_view and d else 0
                 where, why = ("colocated", "") if self.colocated or d is None else ("local", "no_pool") \
                     if self._no_prefill_pool() else ("pool", "cache_miss") if missed \
-                    else prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens)
+                    else prefill_where(len(ids) - cached_d, d, self.cfg.router.local_prefill_tokens,
+                                       self._pool_queued())
                 here = where != "pool"  # the decode (or colocated) worker prefills
                 p = None if here or d is None else self._pick_prefill(len(ids), prefer[0], hashes, bs)
                 if d is None or (p is None and not here):
@@ -412,6 +413,12 @@ class Router(pb_grpc.GenerationServicer):
         finally:
             if queued:
                 self.queued -= 1
+
+    def _pool_queued(self) -> int | None:
+        """Prompt tokens the least busy ready prefill worker still has to compute (None: no
+        such worker)."""
+        return min((w.load().queued_prompt_tokens for w in self.pools.workers.values()
+                    if w.role == "prefill" and w.state == "ready"), default=None)
 
     def _no_prefill_pool(self) -> bool:
         """Adaptive, and no worker is a prefill worker now (router.roles, ``min_prefill: 0``):

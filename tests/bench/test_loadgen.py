@@ -33,6 +33,16 @@ def test_summary_counts_latencies_and_goodput():
     assert s["goodput_rps"] <= s["request_throughput"]
 
 
+def test_a_kind_can_have_a_ttft_target_of_its_own():
+    # A long document whose first token came after 4 s: missed against the chats' 1 s target,
+    # met against its own 5 s; a chat at 4 s misses either way (it is held to the 1 s).
+    rs = [result(0.0, 4.0, 11, 0.1, kind="long"), result(0.0, 4.0, 11, 0.1), result(0.0, 0.5, 11, 0.1)]
+    assert summarize(rs, 10.0, 1.0, 0.2)["slo_attainment"] == pytest.approx(1 / 3)
+    s = summarize(rs, 10.0, 1.0, 0.2, ttft_slo_by_kind={"long": 5.0})
+    assert s["slo_attainment"] == pytest.approx(2 / 3) and s["goodput_rps"] == pytest.approx(0.2)
+    assert summarize(rs, 10.0, 1.0, 0.2, kind="chat", ttft_slo_by_kind={"long": 5.0})["slo_attainment"] == 0.5
+
+
 def test_max_goodput_rate_is_the_highest_rate_meeting_90_percent():
     sweep = [(1.0, {"slo_attainment": 1.0}), (2.0, {"slo_attainment": 0.95}), (4.0, {"slo_attainment": 0.5})]
     assert max_goodput_rate(sweep) == 2.0 and max_goodput_rate([(1.0, {"slo_attainment": 0.2})]) == 0.0

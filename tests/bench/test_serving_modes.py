@@ -77,6 +77,15 @@ def test_on_a_sweep_goodput_is_the_highest_rate_within_the_slos_and_none_is_zero
     assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 0.0  # (not one run's requests/s)
     flat = _report({"colocated": sweep(0.5, 200.0), "adaptive": sweep(1.0, 90.0)}, args)
     assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 2.0
+    # chats' p99 TPOT over colocated's at each rate (the same requests); the key: the worst
+    flat = _report({"colocated": sweep(0.5, 200.0), "adaptive": sweep(1.0, 90.0)}, args)
+    assert flat["p99_tpot_ratio_adaptive_vs_colocated_mix"] == pytest.approx(0.45)
+    col, ada = sweep(0.5, 200.0), sweep(1.0, 90.0)
+    col["runs"][1]["summary"]["chat"]["tpot_ms_p99"] = 900.0
+    ada["runs"][0]["summary"]["chat"]["tpot_ms_p99"] = 150.0
+    flat = _report({"colocated": col, "adaptive": ada}, args)
+    assert flat["p99_tpot_ratio_adaptive_vs_colocated_mix_by_rate"] == {"0.5": 0.75, "1": 0.1}
+    assert flat["p99_tpot_ratio_adaptive_vs_colocated_mix"] == pytest.approx(0.75)
 
 
 @pytest.mark.parametrize("dataset", ["mix", "shared-prefix", "phase", "random"])

@@ -80,6 +80,27 @@ def test_prefill_where_keeps_short_prompts_on_their_decode_worker():
     assert prefill_where(29, busy, local_tokens=64) == ("pool", "decode_busy")
 
 
+def test_a_long_prompt_is_prefilled_by_an_idle_decode_worker_when_the_pool_has_a_queue():
+    idle = WorkerLoad("d", "decode", 500, 1000, 16)
+    streaming = WorkerLoad("d", "decode", 500, 1000, 16, remaining_decode_tokens=40)
+    prefilling = WorkerLoad("d", "decode", 500, 1000, 16, queued_prompt_tokens=30)
+    assert prefill_where(1500, idle, 64, pool_queued=800) == ("local", "pool_busy")
+    assert prefill_where(1500, idle, 64, pool_queued=0) == ("pool", "long")  # the pool starts it at once
+    assert prefill_where(1500, idle, 64, pool_queued=None) == ("pool", "long")
+    assert prefill_where(1500, idle, 0, pool_queued=800) == ("pool", "off")
+    # a stream there would stall for the whole prompt; a prompt there would wait for this one
+    assert prefill_where(1500, streaming, 64, pool_queued=800) == ("pool", "long")
+    assert prefill_where(1500, prefilling, 64, pool_queued=800) == ("pool", "long")
+
+
+def test_the_decode_worker_with_the_shorter_local_prefill_queue_wins():
+    ws = [WorkerLoad("roomy", "decode", 900, 1000, 16, queued_prompt_tokens=1500),
+          WorkerLoad("free", "decode", 500, 1000, 16)]
+    assert pick_decode(ws, 60, 64).worker_id == "free"
+    ws = [WorkerLoad("roomy", "decode", 900, 1000, 16), WorkerLoad("free", "decode", 500, 1000, 16)]
+    assert pick_decode(ws, 60, 64).worker_id == "roomy"  # no queues: headroom
+
+
 def test_pending_calls_count_in_a_workers_queue_until_its_report_shows_them():
     """A submit that prefills on a worker is in its queue estimate from the moment the router
     makes the call, not only once a report shows it (placements in the round trip see it)."""
