@@ -43,9 +43,12 @@ def test_a_kind_can_have_a_ttft_target_of_its_own():
     assert summarize(rs, 10.0, 1.0, 0.2, kind="chat", ttft_slo_by_kind={"long": 5.0})["slo_attainment"] == 0.5
 
 
-def test_max_goodput_rate_is_the_highest_rate_meeting_90_percent():
+def test_max_goodput_rate_is_the_highest_rate_up_to_which_every_rate_meets_90_percent():
     sweep = [(1.0, {"slo_attainment": 1.0}), (2.0, {"slo_attainment": 0.95}), (4.0, {"slo_attainment": 0.5})]
     assert max_goodput_rate(sweep) == 2.0 and max_goodput_rate([(1.0, {"slo_attainment": 0.2})]) == 0.0
+    # a rate that met them above one that missed does not count (given in any order)
+    dip = [(0.4, {"slo_attainment": 0.91}), (0.3, {"slo_attainment": 0.81}), (0.2, {"slo_attainment": 0.95})]
+    assert max_goodput_rate(dip) == 0.2 and max_goodput_rate(dip[:2]) == 0.0
 
 
 def test_workloads_are_distinct_and_mixed(tmp_path):

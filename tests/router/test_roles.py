@@ -9,6 +9,7 @@ from router.roles import RolesConfig, RoleState, decide
 P = PrefillTargets(target_queued_tokens=1000, target_ttft_ms=2000)
 D = DecodeTargets(kv_high=0.8, kv_low=0.3, target_tpot_ms=100)
 CFG = RolesConfig(switch_delay_s=5, idle_delay_s=20, min_prefill=1, min_decode=1)
+CFG0 = RolesConfig(switch_delay_s=5, idle_delay_s=20, min_prefill=0, min_decode=1)
 BUSY_PREFILL = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.2})
 BUSY_DECODE = ({}, {"kv_utilization": 0.95})
 
@@ -53,6 +54,15 @@ def test_an_idle_prefill_pool_moves_its_workers_to_decode_down_to_min():
     assert sizes[19] == (3, 1) and sizes[20] == (2, 2)  # idle_delay_s, longer than switch_delay_s
     assert sizes[40] == (2, 2) and sizes[41] == (1, 3) and sizes[-1] == (1, 3)
     assert all("prefill: no prompt backlog" in h for h in _history([idle] * 60, prefill=3, decode=1))
+
+
+def test_an_idle_prefill_pool_keeps_its_worker_while_decode_is_idle_too():
+    both_idle = ({"ttft_p90_s": 0.2}, {"kv_utilization": 0.1, "tpot_p90_s": 0.05})
+    assert set(replay([both_idle] * 60, prefill=1, decode=1, cfg=CFG0)) == {(1, 1)}
+    # decode's TPOT over 0.7x target (its batch, no prompt backlog anywhere): the worker goes
+    busy_batch = ({"ttft_p90_s": 0.2}, {"kv_utilization": 0.1, "tpot_p90_s": 0.09})
+    sizes = replay([busy_batch] * 30, prefill=1, decode=1, cfg=CFG0)
+    assert sizes[19] == (1, 1) and sizes[20] == (0, 2) and sizes[-1] == (0, 2)
 
 
 def test_a_pause_between_prompt_bursts_keeps_the_prefill_worker():
