@@ -160,7 +160,8 @@ def _bar(total: int, desc: str):
 
 def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
     """Every rate of the run against one server: summaries and raw results; with ``kv_bytes``
-    (a callable: KV bytes the decode workers received so far), the MB each run moved."""
+    (a callable: (KV bytes the decode workers received, prompt tokens they already held and
+    were not sent) so far), the MB each run moved and its decode-side prefix hit rate."""
     runs = []
     if args.warmup:
         # Not counted: a fresh cluster's first requests are slow (the first took 10-15 s on the
@@ -175,7 +176,7 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
             # Warm-up, not counted: each system prompt once, one at a time, so both placements
             # start from caches that hold every group somewhere (steady state, not cold start).
             asyncio.run(run(server, specs[:args.prefix_groups], concurrency=1, seed=args.seed))
-        before = kv_bytes() if kv_bytes else 0
+        before = kv_bytes() if kv_bytes else (0, 0)
         started = time.time()
         with _bar(len(specs), f"{'rate %g/s' % rate if rate else 'concurrency %d' % conc}") as bar:
             results, wall = asyncio.run(run(server, specs, rate=rate, concurrency=conc, duration_s=args.duration,
@@ -186,7 +187,12 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
         summary = {"all": summarize(results, wall, *slo, ttft_slo_by_kind=by_kind)}
         if kv_bytes:
             # (a decode worker restarted meanwhile counts from 0 again: never below 0)
-            summary["all"]["kv_bytes_mb"] = max(0, kv_bytes() - before) / 1e6
+            (b1, t1), (b0, t0) = kv_bytes(), before
+            summary["all"]["kv_bytes_mb"] = max(0, b1 - b0) / 1e6
+            # The share of the prompts' tokens whose KV was not sent: the bytes sent are
+            # (1 - this) of what a transfer of whole prompts would be.
+            sent_for = sum(len(r.spec.token_ids) for r in results if r.error is None)
+            summary["all"]["decode_prefix_hit_rate"] = (t1 - t0) / sent_for if sent_for else None
         if len(kinds) > 1:
             summary.update({k: summarize(results, wall, *slo, kind=k, ttft_slo_by_kind=by_kind) for k in kinds})
         runs.append({"rate": rate, "summary": summary, "results": results, "started": started})
@@ -306,13 +312,16 @@ def _main(args) -> int:
 
 
 def _kv_bytes(cluster):
-    """KV bytes the cluster's decode workers have received (their latest status reports; every
-    transfer of a finished request is complete, so it is counted once the worker reports
-    again: waits for one heartbeat)."""
-    def total() -> int:
+    """(KV bytes the cluster's decode workers have received, prompt tokens the router was told
+    they held and so were not sent): the first from their latest status reports (every
+    transfer of a finished request is complete, so it is counted once the worker reports again:
+    waits for one heartbeat), the second from ``pdserve_router_decode_prefix_tokens``."""
+    def total() -> tuple[int, float]:
         time.sleep(2.0)  # (a report follows every step and at least every heartbeat)
-        return sum(w.status.kv_transfer.bytes for w in list(cluster.router.pools.workers.values())
-                   if w.role == "decode" and w.status is not None and w.status.kv_transfer is not None)
+        received = sum(w.status.kv_transfer.bytes for w in list(cluster.router.pools.workers.values())
+                       if w.role == "decode" and w.status is not None and w.status.kv_transfer is not None)
+        held = cluster.router.metrics.registry.get_sample_value("pdserve_router_decode_prefix_tokens_total")
+        return received, held or 0.0
     return total
 
 
@@ -357,6 +366,13 @@ def _report(results: dict[str, dict], args) -> dict:
         if b and a is not None:
             flat["kv_bytes_ratio_aware_vs_blind"] = a / b
             print(f"KV bytes received by decode workers: prefix-aware / prefix-blind = {a / b:.2f}")
+            hb, ha = flat.get("blind_decode_prefix_hit_rate"), flat.get("aware_decode_prefix_hit_rate")
+            if hb is not None and ha is not None and hb < 1:
+                # What the decode-side hits alone predict, (1 - aware's) / (1 - blind's): the
+                # bytes shrink by the hit fraction when this matches the measured ratio.
+                flat["kv_bytes_ratio_expected_from_hits"] = (1 - ha) / (1 - hb)
+                print(f"  decode-side prefix hits {hb:.0%} blind, {ha:.0%} aware: expected ratio "
+                      f"{(1 - ha) / (1 - hb):.2f}")
     if "adaptive" in results:
         _adaptive_ratios(results, flat, args.dataset)
     if "disaggregated-local" in results:

@@ -33,13 +33,17 @@ def test_prefix_compare_on_a_disaggregated_cluster_reports_the_kv_bytes_ratio(ca
     assert {m["mode"] for m in modes.values()} == {"disaggregated"} and modes["prefix-aware"]["decode.replicas"] == 2
     assert prefix_compare("colocated")["prefix-aware"]["mode"] == "colocated"
 
-    def run(ttft_p90, mb):
-        return {"runs": [{"rate": None, "summary": {"all": {"ttft_ms_p90": ttft_p90, "kv_bytes_mb": mb}}}],
+    def run(ttft_p90, mb, hit):
+        return {"runs": [{"rate": None, "summary": {"all": {"ttft_ms_p90": ttft_p90, "kv_bytes_mb": mb,
+                                                            "decode_prefix_hit_rate": hit}}}],
                 "max_goodput_rate": None}
     args.dataset = "shared-prefix"
-    flat = _report({"prefix-blind": run(900.0, 80.0), "prefix-aware": run(300.0, 20.0)}, args)
+    flat = _report({"prefix-blind": run(900.0, 80.0, 0.2), "prefix-aware": run(300.0, 20.0, 0.8)}, args)
     assert flat["kv_bytes_ratio_aware_vs_blind"] == 0.25 and flat["ttft_p90_ratio_prefix_blind_vs_aware"] == 3.0
-    assert "prefix-aware / prefix-blind = 0.25" in capsys.readouterr().out
+    # what the decode-side hits predict: (1 - 0.8) / (1 - 0.2)
+    assert flat["kv_bytes_ratio_expected_from_hits"] == pytest.approx(0.25)
+    out = capsys.readouterr().out
+    assert "prefix-aware / prefix-blind = 0.25" in out and "20% blind, 80% aware: expected ratio 0.25" in out
 
 
 def test_adaptive_ratios_compare_with_the_best_fixed_mode_and_colocated_chats(capsys):
