@@ -69,7 +69,7 @@ def test_adaptive_ratios_compare_with_the_best_fixed_mode_and_colocated_chats(ca
     assert "adaptive / best fixed mode (colocated) = 1.50" in capsys.readouterr().out
 
 
-def test_on_a_sweep_goodput_is_the_highest_rate_within_the_slos_and_none_is_zero():
+def test_on_a_sweep_goodput_is_the_highest_rate_within_the_slos_and_none_is_zero(capsys):
     from bench.serving import _report
     args = build_parser().parse_args(["--compare", "--modes", "colocated,adaptive", "--rates", "0.5,1"])
 
@@ -79,6 +79,11 @@ def test_on_a_sweep_goodput_is_the_highest_rate_within_the_slos_and_none_is_zero
         return {"runs": runs, "max_goodput_rate": best, "role_switches": []}
     flat = _report({"colocated": sweep(1.0, 200.0), "adaptive": sweep(None, 90.0)}, args)
     assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 0.0  # (not one run's requests/s)
+    # no fixed mode within the SLOs at the lowest rate: no ratio, a lower bound (adaptive's / 0.5)
+    flat = _report({"colocated": sweep(None, 200.0), "adaptive": sweep(1.0, 90.0)}, args)
+    assert "goodput_ratio_adaptive_vs_best_fixed_mix" not in flat
+    assert flat["goodput_ratio_adaptive_vs_best_fixed_mix_lower_bound"] == 2.0
+    assert "adaptive / best fixed > 2.00" in capsys.readouterr().out
     flat = _report({"colocated": sweep(0.5, 200.0), "adaptive": sweep(1.0, 90.0)}, args)
     assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 2.0
     # chats' p99 TPOT over colocated's at each rate (the same requests); the key: the worst
