@@ -390,9 +390,9 @@ def _report(results: dict[str, dict], args) -> dict:
 def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None:
     """``goodput_ratio_adaptive_vs_best_fixed_<dataset>`` (goodput: the highest rate of a
     ``--rates`` sweep up to which every rate had >= 90% of requests within both SLOs; one run:
-    requests/s within both), ``p99_tpot_ratio_adaptive_vs_colocated_<dataset>`` (of chats where the dataset has
-    kinds; over a sweep the highest of its rates' ratios, each in ``..._by_rate``),
-    ``role_switches``."""
+    requests/s within both; with no fixed mode there at the lowest rate, ``..._lower_bound``),
+    ``p99_tpot_ratio_adaptive_vs_colocated_<dataset>`` (of chats where the dataset has kinds;
+    over a sweep the highest of its rates' ratios, each in ``..._by_rate``), ``role_switches``."""
     def goodput(label: str) -> float:
         res = results[label]
         if len(res["runs"]) > 1:  # a sweep: no rate within the SLOs is a goodput of 0

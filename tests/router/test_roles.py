@@ -3,13 +3,15 @@ no flapping; a phase-shifting load moves workers one way and then back."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from router.autoscale import DecodeTargets, PrefillTargets, Signals
 from router.roles import RolesConfig, RoleState, decide
 
 P = PrefillTargets(target_queued_tokens=1000, target_ttft_ms=2000)
 D = DecodeTargets(kv_high=0.8, kv_low=0.3, target_tpot_ms=100)
 CFG = RolesConfig(switch_delay_s=5, idle_delay_s=20, min_prefill=1, min_decode=1)
-CFG0 = RolesConfig(switch_delay_s=5, idle_delay_s=20, min_prefill=0, min_decode=1)
+CFG0 = dataclasses.replace(CFG, min_prefill=0)  # the last prefill worker may go too
 BUSY_PREFILL = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.2})
 BUSY_DECODE = ({}, {"kv_utilization": 0.95})
 
