@@ -84,7 +84,8 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
 
 def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens: str = "256",
                   max_tokens: str = "64", long_share: float = 0.2, long_tokens: int = 1536,
-                  prefix_groups: int = 6, prefix_tokens: int = 1536, token_seed: int = 0) -> list[RequestSpec]:
+                  prefix_groups: int = 6, prefix_tokens: int = 1536, token_seed: int = 0,
+                  phase_answer_tokens: str = "128:256") -> list[RequestSpec]:
     """``n`` requests from a dataset: ``random`` (random token prompts of ``prompt_tokens``,
     ``max_tokens`` new tokens), ``mix`` (short chat turns with ``long_share`` long documents
     of ``long_tokens`` that want short answers), ``shared-prefix`` (as SGLang's generated
@@ -92,7 +93,7 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
     them, drawn at random, plus a question of its own of 32-96 tokens; 16-48 new tokens; the
     first ``prefix_groups`` requests take each group once, in order), ``phase`` (a phase-shifting
     load: the first half long documents and chat turns, the second half chat turns wanting
-    long answers, 128-256 tokens), or a JSONL file path
+    long answers, ``phase_answer_tokens``), or a JSONL file path
     (``{"prompt": ...}`` or ``{"token_ids": [...]}`` per line, optional ``"max_tokens"``; used
     round-robin). Prompts of the other datasets are distinct: the prefix cache never helps.
     ``seed`` draws the shape (kinds, lengths, ``max_tokens``, groups), ``token_seed`` the
@@ -116,14 +117,16 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
         # Prompt-heavy, then decode-heavy. The first half: long documents (half to all of
         # ``long_tokens``, wanting 8-16 tokens) and chat turns (24-96 tokens, wanting 48-96)
         # in equal shares: streams to protect from prompt stalls. The second half: only chat
-        # turns, wanting long answers (128-256 tokens): decode is all the work.
+        # turns, wanting long answers (``phase_answer_tokens``, 128-256 by default): decode is
+        # all the work, and longer answers at the same rate mean more streams at once.
+        alo, ahi = parse_range(phase_answer_tokens, "phase answer tokens")
         out = []
         for i in range(n):
             if i < n // 2 and rng.random() < 0.5:
                 out.append(RequestSpec("long", rng.randint(8, 16),
                                        _random_ids(ids, rng.randint(long_tokens // 2, long_tokens), vocab)))
             else:
-                out.append(RequestSpec("chat", rng.randint(48, 96) if i < n // 2 else rng.randint(128, 256),
+                out.append(RequestSpec("chat", rng.randint(48, 96) if i < n // 2 else rng.randint(alo, ahi),
                                        _random_ids(ids, rng.randint(24, 96), vocab)))
         return out
     if dataset == "mix":

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--long-tokens", type=int, default=1536, help="mix: long document length (default 1536)")
     w.add_argument("--prefix-groups", type=int, default=6, help="shared-prefix: system prompts (default 6)")
     w.add_argument("--prefix-tokens", type=int, default=1536, help="shared-prefix: system prompt length (default 1536)")
+    w.add_argument("--phase-answer-tokens", default="128:256",
+                   help="phase: new tokens of the second half's chat turns, N or LO:HI (default 128:256); "
+                        "longer answers at the same rate keep more streams decoding at once")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--warmup", type=int, default=4,
                    help="requests sent to each cluster before the measured runs, not counted (default 4; 0: none)")
@@ -209,7 +212,8 @@ def _workload(args, vocab: int, run: int = 0, n: int | None = None, seed: int | 
     (the warm-up's)."""
     return make_workload(args.num_requests if n is None else n, args.dataset, vocab,
                          args.seed if seed is None else seed, args.prompt_tokens, args.max_tokens, args.long_share,
-                         args.long_tokens, args.prefix_groups, args.prefix_tokens, token_seed=run)
+                         args.long_tokens, args.prefix_groups, args.prefix_tokens, token_seed=run,
+                         phase_answer_tokens=args.phase_answer_tokens)
 
 
 def _start(cfg):

@@ -69,6 +69,12 @@ def test_the_phase_workload_is_prompt_heavy_then_decode_heavy():
     assert all(len(s.token_ids) <= 96 and s.max_tokens <= 96 for s in first if s.kind == "chat")
     assert all(len(s.token_ids) <= 96 and s.max_tokens >= 128 for s in second)
     assert make_workload(40, "phase", 1000, seed=3, long_tokens=600) == specs  # seeded
+    # Longer answers: the same first half; the second half still short chats, wanting them.
+    longer = make_workload(40, "phase", 1000, seed=3, long_tokens=600, phase_answer_tokens="600:700")
+    assert longer[:20] == first
+    assert all(s.kind == "chat" and len(s.token_ids) <= 96 and 600 <= s.max_tokens <= 700 for s in longer[20:])
+    with pytest.raises(BenchError, match="phase answer tokens"):
+        make_workload(4, "phase", 1000, phase_answer_tokens="9:3")
 
 
 @pytest.mark.parametrize("args,needle", [
