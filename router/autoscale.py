@@ -131,14 +131,24 @@ def _change(state: PoolState, now: float, delta: int, why: str) -> tuple[int, st
     return delta, why
 
 
+LIVE_MIN_TOKENS = 16  # a running stream's TPOT so far counts in the signals from this many tokens
+
+
 def pool_signals(router, pool: str, now: float, window_s: float) -> Signals:
     """A snapshot of one pool ("prefill" or "decode": colocated workers count as decode) of
-    the router's ready workers, with TTFT/TPOT p90 over requests finished in ``window_s``."""
+    the router's ready workers, with TTFT p90 over requests finished in ``window_s`` and TPOT
+    p90 over those and the streams still running (``router.jobs``)."""
     roles = ("prefill",) if pool == "prefill" else ("decode", "colocated")
     ws = [w for w in router.pools.workers.values() if w.role in roles and w.state == "ready"]
     recent = [x for x in router.recent if x[0] >= now - window_s]
     ttfts = sorted(x[1] for x in recent if x[1] is not None)
-    tpots = sorted(x[2] for x in recent if x[2] is not None)
+    # Streams still running count too, by their TPOT so far: a long answer runs for minutes
+    # (1,000 tokens at 100 ms), and finished requests alone tell of a slow batch only that
+    # late (measured on the phase load: the switch to a second decode worker came 140 s
+    # into the decode-heavy half). From LIVE_MIN_TOKENS on, the first gap (which may hold
+    # the KV transfer's end) weighs at most 1/15.
+    live = [j.tpot for j in router.jobs.values() if len(j.generated) >= LIVE_MIN_TOKENS and j.tpot is not None]
+    tpots = sorted([x[2] for x in recent if x[2] is not None] + live)
     reported = [w.status for w in ws if w.status is not None]
     used = sum(s.kv_blocks_used for s in reported) + sum(w.reserved_blocks for w in ws)
     total = sum(s.kv_blocks_total for s in reported)

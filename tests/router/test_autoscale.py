@@ -84,7 +84,7 @@ def test_controller_grows_and_drains_through_the_pools():
         def drain(self, role, holds):
             w = self.workers.pop(f"{role}-new")
             return w
-    router = SimpleNamespace(pools=Pools(), recent=[], queued=0, colocated=False, holds=lambda w: False)
+    router = SimpleNamespace(pools=Pools(), recent=[], queued=0, jobs={}, colocated=False, holds=lambda w: False)
     ctl = PoolController(router, cfg)
     router.pools.workers["prefill-0"].status.queued_prompt_tokens = 5000
     assert ctl.step(0.0) == [] and ctl.step(0.5) == []
@@ -108,5 +108,32 @@ def test_recent_latencies_keep_only_the_window():
         burst.add(5.0, 1.0, None)
     assert len(burst) == 100
     from types import SimpleNamespace
-    router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=r, queued=0)
+    router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=r, queued=0, jobs={})
     assert pool_signals(router, "prefill", now=99.0, window_s=10.0).ttft_p90_s == 0.5 + 98  # (89..99: p90 is 98)
+
+
+def test_running_streams_count_in_tpot_before_they_finish():
+    """A batch gone slow shows in TPOT p90 while its long answers still run, not minutes
+    later when they finish; a stream with fewer than LIVE_MIN_TOKENS tokens does not count
+    (its first gap may hold a KV transfer)."""
+    from types import SimpleNamespace
+
+    from router.autoscale import LIVE_MIN_TOKENS, Recent, pool_signals
+    from router.jobs import Job
+    r = Recent(window_s=30.0)
+    for i in range(10):
+        r.add(90.0 + i, 0.2, 0.05)  # finished chats, 50 ms each
+
+    def running(n: int, tpot: float) -> Job:
+        j = Job(f"r{n}-{tpot}", [1, 2, 3], None)
+        j.generated, j.first_token_time = list(range(n)), 10.0
+        j.last_token_time = 10.0 + tpot * (n - 1)
+        return j
+    router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=r, queued=0, jobs={})
+    assert pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
+    slow = [running(LIVE_MIN_TOKENS, 0.2) for _ in range(5)]
+    router.jobs = {j.request_id + str(i): j for i, j in enumerate(slow)}
+    # 10 finished at 50 ms and 5 running at 200 ms: the p90 (index int(0.9 * 14) = 12) is 200 ms
+    assert abs(pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s - 0.2) < 1e-9
+    router.jobs = {str(i): running(LIVE_MIN_TOKENS - 1, 0.2) for i in range(5)}
+    assert pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
