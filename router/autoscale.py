@@ -144,10 +144,10 @@ def pool_signals(router, pool: str, now: float, window_s: float) -> Signals:
     ttfts = sorted(x[1] for x in recent if x[1] is not None)
     # Streams still running count too, by their TPOT so far: a long answer runs for minutes
     # (1,000 tokens at 100 ms), and finished requests alone tell of a slow batch only that
-    # late (measured on the phase load: the switch to a second decode worker came 140 s
-    # into the decode-heavy half). From LIVE_MIN_TOKENS on, the first gap (which may hold
-    # the KV transfer's end) weighs at most 1/15.
-    live = [j.tpot for j in router.jobs.values() if len(j.generated) >= LIVE_MIN_TOKENS and j.tpot is not None]
+    # late (measured on the phase load with 1,000-token answers: the switch to a second
+    # decode worker came about 100 s into the decode-heavy half). From LIVE_MIN_TOKENS on,
+    # the first gap (which may hold the KV transfer's end) weighs at most 1/15.
+    live = [j.tpot for j in router.jobs.values() if len(j.generated) >= LIVE_MIN_TOKENS]
     tpots = sorted([x[2] for x in recent if x[2] is not None] + live)
     reported = [w.status for w in ws if w.status is not None]
     used = sum(s.kv_blocks_used for s in reported) + sum(w.reserved_blocks for w in ws)
