@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import random
@@ -44,6 +45,7 @@ class Result:
     batch_times: list[float] = field(default_factory=list)  # one entry per streamed message with tokens
     end: float = 0.0
     error: str | None = None  # gRPC status name of a failed request
+    detail: str = ""  # ... and its message (the server's reason)
     cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage)
     prefill_worker: str = ""  # the worker that prefilled it (usage)
 
@@ -177,7 +179,7 @@ async def _one(stub, spec: RequestSpec, results: list[Result], done: Callable[[]
             if msg.HasField("usage"):
                 r.cached_tokens, r.prefill_worker = msg.usage.cached_prompt_tokens, msg.usage.prefill_worker
     except grpc.aio.AioRpcError as e:
-        r.error = e.code().name
+        r.error, r.detail = e.code().name, e.details() or ""
     r.end = time.perf_counter()
     done()
 
@@ -256,7 +258,10 @@ def summarize(results: Sequence[Result], wall_s: float, ttft_slo_s: float, tpot_
     by_kind = ttft_slo_by_kind or {}
     rs = [r for r in results if kind is None or r.spec.kind == kind]
     ok = [r for r in rs if r.error is None]
-    out: dict = {"requests": len(rs), "completed": len(ok), "failed": len(rs) - len(ok)}
+    out: dict = {"requests": len(rs), "completed": len(ok), "failed": len(rs) - len(ok),
+                 # which statuses the failed ones got, most first ("RESOURCE_EXHAUSTED 4"); None: none failed
+                 "errors": ", ".join(f"{code} {n}" for code, n in collections.Counter(
+                     r.error for r in rs if r.error is not None).most_common()) or None}
     series = {"ttft": [r.ttft for r in ok if r.ttft is not None], "tpot": [r.tpot for r in ok if r.tpot is not None],
               "itl": [g for r in ok for g in r.itls], "e2e": [r.end - r.sent for r in ok]}
     for name, xs in series.items():

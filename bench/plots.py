@@ -92,7 +92,7 @@ def roles_over_time(res: dict) -> tuple[float, list[tuple[float, int]]]:
     end = max((run["started"] + max(r.end for r in run["results"]) - min(r.sent for r in run["results"])
                for run in runs if run["results"]), default=t0)
     n, pts = 1, []
-    for at, _, old, new in sorted(res["role_switches"]):
+    for at, _, old, new, *_ in sorted(res["role_switches"]):
         if at > end:
             break
         if at > t0 and not pts:

@@ -35,6 +35,7 @@ import bench  # noqa: F401
 
 import argparse
 import asyncio
+import collections
 import json
 import sys
 import time
@@ -198,6 +199,8 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
             summary["all"]["decode_prefix_hit_rate"] = (t1 - t0) / sent_for if sent_for else None
         if len(kinds) > 1:
             summary.update({k: summarize(results, wall, *slo, kind=k, ttft_slo_by_kind=by_kind) for k in kinds})
+        for (code, detail), n in collections.Counter((r.error, r.detail) for r in results if r.error).most_common(5):
+            log(f"{n} request(s) failed: {code}: {detail}")
         runs.append({"rate": rate, "summary": summary, "results": results, "started": started})
     return {"runs": runs, "max_goodput_rate": max_goodput_rate(
         [(r["rate"], r["summary"]["all"]) for r in runs if r["rate"] is not None])}
@@ -407,8 +410,11 @@ def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None
     if "role_switches" in results["adaptive"] and "started" in results["adaptive"]["runs"][0]:
         from bench.plots import roles_over_time
         # [seconds since the first measured request, prefill workers from then on]
-        flat["adaptive_prefill_workers_over_time"] = [[round(t, 1), n] for t, n in
-                                                      roles_over_time(results["adaptive"])[1]]
+        t0, pts = roles_over_time(results["adaptive"])
+        flat["adaptive_prefill_workers_over_time"] = [[round(t, 1), n] for t, n in pts]
+        # [seconds since the first measured request, from, to, why] of each switch
+        flat["adaptive_role_switch_log"] = [[round(at - t0, 1), old, new, why]
+                                            for at, _, old, new, why in results["adaptive"]["role_switches"]]
     if fixed:
         best = max(fixed, key=fixed.get)
         if fixed[best] > 0:

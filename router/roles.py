@@ -90,6 +90,8 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
         state.want, state.since = want, (now if want is not None else None)
     if want is None or now - state.since < delay or now - state.last_switch < cfg.switch_delay_s:
         return None, ""
+    # (how long the want held says which wait a late switch sat in: the signals', or the delay)
+    why = f"{why} (wanted for {now - state.since:.0f} s)"
     state.last_switch, state.want, state.since = now, None, None
     state.history = (state.history + [f"{want[0]} -> {want[1]}: {why}"])[-20:]
     return want, why
@@ -108,7 +110,7 @@ class RoleController:
         self.router, self.cfg, self.autoscale = router, cfg, autoscale
         self.state = RoleState()
         self.events: collections.deque[str] = collections.deque(maxlen=50)  # shown by `pdserve status`
-        self.switches: list[tuple[float, str, str, str]] = []  # (unix time, worker, from, to), the last 1000
+        self.switches: list[tuple[float, str, str, str, str]] = []  # (unix time, worker, from, to, why), the last 1000
 
     def step(self, now: float) -> str | None:
         """One decision; returns what was done."""
@@ -136,7 +138,7 @@ class RoleController:
         log.info("role switch %s", msg)
         self.router.metrics.role_switches.labels(new).inc()
         self.events.append(f"{time.strftime('%H:%M:%S')} {msg}")
-        self.switches = (self.switches + [(time.time(), w.worker_id, old, new)])[-1000:]
+        self.switches = (self.switches + [(time.time(), w.worker_id, old, new, why)])[-1000:]
         return msg
 
     async def run(self) -> None:

@@ -42,8 +42,8 @@ def test_an_adaptive_run_plots_its_roles_over_time(tmp_path):
     for r in run["results"]:
         r.end = r.sent + 1.0
     run["started"] = 100.0
-    switches = [(99.0, "prefill-0", "prefill", "decode"), (101.5, "decode-0", "decode", "prefill"),
-                (104.0, "decode-0", "prefill", "decode")]
+    switches = [(99.0, "prefill-0", "prefill", "decode", "why"), (101.5, "decode-0", "decode", "prefill", "why"),
+                (104.0, "decode-0", "prefill", "decode", "why")]
     paths = plot_all({"adaptive": {"runs": [run], "role_switches": switches}}, str(tmp_path))
     assert [p.name for p in paths] == ["latency_cdf.png", "tpot_over_time.png", "roles_over_time.png"]
     assert paths[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

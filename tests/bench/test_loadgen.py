@@ -24,13 +24,17 @@ def test_summary_counts_latencies_and_goodput():
     rs = [result(0.0, 0.5, 11, 0.1), result(0.0, 4.0, 11, 0.1), result(1.0, 1.2, 11, 0.3),
           result(1.0, 1.0, 0, 0.1, error="UNAVAILABLE")]
     s = summarize(rs, wall_s=10.0, ttft_slo_s=1.0, tpot_slo_s=0.2)
-    assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1)
+    assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1) and s["errors"] == "UNAVAILABLE 1"
     assert s["ttft_ms_p50"] == pytest.approx(500) and s["tpot_ms_p99"] == pytest.approx(296)
     assert s["ttft_ms_p50"] <= s["ttft_ms_p90"] <= s["ttft_ms_p99"]
     assert s["output_tokens"] == 33 and s["output_tokens_per_s"] == pytest.approx(3.3)
     # Only the first meets both targets (the second's TTFT and the third's TPOT miss; the fourth failed).
     assert s["slo_attainment"] == pytest.approx(0.25) and s["goodput_rps"] == pytest.approx(0.1)
     assert s["goodput_rps"] <= s["request_throughput"]
+    # Each status with its count, the most frequent first; none failed: None.
+    more = rs + [result(2.0, 2.0, 0, 0.1, error="RESOURCE_EXHAUSTED") for _ in range(2)]
+    assert summarize(more, 10.0, 1.0, 0.2)["errors"] == "RESOURCE_EXHAUSTED 2, UNAVAILABLE 1"
+    assert summarize(rs[:3], 10.0, 1.0, 0.2)["errors"] is None
 
 
 def test_a_kind_can_have_a_ttft_target_of_its_own():

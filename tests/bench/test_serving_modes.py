@@ -69,6 +69,21 @@ def test_adaptive_ratios_compare_with_the_best_fixed_mode_and_colocated_chats(ca
     assert "adaptive / best fixed mode (colocated) = 1.50" in capsys.readouterr().out
 
 
+def test_the_report_logs_each_role_switch_with_its_reason_from_the_first_request():
+    from types import SimpleNamespace
+
+    from bench.serving import _report
+    args = build_parser().parse_args(["--compare", "--modes", "adaptive"])
+    # one request, sent at 10 s and answered at 30 s (perf_counter); the run started at 1000 (wall clock)
+    run = {"rate": None, "started": 1000.0, "results": [SimpleNamespace(sent=10.0, end=30.0)],
+           "summary": {"all": {"goodput_rps": 0.1}}}
+    why = "prefill: no prompt backlog and TTFT well under target (wanted for 30 s)"
+    switches = [(1012.5, "prefill-0", "prefill", "decode", why)]
+    flat = _report({"adaptive": {"runs": [run], "max_goodput_rate": None, "role_switches": switches}}, args)
+    assert flat["adaptive_role_switch_log"] == [[12.5, "prefill", "decode", why]]
+    assert flat["adaptive_prefill_workers_over_time"] == [[0.0, 1], [12.5, 0], [20.0, 0]]
+
+
 def test_on_a_sweep_goodput_is_the_highest_rate_within_the_slos_and_none_is_zero(capsys):
     from bench.serving import _report
     args = build_parser().parse_args(["--compare", "--modes", "colocated,adaptive", "--rates", "0.5,1"])

@@ -55,7 +55,11 @@ def test_an_idle_prefill_pool_moves_its_workers_to_decode_down_to_min():
     sizes = replay([idle] * 60, prefill=3, decode=1)
     assert sizes[19] == (3, 1) and sizes[20] == (2, 2)  # idle_delay_s, longer than switch_delay_s
     assert sizes[40] == (2, 2) and sizes[41] == (1, 3) and sizes[-1] == (1, 3)
-    assert all("prefill: no prompt backlog" in h for h in _history([idle] * 60, prefill=3, decode=1))
+    history = _history([idle] * 60, prefill=3, decode=1)
+    assert all("prefill: no prompt backlog" in h for h in history)
+    # each says how long its want held: the first from the trace's start, the next from the
+    # switch before it (where the want broke off)
+    assert [h.rsplit("(", 1)[1] for h in history] == ["wanted for 20 s)", "wanted for 20 s)"]
 
 
 def test_an_idle_prefill_pool_keeps_its_worker_while_decode_is_idle_too():
