@@ -298,6 +298,7 @@ def _main(args) -> int:
                                           and cfg.mode != "colocated" else None)
             if cluster is not None and cluster.router.roles_controller is not None:
                 results[label]["role_switches"] = list(cluster.router.roles_controller.switches)
+                results[label]["roles_trace"] = list(cluster.router.roles_controller.trace)
             if args.ttft_overhead:
                 from bench.ttft_overhead import http_overhead, ttft_overhead
                 out.update(ttft_overhead(stub, cfg, info.vocab_size, log))
@@ -354,7 +355,7 @@ def _report(results: dict[str, dict], args) -> dict:
     for key, vals in rows.items():
         cells = [vals.get(c) for c in cols]
         print(f"{key:<28}" + "".join(f"{'-':>20}" if v is None else f"{v:>20.2f}" if isinstance(v, float)
-                                     else f"{v!s:>20}" for v in cells))
+                                     else f"{' ' + str(v):>20}" for v in cells))  # (a space before a long text)
     if "disaggregated" in results and "colocated" in results:
         kind = "_chat" if "disagg_tpot_ms_p99_chat" in flat else ""
         d, c = flat.get(f"disagg_tpot_ms_p99{kind}"), flat.get(f"colocated_tpot_ms_p99{kind}")
@@ -415,6 +416,14 @@ def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None
         # [seconds since the first measured request, from, to, why] of each switch
         flat["adaptive_role_switch_log"] = [[round(at - t0, 1), old, new, why]
                                             for at, _, old, new, why in results["adaptive"]["role_switches"]]
+        # Each decision over the measured span: [s since the first request, prompt tokens queued
+        # anywhere, TTFT p90 (ms), decode KV utilization, decode TPOT p90 (ms), "from->to" the
+        # snapshots wanted or None]: which signal held a switch back
+        ms = lambda s: None if s is None else round(s * 1e3)  # noqa: E731
+        flat["adaptive_roles_trace"] = [
+            [round(at - t0, 1), p.queued_prompt_tokens, ms(p.ttft_p90_s), round(d.kv_utilization, 3), ms(d.tpot_p90_s),
+             "->".join(want) if want else None]
+            for at, p, d, want in results["adaptive"].get("roles_trace", []) if 0 <= at - t0 <= pts[-1][0]]
     if fixed:
         best = max(fixed, key=fixed.get)
         if fixed[best] > 0:

@@ -111,6 +111,10 @@ class RoleController:
         self.state = RoleState()
         self.events: collections.deque[str] = collections.deque(maxlen=50)  # shown by `pdserve status`
         self.switches: list[tuple[float, str, str, str, str]] = []  # (unix time, worker, from, to, why), the last 1000
+        # (unix time, prefill Signals, decode Signals, the want after it) of each decision, the
+        # last ~hour at the default interval: which signal held a switch back (bench/serving.py)
+        self.trace: collections.deque[tuple[float, Signals, Signals, tuple[str, str] | None]] = \
+            collections.deque(maxlen=2000)
 
     def step(self, now: float) -> str | None:
         """One decision; returns what was done."""
@@ -124,6 +128,7 @@ class RoleController:
         queued = sum(w.load().queued_prompt_tokens for w in pools.workers.values() if w.state == "ready")
         s_p = dataclasses.replace(s_p, queued_prompt_tokens=queued)
         want, why = decide(now, s_p, s_d, self.autoscale.prefill, self.autoscale.decode, self.cfg, self.state)
+        self.trace.append((time.time(), s_p, s_d, want or self.state.want))
         if want is None:
             return None
         return self.switch(want[0], want[1], why)

@@ -73,14 +73,21 @@ def test_the_report_logs_each_role_switch_with_its_reason_from_the_first_request
     from types import SimpleNamespace
 
     from bench.serving import _report
+    from router.autoscale import Signals
     args = build_parser().parse_args(["--compare", "--modes", "adaptive"])
     # one request, sent at 10 s and answered at 30 s (perf_counter); the run started at 1000 (wall clock)
     run = {"rate": None, "started": 1000.0, "results": [SimpleNamespace(sent=10.0, end=30.0)],
            "summary": {"all": {"goodput_rps": 0.1}}}
     why = "prefill: no prompt backlog and TTFT well under target (wanted for 30 s)"
     switches = [(1012.5, "prefill-0", "prefill", "decode", why)]
-    flat = _report({"adaptive": {"runs": [run], "max_goodput_rate": None, "role_switches": switches}}, args)
+    # decisions before the first request and after the last response are left out
+    trace = [(999.0, Signals(1), Signals(1), None),
+             (1002.5, Signals(1, ttft_p90_s=0.4), Signals(1, kv_utilization=0.41, tpot_p90_s=0.1204), ("prefill", "decode")),
+             (1025.0, Signals(0), Signals(2), None)]
+    flat = _report({"adaptive": {"runs": [run], "max_goodput_rate": None, "role_switches": switches,
+                                 "roles_trace": trace}}, args)
     assert flat["adaptive_role_switch_log"] == [[12.5, "prefill", "decode", why]]
+    assert flat["adaptive_roles_trace"] == [[2.5, 0, 400, 0.41, 120, "prefill->decode"]]
     assert flat["adaptive_prefill_workers_over_time"] == [[0.0, 1], [12.5, 0], [20.0, 0]]
 
 

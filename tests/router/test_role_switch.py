@@ -83,3 +83,24 @@ def test_a_worker_lost_while_it_switches_comes_back_in_its_new_role():
         assert (w.state, w.role, w.next_role) == ("dead", "decode", None) and lost == [w]
         await _stop(pools)
     asyncio.run(run())
+
+
+def test_the_controller_traces_each_decision_with_the_signals_it_read():
+    """``RoleController.trace``: per decision, both pools' snapshots and the want they made
+    (what bench/serving.py reports, to tell which signal held a switch back)."""
+    from types import SimpleNamespace
+
+    from router.roles import RoleController
+    cfg = load_config(None, {"mode": "adaptive", "roles.min_prefill": 0})  # (else the one prefill worker stays)
+    pools = _pools()
+    p = pools.workers["prefill-0"] = Worker("prefill-0", "prefill", None, state="ready", adaptive=True)
+    d = pools.workers["decode-0"] = Worker("decode-0", "decode", None, state="ready", adaptive=True)
+    _report(p)
+    _report(d, used=60)  # 60 of 64 blocks: over kv_high, and no prompt backlog anywhere
+    router = SimpleNamespace(pools=pools, recent=[], jobs={}, queued=0, holds=lambda w: False)
+    ctl = RoleController(router, cfg.roles, cfg.autoscale)
+    assert ctl.step(0.0) is None  # the want must hold switch_delay_s first
+    _, s_p, s_d, want = ctl.trace[-1]
+    assert want == ("prefill", "decode") and s_d.kv_utilization == 60 / 64 and s_p.queued_prompt_tokens == 0
+    _report(d, used=10)  # decode idle too (KV under kv_low): no want
+    assert ctl.step(1.0) is None and ctl.trace[-1][3] is None and len(ctl.trace) == 2
