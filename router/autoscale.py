@@ -131,7 +131,7 @@ def _change(state: PoolState, now: float, delta: int, why: str) -> tuple[int, st
     return delta, why
 
 
-LIVE_MIN_TOKENS = 16  # a running stream's TPOT so far counts in the signals from this many tokens
+LIVE_MIN_TOKENS = 16  # a running stream's pace counts in the signals from this many tokens
 
 
 def pool_signals(router, pool: str, now: float, window_s: float) -> Signals:
@@ -142,12 +142,15 @@ def pool_signals(router, pool: str, now: float, window_s: float) -> Signals:
     ws = [w for w in router.pools.workers.values() if w.role in roles and w.state == "ready"]
     recent = [x for x in router.recent if x[0] >= now - window_s]
     ttfts = sorted(x[1] for x in recent if x[1] is not None)
-    # Streams still running count too, by their TPOT so far: a long answer runs for minutes
-    # (1,000 tokens at 100 ms), and finished requests alone tell of a slow batch only that
-    # late (measured on the phase load with 1,000-token answers: the switch to a second
-    # decode worker came about 100 s into the decode-heavy half). From LIVE_MIN_TOKENS on,
-    # the first gap (which may hold the KV transfer's end) weighs at most 1/15.
-    live = [j.tpot for j in router.jobs.values() if len(j.generated) >= LIVE_MIN_TOKENS]
+    # Streams still running count too, by their pace now (Job.pace, over their last batches):
+    # a long answer runs for minutes (1,000 tokens at 100 ms), and finished requests alone
+    # tell of a slow batch only that late (measured on the phase load with 1,000-token
+    # answers: the switch to a second decode worker came about 100 s into the decode-heavy
+    # half). Not their TPOT so far either: it averages in the answer's faster start (with it,
+    # the decode pool's TPOT p90 crossed 0.7x the target only ~60 s into that half, and the
+    # switch came at ~85 s: docs/bench/adaptive_phase_trace.json). From LIVE_MIN_TOKENS
+    # on, the first gap (which may hold the KV transfer's end) weighs at most 1/15.
+    live = [j.pace for j in router.jobs.values() if len(j.generated) >= LIVE_MIN_TOKENS and j.pace is not None]
     tpots = sorted([x[2] for x in recent if x[2] is not None] + live)
     reported = [w.status for w in ws if w.status is not None]
     used = sum(s.kv_blocks_used for s in reported) + sum(w.reserved_blocks for w in ws)

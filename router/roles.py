@@ -6,7 +6,8 @@ a worker's role is only which calls the router makes to it. The policy, over one
 each pool (``autoscale.pool_signals``, ``autoscale.pressure`` against ``autoscale.prefill`` and
 ``autoscale.decode`` targets):
 
-- the prefill pool wants more (a prompt backlog anywhere, or TTFT p90 over target) and the
+- the prefill pool wants more (a prompt backlog at it, or at the decode workers once no
+  prefill worker is left; or TTFT p90 over target) and the
   decode pool does not (KV under ``kv_high``, nobody waiting for admission; not TPOT: see
   ``decide``): a decode worker becomes a prefill worker, if more than ``roles.min_decode``
   are left;
@@ -73,7 +74,7 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     # does not cure and one more prefill worker does.
     d_up, _, d_why = pressure("decode", dataclasses.replace(decode, tpot_p90_s=None), td)
     # ... but an idle prefill pool gives its worker away only to a decode pool that is not idle
-    # itself (TPOT counts here: with no prompt backlog anywhere, it is the batch's, which one
+    # itself (TPOT counts here: with no prompt backlog, it is the batch's, which one
     # more decode worker splits). A worker given to an idle decode pool helps no stream, and
     # the next long prompt then lands on a worker with streams (local:no_pool) and stalls them
     # until the switch back: measured on the mix at 0.3 req/s, chats' p99 TPOT 2.4x colocated.
@@ -123,9 +124,13 @@ class RoleController:
             return None  # one switch at a time: the last one is still draining its old role
         window = self.autoscale.window_s
         s_p, s_d = pool_signals(self.router, "prefill", now, window), pool_signals(self.router, "decode", now, window)
-        # The prompt backlog is what waits anywhere: decode workers' local prefills count too
-        # (with no prefill worker left, they are all of it).
-        queued = sum(w.load().queued_prompt_tokens for w in pools.workers.values() if w.state == "ready")
+        # The prompt backlog: what waits at the prefill pool, or with no prefill worker left,
+        # at the decode workers (their local prefills are then all of it). With one, a decode
+        # worker's local prefills are prompts placement keeps there (short ones, or a long one
+        # it took while the pool had a queue itself): no backlog for the pool (measured: a
+        # chat's 78-token local prefill, queued for a step, broke an idle pool's want twice).
+        queued = sum(w.load().queued_prompt_tokens for w in pools.workers.values() if w.state == "ready"
+                     and (w.role == "prefill" or not s_p.workers))
         s_p = dataclasses.replace(s_p, queued_prompt_tokens=queued)
         want, why = decide(now, s_p, s_d, self.autoscale.prefill, self.autoscale.decode, self.cfg, self.state)
         self.trace.append((time.time(), s_p, s_d, want or self.state.want))

@@ -128,6 +128,7 @@ def test_running_streams_count_in_tpot_before_they_finish():
         j = Job(f"r{n}-{tpot}", [1, 2, 3], None)
         j.generated, j.first_token_time = list(range(n)), 10.0
         j.last_token_time = 10.0 + tpot * (n - 1)
+        j.marks.extend((10.0 + tpot * i, i + 1) for i in range(n))  # one token per batch
         return j
     router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=r, queued=0, jobs={})
     assert pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
@@ -137,3 +138,25 @@ def test_running_streams_count_in_tpot_before_they_finish():
     assert abs(pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s - 0.2) < 1e-9
     router.jobs = {str(i): running(LIVE_MIN_TOKENS - 1, 0.2) for i in range(5)}
     assert pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
+
+
+def test_a_running_stream_counts_by_its_pace_now_not_its_average_so_far():
+    """A stream that decoded 200 tokens at 50 ms, then its batch grew and the last 20 came at
+    200 ms: TPOT so far is ~64 ms, its pace (the last PACE_BATCHES batches) 200 ms, and the
+    signal reads the pace. Batches of several tokens (speculation) count per token."""
+    from types import SimpleNamespace
+
+    from router.autoscale import Recent, pool_signals
+    from router.jobs import PACE_BATCHES, Job
+    j = Job("r", [1, 2, 3], None)
+    t = 0.0
+    for i in range(220):
+        t += 0.05 if i < 200 else 0.2
+        j.marks.append((t, i + 1))
+    j.generated, j.first_token_time, j.last_token_time = list(range(220)), 0.05, t
+    assert abs(j.tpot - (199 * 0.05 + 20 * 0.2) / 219) < 1e-9 and abs(j.pace - 0.2) < 1e-9
+    router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=Recent(30.0), queued=0, jobs={"r": j})
+    assert abs(pool_signals(router, "decode", now=t, window_s=30.0).tpot_p90_s - 0.2) < 1e-9
+    j.marks.clear()
+    j.marks.extend((0.3 * b, 3 * b) for b in range(PACE_BATCHES + 1))  # 3 tokens per 0.3 s batch
+    assert abs(j.pace - 0.1) < 1e-9

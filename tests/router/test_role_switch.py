@@ -104,3 +104,13 @@ def test_the_controller_traces_each_decision_with_the_signals_it_read():
     assert want == ("prefill", "decode") and s_d.kv_utilization == 60 / 64 and s_p.queued_prompt_tokens == 0
     _report(d, used=10)  # decode idle too (KV under kv_low): no want
     assert ctl.step(1.0) is None and ctl.trace[-1][3] is None and len(ctl.trace) == 2
+    # A decode worker's local prefill is no backlog while a prefill worker is there; with none
+    # left, it is all of it.
+    _report(d, used=10, queued_prompt_tokens=78)
+    ctl.step(2.0)
+    assert ctl.trace[-1][1].queued_prompt_tokens == 0
+    p.state = "draining"
+    ctl.step(3.0)  # (draining: one switch at a time, no decision)
+    del pools.workers["prefill-0"]
+    ctl.step(4.0)
+    assert ctl.trace[-1][1].queued_prompt_tokens == 78 and ctl.trace[-1][1].workers == 0
