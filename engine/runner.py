@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, apply_penalties, make_generator, prompt_token_logprobs, token_logprobs
 from engine.scheduler import StepPlan, StepResult
 
@@ -26,7 +26,7 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per slice (SamplingParams.p
 class ModelRunner:
     """Executes steps; ``kv_caches`` is the per-layer (K, V) list from ``allocate_kv_tensors``."""
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
+    def __init__(self, model: nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: str = "cpu") -> None:
         self.model = model

@@ -4,7 +4,10 @@ Every backend sees the same per-step :class:`AttentionMetadata` (built once per 
 runner, shared by all layers) and the same cache layout: per layer K and V tensors of shape
 ``[num_blocks * block_size, num_kv_heads, head_dim]`` where slot = block * block_size + offset.
 The new tokens' K/V are written to their slots first, then each query attends to its request's
-whole context (cached prefix + new tokens), causally.
+whole context (cached prefix + new tokens), causally; a layer with a sliding ``window`` W (Gemma
+3's local layers) sees only the keys at positions p - W < k <= p from the query at p, as HF masks
+it. Every layer keeps every block of a request even so: freeing the blocks that fell out of all
+windows would suit a model whose layers are all local, which ours are not (a later optimisation).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] of the new tokens -> output [T, Hq, D]."""
+                scale: float, window: int | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] of the new tokens -> output [T, Hq, D]; ``window``:
+        the layer's sliding window (None: full causal attention)."""
         raise NotImplementedError
 
 
@@ -61,12 +65,29 @@ class SdpaBackend(AttentionBackend):
 
     Single-token queries (decode) of all requests run as one padded SDPA call; each multi-token
     query (a prompt chunk or a speculative verify) runs as its own call, with ``is_causal`` when
-    it has no cached prefix and an explicit offset-causal mask when it does.
+    it has no cached prefix and an explicit offset-causal mask when it does. Sliding-window
+    layers get masks of their own, built at their first use in a step and shared by the others.
     """
 
     name = "sdpa"
 
     def prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
+        meta.prepared = self._build(meta, device, None)
+        meta.prepared["device"], meta.prepared["windows"] = device, {}
+
+    def _prepared(self, meta: AttentionMetadata, window: int | None) -> dict:
+        """The step's masks and gathers for a layer with ``window``."""
+        p = meta.prepared
+        if window is None or max(meta.context_lens) <= window:  # the window hides nothing
+            return p
+        if window not in p["windows"]:
+            p["windows"][window] = self._build(meta, p["device"], window)
+        return p["windows"][window]
+
+    @staticmethod
+    def _build(meta: AttentionMetadata, device: torch.device, window: int | None) -> dict:
+        """Masks and gathers for one step; with ``window`` W, key k is visible from the query
+        at position p iff p - W < k <= p (HF's sliding_window_overlay on the causal mask)."""
         bs = meta.block_size
         decode_rows = [i for i, q in enumerate(meta.query_lens) if q == 1]
         starts = [0]
@@ -87,28 +108,40 @@ class SdpaBackend(AttentionBackend):
             p["dec_tok"] = torch.tensor([starts[i] for i in decode_rows], device=device)
             p["dec_gather"] = gather.to(device)
             p["dec_len"] = lmax
-            # Padding keys are masked out; no mask at all when every context has the same length.
-            p["dec_mask"] = None if min(ctx) == lmax else (
-                torch.arange(lmax)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :].to(device)
+            # Padding keys are masked out; no mask at all when every context has the same length
+            # and no window hides a key.
+            if window is None and min(ctx) == lmax:
+                p["dec_mask"] = None
+            else:
+                keys, n = torch.arange(lmax)[None, :], torch.tensor(ctx)[:, None]
+                visible = keys < n if window is None else (keys < n) & (keys >= n - window)
+                p["dec_mask"] = visible[:, None, None, :].to(device)
         ext = []
         for i, q in enumerate(meta.query_lens):
             if q == 1:
                 continue
             ctx, cached = meta.context_lens[i], meta.context_lens[i] - q
-            if cached == 0:
+            windowed = window is not None and ctx > window
+            if cached == 0 and not windowed:
                 ext.append((starts[i], starts[i + 1], None, None))
+                continue
+            # keys before the first query's window are no one's: leave them out
+            lo = max(0, cached + 1 - window) if windowed else 0
+            keys, pos = torch.arange(lo, ctx)[None, :], (cached + torch.arange(q))[:, None]
+            mask = (keys <= pos) & (keys > pos - window) if windowed else keys <= pos
+            if cached == 0:  # a fresh prompt longer than the window: its own K/V, masked
+                ext.append((starts[i], starts[i + 1], None, mask.to(device)))
             else:
-                mask = torch.arange(ctx)[None, :] <= (cached + torch.arange(q))[:, None]
-                ext.append((starts[i], starts[i + 1], _slots(meta.block_tables[i], ctx, bs).to(device),
+                ext.append((starts[i], starts[i + 1], _slots(meta.block_tables[i], ctx, bs)[lo:].to(device),
                             mask.to(device)))
         p["ext"] = ext
-        meta.prepared = p
+        return p
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None):
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        p = meta.prepared
+        p = self._prepared(meta, window)
         gqa = q.shape[1] != k.shape[1]
         if p["all_decode"]:
             return self._decode(q, k_cache, v_cache, p, scale, gqa)
@@ -117,11 +150,11 @@ class SdpaBackend(AttentionBackend):
             out[p["dec_tok"]] = self._decode(q[p["dec_tok"]], k_cache, v_cache, p, scale, gqa)
         for start, end, slots, mask in p["ext"]:
             qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-            if slots is None:  # whole context is new: plain causal attention on the fresh K/V
+            if slots is None:  # whole context is new: causal attention on the fresh K/V
                 ks, vs = k[start:end], v[start:end]
                 o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0),
-                                                   vs.transpose(0, 1).unsqueeze(0),
-                                                   is_causal=True, scale=scale, enable_gqa=gqa)
+                                                   vs.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                                                   is_causal=mask is None, scale=scale, enable_gqa=gqa)
             else:
                 ks, vs = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
                 o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0),
@@ -173,15 +206,17 @@ class FlashAttnBackend(AttentionBackend):
         meta.prepared = {"bt": bt.to(device), "cu_q": cu_q.to(device), "cu_k": cu_k.to(device),
                          "max_q": max(meta.query_lens), "max_k": max(meta.context_lens)}
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=None):
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         p, bs = meta.prepared, meta.block_size
         shape = (-1, bs, k_cache.shape[1], k_cache.shape[2])
-        # causal=True aligns the query block to the end of each context, as decode needs.
+        # causal=True aligns the query block to the end of each context, as decode needs; a
+        # window W sees the W - 1 keys before the query and itself: window_size (W - 1, 0).
         return self._fn(q, k_cache.view(shape), v_cache.view(shape), p["cu_q"], p["cu_k"],
-                        p["max_q"], p["max_k"], softmax_scale=scale, causal=True, block_table=p["bt"])
+                        p["max_q"], p["max_k"], softmax_scale=scale, causal=True, block_table=p["bt"],
+                        window_size=(window - 1, 0) if window is not None else (-1, -1))
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

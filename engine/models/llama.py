@@ -34,6 +34,11 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    @torch.no_grad()
+    def divide_(self, s: torch.Tensor) -> None:
+        """Scale the output channels by 1 / s (AWQ/SmoothQuant fold a linear's input scale here)."""
+        self.weight.div_(s)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
@@ -73,6 +78,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # The norm whose output feeds the MLP (AWQ/SmoothQuant fold scales into it).
+    mlp_norm_name = "post_attention_layernorm"
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -112,13 +120,30 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.single_token is not None and 1 <= input_ids.shape[0] <= self.single_token.max_rows:
             return self.single_token.forward(input_ids, positions, meta, kv_caches, layer_done)
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        x = self.embed(input_ids)
+        rope = self.rope_tables(positions, x.dtype)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, rope, meta, kv)
             if layer_done is not None:
                 layer_done(i)
         return x
+
+    # The per-family pieces that code driving the layers itself (engine/spec/layer_skip.py,
+    # engine/quant/calib.py) uses: every family's layer is ``layer(x, rope, meta, kv_cache)``.
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What every layer gets for ``positions`` [T]: the rotary cos/sin tables."""
+        return self.rotary.tables(positions, dtype)
+
+    def reset_rotary(self, device: str | torch.device) -> None:
+        """Recompute the rotary tables on ``device`` (they are not weights: a model built on the
+        meta device and materialized with ``to_empty`` has garbage there)."""
+        cfg = self.config
+        rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary.cos, self.rotary.sin = rot.cos.to(device), rot.sin.to(device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in fp32."""

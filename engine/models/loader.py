@@ -12,6 +12,7 @@ from engine.errors import ModelLoadError
 from engine.layers.attention import AttentionBackend
 from engine.layers.linear import can_prepack, prepack_linears
 from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import build_model
 from engine.models.single_token import SingleTokenDecoder
 
 _FUSED = {  # HF name suffix -> (our fused name, part index)
@@ -24,13 +25,24 @@ _FUSED = {  # HF name suffix -> (our fused name, part index)
 
 
 def resolve_model_path(model: str | None, progress: bool = True) -> Path:
-    """``None`` -> the bundled model (converted on first use); an existing folder; or a Hugging
-    Face model id (``org/name``) already in this machine's Hugging Face cache (``HF_HOME``,
-    ``HF_HUB_CACHE``; its latest snapshot). Nothing is downloaded at run time."""
-    if model is None:
+    """``None`` -> the bundled model (converted on first use); a catalogue name
+    (engine/models/catalog.py, after ``pdserve pull NAME``); a GGUF file (served from a folder
+    made once per file: engine/models/gguf.py); an existing folder; or a Hugging Face model id
+    (``org/name``) already in this machine's Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``;
+    its latest snapshot). Nothing is downloaded at run time."""
+    from engine.models import catalog, gguf
+    entry = catalog.lookup(model) if model is not None else None
+    if model is None or (entry is not None and entry.bundled):  # served as before: fp32 HF folder
         from engine.models.gguf_convert import default_model_path
         return default_model_path(progress=progress)
+    if entry is not None:  # verified when pulled: its sha256 is the cache key, no need to hash again
+        return gguf.prepare(catalog.resolve(model), progress=progress, digest=entry.sha256[:16])
     path = Path(model).expanduser()
+    if path.is_file():
+        if not gguf.is_gguf(path):
+            raise ModelLoadError(f"model {model!r} is a file but not a GGUF file: give a .gguf file, "
+                                 "an HF-format folder or a catalogue name (`pdserve models`)")
+        return gguf.prepare(path, progress=progress)
     if path.exists():
         return path
     import re
@@ -43,9 +55,9 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
                 f"model {model!r} does not exist as a folder and is not in this machine's Hugging Face "
                 f"cache, and nothing is downloaded at run time: fetch it first (`huggingface-cli download {model}`, "
                 "on every node) or give a local HF-format folder") from None
-    raise ModelLoadError(f"model path {model!r} does not exist (no model hub at run time: "
-                         "give a local HF-format folder or a cached Hugging Face model id, or omit it "
-                         "for the bundled model)")
+    raise ModelLoadError(f"model path {model!r} does not exist (no model hub at run time: give a "
+                         f"catalogue name ({', '.join(catalog.names())}), a GGUF file, a local HF-format "
+                         "folder or a cached Hugging Face model id, or omit it for the bundled model)")
 
 
 DIGEST_SAMPLES = 16  # 64 KiB windows per weight file, evenly spaced, besides its first and last MiB
@@ -59,8 +71,9 @@ def weights_digest(path: Path) -> str:
     it is a consistency check between a cluster's own nodes, not a defense against forgery."""
     import hashlib
     h = hashlib.sha256()
+    # a GGUF folder's pdserve_gguf.json holds its file's sha256: it stands for the weights
     files = sorted(f for f in path.iterdir() if f.is_file() and (f.suffix in (".safetensors", ".bin")
-                                                                 or f.name == "config.json"))
+                                                                 or f.name in ("config.json", "pdserve_gguf.json")))
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}\0{size}\0".encode())
@@ -128,8 +141,13 @@ def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                device: str = "cpu", quantization=None, prepack: bool = True,
-               single_token: bool = False, compile_rows: int | None = 1, min_rows: int = 1) -> LlamaForCausalLM:
+               single_token: bool = False, compile_rows: int | None = 1, min_rows: int = 1,
+               dequantize: bool = False) -> LlamaForCausalLM:
     """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
+
+    A GGUF folder (engine/models/gguf.py) loads its file's weights in their precision class as
+    shipped (``quantization`` "int8" / "int4": every linear in that format; ``dequantize``: all
+    in ``dtype``; any other format: dequantized, then quantized as below).
 
     A quantized checkpoint folder (engine/quant/checkpoint.py) loads as saved; otherwise
     ``quantization`` (an ``engine.quant.QuantConfig`` or short name like "int8") is applied
@@ -148,16 +166,19 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
             raise ValueError(f"{str(path)!r} is already a quantized checkpoint: leave quantization unset")
         return _with_single_token(load_quantized(path, backend, dtype, device, prepack=False),
                                   single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows)
+    from engine.models import gguf
+    if gguf.source(path) is not None:
+        precision = "float" if dequantize else {None: "as-shipped", "none": "as-shipped", "int8": "int8",
+                                                "int4": "int4"}.get(quantization, "float")
+        sd, qmods, tied = gguf.load_weights(path, precision)
+        from engine.quant.checkpoint import assemble
+        model = assemble(path, sd, qmods, tied, backend, dtype, device, prepack=False)
+        if precision == "float" and quantization not in (None, "none"):
+            from engine.quant import quantize
+            quantize(model, quantization, _load_calibration(path, quantization))
+        return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows)
     cfg = ModelConfig.from_hf(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
-    model = model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty materializes each module alone, which unties them
-        model.lm_head.weight = model.embed_tokens.weight
-    # Rotary tables are not weights: recompute them on the real device.
-    from engine.layers.rotary import RotaryEmbedding
-    rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-    model.rotary.cos, model.rotary.sin = rot.cos.to(device), rot.sin.to(device)
+    model = build_model(cfg, backend, device)  # the config's family, tied head, rotary tables
 
     ours = fuse_state_dict(read_state_dict(path))
     if cfg.tie_word_embeddings:

@@ -323,8 +323,11 @@ class SingleTokenDecoder:
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """True for a CPU model whose decoder linears and LM head are fp32 ``nn.Linear``,
-        INT8 or INT4 weight-only, with fp32 embeddings and norms."""
+        """True for a CPU Llama-family model whose decoder linears and LM head are fp32
+        ``nn.Linear``, INT8 or INT4 weight-only, with fp32 embeddings and norms (its kernels
+        are that layer structure: other families run their eager forward)."""
+        if model.config.family != "llama":
+            return False
         p = model.embed_tokens.weight
         if p.dtype != torch.float32 or p.device.type != "cpu" or not hasattr(model, "layers"):
             return False

@@ -66,16 +66,18 @@ def awq_quantize(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int | 
 def _producers(model: nn.Module, prefix: str) -> dict[str, Callable[[torch.Tensor], None]]:
     """For each linear of a layer, a function that divides its inputs by s (folded upstream)."""
     if prefix == "lm_head":
-        return {"lm_head": lambda s: model.norm.weight.div_(s.to(model.norm.weight.dtype))}
+        return {"lm_head": lambda s: model.norm.divide_(s.to(model.norm.weight.dtype))}
     layer = model.get_submodule(prefix.rstrip("."))
     inter = layer.mlp.inter
 
     def div_up_rows(s: torch.Tensor) -> None:
         layer.mlp.gate_up_proj.weight[inter:].div_(s[:, None].to(layer.mlp.gate_up_proj.weight.dtype))
 
+    # the norms' own divide_ knows their form (Llama: w / s; Gemma: (1 + w) / s - 1); the MLP's
+    # input norm is named per family
     return {
-        prefix + "self_attn.qkv_proj": lambda s: layer.input_layernorm.weight.div_(s),
-        prefix + "mlp.gate_up_proj": lambda s: layer.post_attention_layernorm.weight.div_(s),
+        prefix + "self_attn.qkv_proj": lambda s: layer.input_layernorm.divide_(s),
+        prefix + "mlp.gate_up_proj": lambda s: layer.get_submodule(layer.mlp_norm_name).divide_(s),
         prefix + "mlp.down_proj": div_up_rows,
     }
 

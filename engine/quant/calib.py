@@ -75,7 +75,8 @@ def calib_sequences(tokenizer, texts: list[str], seq_len: int = 512, max_tokens:
 
 
 class SequenceForward:
-    """Runs ``model`` (our LlamaForCausalLM) over one token sequence at a time, layer by layer."""
+    """Runs ``model`` (any family of engine/models/registry.py) over one token sequence at a
+    time, layer by layer."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -94,8 +95,8 @@ class SequenceForward:
         self.backend.prepare(meta, dev)
         kv = (torch.zeros(nb * _BLOCK, self.nkv, self.hd, dtype=self.dtype, device=dev),
               torch.zeros(nb * _BLOCK, self.nkv, self.hd, dtype=self.dtype, device=dev))
-        x = self.model.embed_tokens(torch.tensor(ids, device=dev))
-        rope = self.model.rotary.tables(torch.arange(t, device=dev), x.dtype)
+        x = self.model.embed(torch.tensor(ids, device=dev))
+        rope = self.model.rope_tables(torch.arange(t, device=dev), x.dtype)
         return x, (rope, meta, kv)
 
     def layer(self, i: int, x: torch.Tensor, ctx: tuple) -> torch.Tensor:

@@ -154,18 +154,15 @@ def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLine
     from engine.config import ModelConfig
     from engine.errors import ModelLoadError
     from engine.layers.linear import can_prepack, prepack_linears
-    from engine.layers.rotary import RotaryEmbedding
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.registry import build_model
     from engine.quant.quantize import set_module
 
     cfg = ModelConfig.from_hf(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
-    model = model.to_empty(device="cpu")
+    model = build_model(cfg, backend, "cpu")
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    rot = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-    model.rotary.cos, model.rotary.sin = rot.cos, rot.sin
+    elif cfg.tie_word_embeddings:  # the config ties it, but the checkpoint has a head of its own
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.embed_tokens.weight))
     modules = dict(model.named_modules())
     for name, mod in qmods.items():
         lin = modules.get(name)
@@ -182,10 +179,14 @@ def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLine
         raise ModelLoadError(f"weights in {str(path)!r} do not match: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
     with torch.no_grad():
-        for name, w in sd.items():
+        for name in list(sd):
+            w = sd.pop(name)
             if params[name].shape != w.shape:
                 raise ModelLoadError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(params[name].shape)}")
-            params[name].copy_(w)
+            if w.dtype == params[name].dtype and w.is_contiguous():
+                params[name].data = w  # take the tensor over: no second copy while loading
+            else:
+                params[name].copy_(w)
     for name in qmods:  # drop the placeholder fp weights before casting
         set_module(model, name, nn.Identity())
     model = model.to(device=device, dtype=dtype)

@@ -8,16 +8,17 @@ target's cache for those layers and the target's verify rewrites every slot it c
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from engine.layers.attention import AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
 from engine.spec.model_draft import ModelDraft
 
 
 class FirstLayers:
-    """``target`` truncated to its first ``n`` layers, then its final norm and LM head."""
+    """``target`` (any family of engine/models/registry.py) truncated to its first ``n`` layers,
+    then its final norm and LM head."""
 
-    def __init__(self, target: LlamaForCausalLM, n: int) -> None:
+    def __init__(self, target: nn.Module, n: int) -> None:
         if not 1 <= n < len(target.layers):
             raise ValueError(f"layer_skip draft_layers must be in 1..{len(target.layers) - 1}, got {n}")
         self.target, self.n = target, n
@@ -25,8 +26,8 @@ class FirstLayers:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         t = self.target
-        x = t.embed_tokens(input_ids)
-        rope = t.rotary.tables(positions, x.dtype)
+        x = t.embed(input_ids)
+        rope = t.rope_tables(positions, x.dtype)
         for layer, kv in zip(t.layers[:self.n], kv_caches[:self.n]):
             x = layer(x, rope, meta, kv)
         return x
@@ -35,7 +36,7 @@ class FirstLayers:
         return self.target.compute_logits(hidden)
 
 
-def layer_skip_draft(target: LlamaForCausalLM, backend, kv_caches, block_size: int, num_layers: int | None,
+def layer_skip_draft(target: nn.Module, backend, kv_caches, block_size: int, num_layers: int | None,
                      device: str = "cpu") -> ModelDraft:
     """A draft of the target's first ``num_layers`` layers (default: half of them)."""
     n = num_layers if num_layers is not None else max(1, len(target.layers) // 2)

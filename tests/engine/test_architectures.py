@@ -1,7 +1,8 @@
 """Every Llama-family layout we claim loads from an HF folder and matches transformers.
 
 Tiny random models built in code (no hub): Llama with GQA and Llama-3 rope scaling, Mistral
-(full attention), Qwen2 (q/k/v bias), untied LM head, sharded safetensors and .bin weights.
+(full attention), Qwen2 (q/k/v bias; untied and tied LM head), sharded safetensors and .bin weights.
+Gemma 3 has its own file (test_gemma3.py).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ CASES = {
                                                         "original_max_position_embeddings": 64}}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
-    "qwen2-bias": ("qwen2", {}),
+    "qwen2-bias": ("qwen2", {}),  # untied LM head, as every case here unless it says tied
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),  # as Qwen2-0.5B ships
 }
 
 

@@ -10,21 +10,26 @@ import torch
 from engine.layers.attention import AttentionMetadata, get_attention_backend
 
 
-def _reference(q, k_all, v_all, cached):
-    """Naive causal attention of q [q, Hq, D] over k/v [ctx, Hk, D]; query i sees keys <= cached + i."""
+def _reference(q, k_all, v_all, cached, window=None):
+    """Naive causal attention of q [q, Hq, D] over k/v [ctx, Hk, D]; query i sees keys <= cached + i
+    (and, with a window W, > cached + i - W: HF's sliding window)."""
     hq, hk = q.shape[1], k_all.shape[1]
     k = k_all.repeat_interleave(hq // hk, dim=1).double()
     v = v_all.repeat_interleave(hq // hk, dim=1).double()
     s = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
     ctx = k.shape[0]
-    mask = torch.arange(ctx)[None, :] <= (cached + torch.arange(q.shape[0]))[:, None]
+    pos = (cached + torch.arange(q.shape[0]))[:, None]
+    mask = torch.arange(ctx)[None, :] <= pos
+    if window is not None:
+        mask &= torch.arange(ctx)[None, :] > pos - window
     s = s.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).float()
 
 
 @pytest.mark.parametrize("backend_name", ["sdpa"])
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 @pytest.mark.parametrize("seed", range(4))
-def test_mixed_batch_matches_reference(backend_name, seed):
+def test_mixed_batch_matches_reference(backend_name, window, seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     hq, hk, d, bs, num_blocks = 6, 2, 16, 4, 64
@@ -51,10 +56,11 @@ def test_mixed_batch_matches_reference(backend_name, seed):
     meta = AttentionMetadata(torch.cat(slots), [n for _, n in shapes], [c + n for c, n in shapes],
                              tables, bs)
     backend.prepare(meta, torch.device("cpu"))
-    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), (k_cache, v_cache), meta, d ** -0.5)
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), (k_cache, v_cache), meta, d ** -0.5,
+                          window=window)
     start = 0
     for i, (cached, new) in enumerate(shapes):
-        want = _reference(qs[i], full_k[i], full_v[i], cached)
+        want = _reference(qs[i], full_k[i], full_v[i], cached, window)
         torch.testing.assert_close(out[start:start + new], want, atol=1e-5, rtol=1e-4)
         start += new
     # New tokens' K/V landed in their slots.
@@ -67,7 +73,8 @@ def test_unknown_backend_lists_valid_ones():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash_attn needs a CUDA GPU")
-def test_flash_attn_matches_sdpa_on_gpu():
+@pytest.mark.parametrize("window", [None, 16], ids=["full", "window16"])
+def test_flash_attn_matches_sdpa_on_gpu(window):
     pytest.importorskip("flash_attn", reason="flash-attn is not installed (pip install 'pdserve[gpu]')")
     torch.manual_seed(0)
     hq, hk, d, bs = 8, 2, 64, 256
@@ -86,5 +93,5 @@ def test_flash_attn_matches_sdpa_on_gpu():
         b = get_attention_backend(name)
         meta = AttentionMetadata(slots, [n for _, n in shapes], [c + n for c, n in shapes], tables, bs)
         b.prepare(meta, dev)
-        outs.append(b.forward(q, k, v, (k_cache.clone(), v_cache.clone()), meta, d ** -0.5))
+        outs.append(b.forward(q, k, v, (k_cache.clone(), v_cache.clone()), meta, d ** -0.5, window=window))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)

@@ -1,0 +1,320 @@
+"""Serve a GGUF file (the llama.cpp / Ollama format) straight from the file.
+
+``prepare(FILE.gguf)`` makes, once per file (keyed by a digest of its bytes), a small folder in
+pdserve's cache holding what the rest of pdserve reads from a model folder: ``config.json``
+(the hyper-parameters exactly as transformers reads them from the file's metadata, so the
+reference and pdserve agree by construction), the tokenizer and chat template (from the file's
+metadata: BPE or SentencePiece), ``generation_config.json`` (BOS/EOS and end-of-turn ids) and
+``pdserve_gguf.json`` naming the file. The weights are not copied there: ``load_weights`` reads
+them from the file (memory-mapped) tensor by tensor, so loading never holds more than the model
+as served plus one fused tensor in float.
+
+Precision (``engine/models/gguf_codes.py`` has the formats): by default each linear stays in
+its precision class as shipped: 4-bit blocks become pdserve's INT4 with the file's own codes,
+5- to 8-bit ones INT8; a fused module (q/k/v, gate/up) whose parts differ takes the wider
+class. ``"int4"`` / ``"int8"`` put every linear in that format; ``"float"`` dequantizes all.
+Embeddings and norms are always float (as HF keeps them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+META_FILE = "pdserve_gguf.json"
+MAGIC = b"GGUF"
+# general.architecture -> the HF architecture our engine serves it as
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+PRECISIONS = ("as-shipped", "int4", "int8", "float")
+
+# GGUF tensor name -> HF name ("{i}": layer); per architecture where they differ.
+_COMMON = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_NAMES = {
+    "llama": {**_COMMON, "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"},
+    "qwen2": {**_COMMON, "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"},
+    "gemma3": {**_COMMON,
+               "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+               "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+               "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+               "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+               "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"},
+}
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file that starts with the GGUF magic (or is named ``*.gguf``)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix == ".gguf":
+        return True
+    with p.open("rb") as f:
+        return f.read(4) == MAGIC
+
+
+def file_digest(path: Path) -> str:
+    """A digest of the whole file's bytes (sha256, 16 hex digits): the cache key of its folder."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def open_reader(path: Path):
+    """The file's GGUFReader (memory-mapped), after checks that name the file and the problem.
+
+    Raises:
+        ModelLoadError: not a GGUF file, truncated, an unsupported version or architecture.
+    """
+    import gguf
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head != MAGIC:
+        raise ModelLoadError(f"{str(path)!r} is not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, IndexError, ...: all mean a bad file
+        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                             "truncated or corrupt? compare its size and sha256 with the source") from None
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"{str(path)!r} is truncated: tensor {t.name} ends at byte "
+                                 f"{t.data_offset + t.n_bytes:,}, the file has {size:,}")
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} in {str(path)!r} is not supported; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
+    return reader
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def cache_root() -> Path:
+    from engine.models.gguf_convert import cache_dir
+    return cache_dir() / "gguf"
+
+
+def prepare(path: str | Path, progress: bool = True, digest: str | None = None) -> Path:
+    """The folder that serves GGUF file ``path``, made on first use (see the module docstring);
+    ``digest``: the file's sha256 (16 hex digits) where already verified, else computed here.
+
+    Raises:
+        ModelLoadError: a bad or unsupported file (``open_reader``).
+    """
+    path = Path(path).expanduser().resolve()
+    digest = digest or file_digest(path)
+    out = cache_root() / f"{path.stem}-{digest}"
+    if (out / META_FILE).is_file():
+        meta = json.loads((out / META_FILE).read_text())
+        if meta.get("file") != str(path):  # the same bytes at another path: point the folder there
+            meta["file"] = str(path)
+            _write_atomic(out / META_FILE, json.dumps(meta, indent=2))
+        return out
+    reader = open_reader(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        if progress:
+            log.info("reading config and tokenizer of %s", path.name)
+        _write_config(path, reader, tmp)
+        types: dict[str, int] = {}
+        for t in reader.tensors:
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        meta = {"version": 1, "file": str(path), "size": path.stat().st_size, "sha256_16": digest,
+                "architecture": field(reader, "general.architecture"), "name": field(reader, "general.name"),
+                "tensor_types": types}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_config(path: Path, reader, out: Path) -> None:
+    """config.json, generation_config.json and the tokenizer, as transformers reads them from
+    the file (``from_pretrained(dir, gguf_file=...)``: the reference pdserve is checked against)."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    arch = field(reader, "general.architecture")
+    cfg_dict = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    model_type = cfg_dict.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **cfg_dict)
+    cfg.architectures = [ARCHITECTURES[arch]]
+    cfg.save_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))
+    eos = [field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                      "tokenizer.ggml.eom_token_id")]
+    eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    gen = {"eos_token_id": eos}
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        gen["bos_token_id"] = int(bos)
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def source(folder: str | Path) -> Path | None:
+    """The GGUF file a prepared folder serves, or None for any other folder.
+
+    Raises:
+        ModelLoadError: the folder's file is gone.
+    """
+    meta_file = Path(folder) / META_FILE
+    if not meta_file.is_file():
+        return None
+    f = Path(json.loads(meta_file.read_text())["file"])
+    if not f.is_file():
+        raise ModelLoadError(f"{str(folder)!r} serves {str(f)!r}, which no longer exists")
+    return f
+
+
+def hf_name(arch: str, gguf_name: str) -> str | None:
+    """GGUF tensor name -> HF name for ``arch`` (None for tensors we do not load, e.g. rope_freqs)."""
+    table = _NAMES[arch]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        template = table.get("blk.{i}." + ".".join(parts[2:]))
+        return template.format(i=parts[1]) if template else None
+    return table.get(gguf_name)
+
+
+def _linear_format(types: list[str], precision: str) -> str:
+    """What a (fused) linear becomes: "int4", "int8" or "float" (module docstring)."""
+    from engine.models.gguf_codes import precision_class
+    if precision != "as-shipped":
+        return precision
+    classes = {precision_class(t) for t in types}
+    return "float" if classes == {"float"} else "int4" if classes == {"int4"} else "int8"
+
+
+def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, object], bool]:
+    """The weights of a prepared folder's GGUF file, in our names, ready for
+    ``engine.quant.checkpoint.assemble``: (float tensors, quantized linears by module name,
+    whether the LM head is the embedding).
+
+    Raises:
+        ModelLoadError: unknown precision, a tensor missing or of a type we cannot read.
+    """
+    from tqdm import tqdm
+
+    from engine.models import gguf_codes as codes
+    from engine.models.loader import our_name
+    from engine.quant.quantize import make_module
+
+    if precision not in PRECISIONS:
+        raise ModelLoadError(f"GGUF precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    path = source(folder)
+    reader = open_reader(path)
+    arch = field(reader, "general.architecture")
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    # our module/tensor name -> [(part index, reader tensor, hf name)]
+    groups: dict[str, list] = {}
+    for t in reader.tensors:
+        name = hf_name(arch, t.name)
+        if name is None:
+            continue
+        ours, idx, n = our_name(name)
+        groups.setdefault(ours, [None] * n)[idx or 0] = (t, name)
+    tied = "lm_head.weight" not in groups
+    if tied and precision != "float":  # the LM head as its own quantized copy of the embedding
+        groups["lm_head.weight"] = groups.get("embed_tokens.weight")
+    sd: dict[str, torch.Tensor] = {}
+    qmods: dict[str, object] = {}
+    for ours, parts in tqdm(groups.items(), desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        if parts is None or any(p is None for p in parts):
+            raise ModelLoadError(f"{str(path)!r} lacks a part of {ours}")
+        module, _, leaf = ours.rpartition(".")
+        is_linear = leaf == "weight" and module.rpartition(".")[2] in _LINEARS
+        fmt = _linear_format([t.tensor_type.name for t, _ in parts], precision) if is_linear else "float"
+        try:
+            ws = [_one(t, hf, fmt, arch, n_head, n_kv) for t, hf in parts]
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{str(path)!r}: tensor {parts[0][0].name} has a type pdserve cannot read "
+                                 f"({parts[0][0].tensor_type.name}: {e})") from None
+        if fmt == "float":
+            sd[ours] = ws[0] if len(ws) == 1 else torch.cat(ws)
+        else:
+            bias = sd.pop(f"{module}.bias", None)
+            qmods[module] = (codes.concat_rows(ws) if len(ws) > 1 else ws[0], bias)
+    # biases may come after their weights in the file: attach them now
+    out: dict[str, object] = {}
+    for module, (qw, bias) in qmods.items():
+        bias = sd.pop(f"{module}.bias", bias)
+        out[module] = make_module(qw, bias, _QUANT_CFG)
+    return sd, out, tied and "lm_head" not in out
+
+
+def _one(t, hf: str, fmt: str, arch: str, n_head: int, n_kv: int):
+    """One GGUF tensor as float (fp32) or as a QuantizedWeight in ``fmt``, in HF's row order."""
+    from engine.models import gguf_codes as codes
+    if fmt == "float":
+        w = codes.dequantized(t)
+        if len(t.shape) == 1:
+            w = w.reshape(-1)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            w = w - 1  # llama.cpp stores gemma's (1 + w) norm weights with the 1 added
+        return _unpermuted(w, hf, arch, n_head, n_kv)
+    qw = codes.as_int4(t) if fmt == "int4" else codes.as_int8(t)
+    perm = _unpermuted(torch.arange(qw.q.shape[0]), hf, arch, n_head, n_kv)
+    return qw if perm is None or torch.equal(perm, torch.arange(len(perm))) else codes.permute_rows(qw, perm)
+
+
+def _unpermuted(w: torch.Tensor, hf: str, arch: str, n_head: int, n_kv: int) -> torch.Tensor:
+    """llama.cpp permutes llama's q/k rows (it interleaves the rotary halves; HF keeps them split);
+    qwen2 and gemma3 files are written unpermuted."""
+    if arch != "llama" or not (".q_proj." in hf or ".k_proj." in hf):
+        return w
+    heads = n_head if ".q_proj." in hf else n_kv
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class _Cfg:  # make_module reads only .activations: weight-only modules
+    activations = "none"
+
+
+_QUANT_CFG = _Cfg()
