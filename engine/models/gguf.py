@@ -136,6 +136,9 @@ def prepare(path: str | Path, progress: bool = True, digest: str | None = None) 
     path = Path(path).expanduser().resolve()
     digest = digest or file_digest(path)
     out = cache_root() / f"{path.stem}-{digest}"
+    # the same bytes under another name: one folder per content, whatever the file is called
+    known = sorted(p for p in cache_root().glob(f"*-{digest}") if (p / META_FILE).is_file())
+    out = known[0] if known else out
     if (out / META_FILE).is_file():
         meta = json.loads((out / META_FILE).read_text())
         if meta.get("file") != str(path):  # the same bytes at another path: point the folder there
@@ -264,7 +267,9 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
         groups["lm_head.weight"] = groups.get("embed_tokens.weight")
     sd: dict[str, torch.Tensor] = {}
     qmods: dict[str, object] = {}
-    for ours, parts in tqdm(groups.items(), desc=f"loading {path.name}", unit="tensor", disable=not progress):
+    bar = tqdm(groups.items(), desc=f"loading {path.name}", unit="tensor",
+               disable=None if progress else True)  # None: off when stderr is not a terminal
+    for ours, parts in bar:
         if parts is None or any(p is None for p in parts):
             raise ModelLoadError(f"{str(path)!r} lacks a part of {ours}")
         module, _, leaf = ours.rpartition(".")

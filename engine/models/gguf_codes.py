@@ -84,10 +84,12 @@ def dequantized(t) -> torch.Tensor:
     return torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
 
 
-def int4_codes(t) -> QuantizedWeight | None:
-    """A 4-bit GGUF weight as INT4 g32 codes, scales and zero points (no rounding), or None where
-    that form cannot hold it: a group whose scale is zero but whose offset is not (the weights
-    are then a constant our ``(q - zero) * scale`` cannot write)."""
+def int4_codes(t) -> QuantizedWeight:
+    """A 4-bit GGUF weight as INT4 g32 codes, scales and zero points, with no rounding.
+
+    A group whose scale is zero holds one value, its offset, which ``(q - zero) * scale`` writes
+    with codes 0, zero point -8 and scale offset / 8 (exact: a power-of-two division).
+    """
     name = t.tensor_type.name
     decode, per_block = _FOUR_BIT[name]
     rows = int(t.shape[1]) if len(t.shape) > 1 else 1
@@ -96,10 +98,14 @@ def int4_codes(t) -> QuantizedWeight | None:
     q, scale, offset = decode(raw)
     scale = scale.reshape(rows, cols // GROUP)
     offset = np.broadcast_to(offset, (raw.shape[0], per_block // GROUP)).reshape(rows, cols // GROUP)
-    if np.any((scale == 0) & (offset != 0)):
-        return None
+    q = q.reshape(rows, cols // GROUP, GROUP)
+    flat = scale == 0
+    if flat.any():
+        q = q.copy()
+        q[flat] = 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        zero = np.where(scale == 0, 0.0, -offset / np.where(scale == 0, 1.0, scale)).astype(np.float32)
+        zero = np.where(flat, -8.0, -offset / np.where(flat, 1.0, scale)).astype(np.float32)
+    scale = np.where(flat, offset / 8, scale).astype(np.float32)
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(q.reshape(rows, cols))),
                            torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(zero), 4, GROUP,
                            symmetric=False)
@@ -108,9 +114,7 @@ def int4_codes(t) -> QuantizedWeight | None:
 def as_int4(t) -> QuantizedWeight:
     """INT4 g32: the file's own codes where it has them, else round to nearest (asymmetric)."""
     if precision_class(t.tensor_type.name) == "int4":
-        qw = int4_codes(t)
-        if qw is not None:
-            return qw
+        return int4_codes(t)
     w = dequantized(t)
     return quantize_weight(w, 4, GROUP if w.shape[1] % GROUP == 0 else None, symmetric=False)
 
