@@ -287,9 +287,10 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
             qmods[module] = (codes.concat_rows(ws) if len(ws) > 1 else ws[0], bias)
     # biases may come after their weights in the file: attach them now
     out: dict[str, object] = {}
-    for module, (qw, bias) in qmods.items():
-        bias = sd.pop(f"{module}.bias", bias)
-        out[module] = make_module(qw, bias, _QUANT_CFG)
+    for module in list(qmods):  # popped: each integer weight freed once its module holds a copy
+        qw, bias = qmods.pop(module)
+        out[module] = make_module(qw, sd.pop(f"{module}.bias", bias), _QUANT_CFG)
+        del qw
     return sd, out, tied and "lm_head" not in out
 
 

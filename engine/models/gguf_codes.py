@@ -75,13 +75,25 @@ def precision_class(type_name: str) -> str:
     return "float" if type_name in FLOAT_TYPES else "int8"
 
 
-def dequantized(t) -> torch.Tensor:
-    """A GGUF ReaderTensor as fp32 [rows, cols], exactly as gguf-py (and so HF) dequantizes it."""
+CHUNK_ROWS = 4096  # rows dequantized at a time: gguf-py's temporaries stay ~100 MB, not 4x the tensor
+
+
+def dequantized(t, rows: slice | None = None) -> torch.Tensor:
+    """A GGUF ReaderTensor (or its ``rows``) as fp32 [rows, cols], exactly as gguf-py (and so HF)
+    dequantizes it, a chunk of rows at a time."""
     from gguf import dequantize
-    w = dequantize(t.data, t.tensor_type)
-    # a copy always: an F32 tensor comes back as a view of the file's memory map, which would
-    # keep the whole mapping (and its pages, in RSS) alive as long as the model
-    return torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+    data = t.data if rows is None else t.data[rows]
+    if data.ndim < 2 or data.shape[0] <= CHUNK_ROWS:
+        # a copy always: an F32 tensor comes back as a view of the file's memory map, which would
+        # keep the whole mapping (and its pages, in RSS) alive as long as the model
+        return torch.from_numpy(np.array(dequantize(data, t.tensor_type), dtype=np.float32, order="C", copy=True))
+    out = None
+    for r0 in range(0, data.shape[0], CHUNK_ROWS):
+        part = dequantize(data[r0:r0 + CHUNK_ROWS], t.tensor_type)
+        if out is None:
+            out = np.empty((data.shape[0], part.shape[1]), dtype=np.float32)
+        out[r0:r0 + part.shape[0]] = part
+    return torch.from_numpy(out)
 
 
 def int4_codes(t) -> QuantizedWeight:
@@ -120,8 +132,12 @@ def as_int4(t) -> QuantizedWeight:
 
 
 def as_int8(t) -> QuantizedWeight:
-    """INT8 per output channel, round to nearest from the file's dequantized values."""
-    return quantize_weight(dequantized(t), 8, None, symmetric=True)
+    """INT8 per output channel, round to nearest from the file's dequantized values (a chunk of
+    rows at a time: the LM head of a 1.5B model is 0.9 GB in fp32 and would be several at once)."""
+    n = t.data.shape[0] if t.data.ndim > 1 else 1
+    parts = [quantize_weight(dequantized(t, slice(r0, r0 + CHUNK_ROWS)), 8, None, symmetric=True)
+             for r0 in range(0, n, CHUNK_ROWS)]
+    return parts[0] if len(parts) == 1 else concat_rows(parts)
 
 
 def permute_rows(qw: QuantizedWeight, perm: torch.Tensor) -> QuantizedWeight:
