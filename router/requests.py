@@ -90,8 +90,9 @@ def prompt_ids(req, tokenizer, limits: Limits) -> list[int]:
     """Token ids of a ``pdserve.v1.GenerateRequest``'s input (prompt, token_ids or messages).
 
     Raises:
-        InvalidRequestError: no input, empty prompt, unknown chat role, ids outside the
-            vocabulary, or a prompt that leaves no room in the context.
+        InvalidRequestError: no input, empty prompt, unknown chat role, messages to a model
+            without a chat template, ids outside the vocabulary, or a prompt that leaves no room
+            in the context.
     """
     kind = req.WhichOneof("input")
     if kind is None:
@@ -116,6 +117,9 @@ def prompt_ids(req, tokenizer, limits: Limits) -> list[int]:
         roles = sorted({m["role"] for m in msgs} - set(CHAT_ROLES))
         if roles:
             raise InvalidRequestError(f"unknown chat role {roles[0]!r}; valid: {', '.join(CHAT_ROLES)}")
+        if getattr(tokenizer, "chat_template", None) is None:  # transformers' own error would be a 500
+            raise InvalidRequestError("messages: this model has no chat template (a base model, not "
+                                      "instruction-tuned): send a prompt (/v1/completions) instead")
         ids = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                  return_dict=False))
     if not ids:

@@ -28,7 +28,6 @@ import asyncio
 import functools
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -93,9 +92,8 @@ class Router(pb_grpc.GenerationServicer):
         # Adaptive: disaggregated placement over workers whose roles switch (router.roles)
         self.roles_controller = RoleController(self, cfg.roles, cfg.autoscale) if cfg.mode == "adaptive" else None
         self.roles = ("colocated",) if self.colocated else ("prefill", "decode")
-        # (a Hugging Face id resolves to a snapshot folder named by its commit: the id names it)
-        by_id = cfg.model is not None and not Path(cfg.model).expanduser().exists()
-        self.served_model_name = cfg.router.served_model_name or (cfg.model if by_id else Path(model_path).name)
+        from router.nodes import served_name
+        self.served_model_name = cfg.router.served_model_name or served_name(cfg.model, model_path)
         self.http: Any = None  # the OpenAI API's server (router.openai_http), if serving
         self.http_port: int | None = None
 

@@ -42,7 +42,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([PDSERVE, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("cmd", [[], ["generate"], ["serve"], ["status"], ["convert"]])
+@pytest.mark.parametrize("cmd", [[], ["generate"], ["serve"], ["status"], ["convert"], ["quantize"], ["eval-ppl"]])
 def test_every_command_has_help(cmd):
     r = _run(*cmd, "--help")
     assert r.returncode == 0 and "usage: pdserve" in r.stdout and len(r.stdout) > 200
@@ -73,6 +73,50 @@ def test_serve_local_streams_answers():
     assert r.returncode == 0, r.stderr
     assert "[1/2] What is the capital of France?" in r.stdout and "[2/2] Say hello." in r.stdout
     assert "Paris" in r.stdout
+
+
+def test_serve_takes_the_model_as_its_positional_argument():
+    r = _run("serve", "--help")
+    assert r.returncode == 0 and "[MODEL]" in r.stdout and "catalogue name" in r.stdout
+    assert "HF-format model folder (Llama" not in r.stdout  # the old folder-only help
+    r = _run("serve", "gemma3-270m", "--model", "qwen2.5-coder-0.5b", timeout=60)
+    assert r.returncode == 2 and "two models: 'gemma3-270m' and --model 'qwen2.5-coder-0.5b'" in r.stderr, r.stderr
+
+
+def test_serve_model_and_dtype_reach_the_cluster_config(monkeypatch):
+    """`pdserve serve NAME --dtype X`: the config's model and dtype, and dequantize on (a GGUF's
+    weights in X); without --dtype the config's dequantize stands (default: as shipped)."""
+    import router.app
+    from cli.main import main
+    got = []
+    monkeypatch.setattr(router.app, "serve", lambda cfg, *a: got.append(cfg) or 0)
+    assert main(["serve", "gemma3-270m", "--dtype", "bfloat16"]) == 0
+    assert main(["serve", "--model", "qwen2.5-coder-0.5b"]) == 0
+    assert [(c.model, c.dtype, c.dequantize) for c in got] == [("gemma3-270m", "bfloat16", True),
+                                                               ("qwen2.5-coder-0.5b", "float32", False)]
+
+
+def test_a_bad_gguf_or_model_name_is_a_clear_error_before_any_load(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all")
+    for model, needle in ((str(bad), "is not a GGUF file"), (str(tmp_path / "missing.gguf"), "does not exist"),
+                          ("qwen9-nonesuch", "catalogue name (smollm2-135m")):
+        r = _run("generate", "--local", "--model", model, "hi", timeout=60)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "loading" not in r.stderr  # refused before the model load
+    r = _run("serve", "--local", str(bad), timeout=60)
+    assert r.returncode == 2 and "is not a GGUF file" in r.stderr, r.stderr
+
+
+def test_chat_with_a_base_model_and_quantizing_a_gguf_are_refused_saying_why():
+    from engine.models import catalog
+    if catalog.pulled_file("gemma3-270m") is None:
+        pytest.skip("gemma3-270m is not pulled (`pdserve pull gemma3-270m`)")
+    r = _run("generate", "--local", "--model", "gemma3-270m", "--chat", "hi", timeout=120)
+    assert r.returncode == 2 and "has no chat template" in r.stderr and "no --chat" in r.stderr, r.stderr
+    assert "loading" not in r.stderr  # before the model load
+    r = _run("quantize", "--model", "gemma3-270m", "--out", "/nonexistent/q", timeout=120)
+    assert r.returncode == 2 and "is a GGUF model, quantized already" in r.stderr, r.stderr
 
 
 def test_serve_with_a_bad_config_fails_at_start_naming_the_key(tmp_path):

@@ -44,8 +44,9 @@ def _broken(tmp_path, path, edit):
     (lambda c: c.update(worker_start_ray_commands=["ray start --address=$RAY_HEAD_IP:6379"]), "RAY_AUTH_MODE=token"),
     (lambda c: c.update(head_start_ray_commands=[x.replace("127.0.0.1", "0.0.0.0") for x in c["head_start_ray_commands"]]),
      "dashboard on 0.0.0.0"),
+    (lambda c: c.update(setup_commands=["cd ~/pdserve && make install"]), "pdserve pull"),
 ], ids=["typo-top", "typo-node", "min-over-max", "sum-min-over-global-max", "no-prefill", "no-serve", "ray-no-auth",
-        "open-dashboard"])
+        "open-dashboard", "no-model-pull"])
 def test_broken_copies_fail(tmp_path, edit, needle):
     for path in CLUSTER_FILES:
         with pytest.raises(Exception, match=needle.replace("(", r"\(")):
@@ -103,3 +104,14 @@ def test_the_onprem_loopback_file_validates_with_token_auth_on_every_node():
     assert cfg["provider"]["type"] == "local" and cfg["provider"]["worker_ips"] == ["127.0.0.2", "127.0.0.3"]
     for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
         assert "RAY_AUTH_MODE=token" in c and "ray_auth_token" in c, c
+
+
+def test_node_setup_pulls_the_catalogue_model_the_config_names(tmp_path):
+    """`python -m cli.deploy model CONFIG` (what the setup commands pull) follows `model:`."""
+    from cli.deploy import catalogue_model, main
+    assert catalogue_model(DEPLOY / "cluster.yaml") is None  # null: the bundled model, installed with pdserve
+    for model, want in (("gemma3-270m", "gemma3-270m"), ("smollm2-135m", None), ("/models/x.gguf", None)):
+        f = tmp_path / "c.yaml"
+        f.write_text(f"model: {model}\n")
+        assert catalogue_model(f) == want
+    assert main(["model", str(tmp_path / "missing.yaml")]) == 2

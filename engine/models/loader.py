@@ -71,9 +71,13 @@ def weights_digest(path: Path) -> str:
     it is a consistency check between a cluster's own nodes, not a defense against forgery."""
     import hashlib
     h = hashlib.sha256()
-    # a GGUF folder's pdserve_gguf.json holds its file's sha256: it stands for the weights
+    from engine.models import gguf
+    gguf_meta = path / gguf.META_FILE
+    if gguf_meta.is_file():  # the GGUF file's sha256 stands for the weights; where it lies does not
+        meta = json.loads(gguf_meta.read_text())
+        h.update(f"gguf\0{meta['sha256_16']}\0{meta['size']}\0".encode())
     files = sorted(f for f in path.iterdir() if f.is_file() and (f.suffix in (".safetensors", ".bin")
-                                                                 or f.name in ("config.json", "pdserve_gguf.json")))
+                                                                 or f.name == "config.json"))
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}\0{size}\0".encode())

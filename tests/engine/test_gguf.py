@@ -236,3 +236,21 @@ def test_unknown_model_name_lists_the_catalogue():
     from engine.models.loader import resolve_model_path
     with pytest.raises(ModelLoadError, match="qwen2.5-coder-1.5b"):
         resolve_model_path("qwen9-giant")
+
+
+def test_weights_digest_names_the_content_not_the_path(tmp_path):
+    """Two nodes with the same GGUF in different places (own HOME or cache) agree on the digest
+    the cluster checks; a different file does not."""
+    import json
+
+    from engine.models.loader import weights_digest
+    folder = gguf.prepare(_gguf("gemma3-270m"), progress=False)
+    moved = tmp_path / folder.name
+    shutil.copytree(folder, moved)
+    meta = json.loads((moved / gguf.META_FILE).read_text())
+    meta["file"] = "/elsewhere/gemma.gguf"
+    (moved / gguf.META_FILE).write_text(json.dumps(meta))
+    assert weights_digest(moved) == weights_digest(folder)
+    meta["sha256_16"] = "0" * 16
+    (moved / gguf.META_FILE).write_text(json.dumps(meta))
+    assert weights_digest(moved) != weights_digest(folder)

@@ -85,3 +85,37 @@ def test_engine_configs_compile_decode_only_where_it_decodes():
     assert decode.compile_decode is False
     with pytest.raises(ConfigError, match="decode.compile_decode"):
         load_config(LOCAL, {"decode.compile_decode": "sometimes"})
+
+
+def test_dequantize_reaches_both_pools_engines():
+    from router.pools import engine_configs
+    assert all(not c.dequantize for c in engine_configs(load_config(LOCAL), "/some/model"))
+    cfg = load_config(LOCAL, {"dequantize": True, "dtype": "bfloat16"})
+    assert all(c.dequantize and c.dtype == "bfloat16" for c in engine_configs(cfg, "/some/model"))
+    with pytest.raises(ConfigError, match="dequantize: must be true or false"):
+        load_config(LOCAL, {"dequantize": "yes"})
+
+
+@pytest.mark.parametrize("model,served", [
+    (None, "SmolLM2-135M-Instruct"),  # the bundled folder's name, as before
+    ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b"),  # a catalogue model: its name, not the cache folder's
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+])
+def test_served_model_name(model, served):
+    from router.nodes import served_name
+    assert served_name(model, "/cache/SmolLM2-135M-Instruct") == served
+
+
+def test_served_model_name_of_a_gguf_file_is_its_stem_and_of_a_folder_its_name(tmp_path):
+    from router.nodes import served_name
+    f = tmp_path / "My-Model.Q4_K_M.gguf"
+    f.write_bytes(b"GGUF")
+    assert served_name(str(f), "/cache/gguf/My-Model.Q4_K_M-0123456789abcdef") == "My-Model.Q4_K_M"
+    assert served_name(str(tmp_path), str(tmp_path)) == tmp_path.name
+
+
+def test_node_errors_say_how_each_kind_of_model_gets_onto_a_node():
+    from router.nodes import _remedy, _what
+    assert "`pdserve pull gemma3-270m` on every worker node" in _remedy("gemma3-270m")
+    assert _what("gemma3-270m") == "catalogue model 'gemma3-270m'"
+    assert _what("/m/x.gguf") == "GGUF file '/m/x.gguf'" and "same path" in _remedy("/m/x.gguf")

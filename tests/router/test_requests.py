@@ -54,6 +54,18 @@ def test_bad_requests_are_named(req, needle, tokenizer):
         _parse(req, tokenizer)
 
 
+def test_messages_to_a_model_without_a_chat_template_are_bad_input(tokenizer):
+    """A base model (gemma3-270m) has no chat template: INVALID_ARGUMENT / HTTP 400 naming
+    messages, not transformers' ValueError surfacing as an internal error."""
+    import copy
+    base = copy.copy(tokenizer)
+    base.chat_template = None
+    msgs = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    with pytest.raises(InvalidRequestError, match="^messages: this model has no chat template"):
+        _parse(_req(messages=msgs), base)
+    assert _parse(_req(prompt="hi"), base)[0] == tokenizer("hi")["input_ids"]  # plain prompts still work
+
+
 @pytest.mark.parametrize("rid,ok", [("", True), ("req-1_a.b:c", True), ("r" * 128, True), ("r" * 129, False),
                                     ("🦩" * 250, False), ("a b", False), ("tab\there", False), ("é", False)])
 def test_request_ids_are_short_printable_ascii(rid, ok):
