@@ -178,7 +178,14 @@ def test_quantized_loads_and_generates(quantization, gemma, hf_gemma, make_engin
         logits = ref(torch.tensor([LONG])).logits[0]
     got = eng.prompt_logits(LONG)
     assert torch.isfinite(got).all()
-    assert torch.nn.functional.cosine_similarity(got, logits, dim=-1).min().item() > 0.98
+    budget = 0.02  # 1 - cosine per position
+    if quantization == "w8a8":
+        from engine.quant.cpu_kernels import w8a8_reduce_range
+        if w8a8_reduce_range():
+            # this CPU's int8 GEMM saturates (no VNNI): activations get 7 bits, twice the step:
+            # 4x the rounding noise power, and 1 - cosine grows with the noise power
+            budget *= 4
+    assert torch.nn.functional.cosine_similarity(got, logits, dim=-1).min().item() > 1 - budget
     assert len(eng.generate([LONG], GREEDY)[0].token_ids) == 16
 
 
