@@ -374,7 +374,8 @@ class StepLoop:
                          vocab_size=eng.model_config.vocab_size, dtype=eng.config.dtype,
                          block_size=eng.block_manager.block_size,
                          speculative=eng.spec.label if getattr(eng, "spec", None) is not None else "none",
-                         quantization=quantization_name(eng.config.quantization, eng.model_path),
+                         quantization=quantization_name(eng.config.quantization, eng.model_path,
+                                                                       eng.config.dequantize),
                          kernels=eng.kernels, weights=self._weights)
 
     def shutdown(self) -> None:

@@ -29,10 +29,16 @@ def split_quantization(spec: str | None, model_path: str) -> tuple[str, str | No
     return model_path, None if cfg is None else spec
 
 
-def quantization_name(quantization: str | None, model_path) -> str:
+def quantization_name(quantization: str | None, model_path, dequantize: bool = False) -> str:
     """What model_info reports: "none", "int8", "int4-g128", ... (a checkpoint's saved name)."""
+    from engine.models import gguf
     from engine.quant.checkpoint import checkpoint_name, is_quantized_checkpoint
     if is_quantized_checkpoint(model_path):
         return checkpoint_name(model_path)
     cfg = QuantConfig.parse(quantization)
+    if gguf.source(model_path) is not None:  # how engine/models/gguf.py loads the file's weights
+        if dequantize:
+            return "none"
+        return {None: "gguf-as-shipped", "int8": "int8", "int4": "int4-g32-asym"}.get(
+            None if cfg is None else quantization, cfg.name if cfg is not None else "none")
     return "none" if cfg is None else cfg.name

@@ -254,3 +254,14 @@ def test_weights_digest_names_the_content_not_the_path(tmp_path):
     meta["sha256_16"] = "0" * 16
     (moved / gguf.META_FILE).write_text(json.dumps(meta))
     assert weights_digest(moved) != weights_digest(folder)
+
+
+def test_model_info_names_how_a_gguf_is_served():
+    """ModelInfo.quantization for a GGUF: as shipped, dequantized, or forced to one format."""
+    from engine.quant import quantization_name
+    folder = gguf.prepare(_gguf("gemma3-270m"), progress=False)
+    assert quantization_name(None, folder) == "gguf-as-shipped"
+    assert quantization_name("none", folder) == "gguf-as-shipped"  # a cluster's default spelling
+    assert quantization_name(None, folder, dequantize=True) == "none"
+    assert quantization_name("int8", folder) == "int8"
+    assert quantization_name("int4", folder) == "int4-g32-asym"
