@@ -245,7 +245,7 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
 
     from engine.models import gguf_codes as codes
     from engine.models.loader import our_name
-    from engine.quant.quantize import make_module
+    from engine.quant.linear import Int4Linear, Int8Linear
 
     if precision not in PRECISIONS:
         raise ModelLoadError(f"GGUF precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -283,13 +283,13 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
         if fmt == "float":
             sd[ours] = ws[0] if len(ws) == 1 else torch.cat(ws)
         else:
-            bias = sd.pop(f"{module}.bias", None)
-            qmods[module] = (codes.concat_rows(ws) if len(ws) > 1 else ws[0], bias)
-    # biases may come after their weights in the file: attach them now
+            qmods[module] = codes.concat_rows(ws) if len(ws) > 1 else ws[0]
+    # biases may come after their weights in the file: attach them once all are read
     out: dict[str, object] = {}
     for module in list(qmods):  # popped: each integer weight freed once its module holds a copy
-        qw, bias = qmods.pop(module)
-        out[module] = make_module(qw, sd.pop(f"{module}.bias", bias), _QUANT_CFG)
+        qw = qmods.pop(module)
+        bias = sd.pop(f"{module}.bias", None)
+        out[module] = Int8Linear(qw, bias) if qw.bits == 8 else Int4Linear(qw, bias)
         del qw
     return sd, out, tied and "lm_head" not in out
 
@@ -305,22 +305,16 @@ def _one(t, hf: str, fmt: str, arch: str, n_head: int, n_kv: int):
             w = w - 1  # llama.cpp stores gemma's (1 + w) norm weights with the 1 added
         return _unpermuted(w, hf, arch, n_head, n_kv)
     qw = codes.as_int4(t) if fmt == "int4" else codes.as_int8(t)
-    perm = _unpermuted(torch.arange(qw.q.shape[0]), hf, arch, n_head, n_kv)
-    return qw if perm is None or torch.equal(perm, torch.arange(len(perm))) else codes.permute_rows(qw, perm)
+    rows = torch.arange(qw.q.shape[0])
+    perm = _unpermuted(rows, hf, arch, n_head, n_kv)
+    return qw if perm is rows else codes.permute_rows(qw, perm)
 
 
-def _unpermuted(w: torch.Tensor, hf: str, arch: str, n_head: int, n_kv: int) -> torch.Tensor:
-    """llama.cpp permutes llama's q/k rows (it interleaves the rotary halves; HF keeps them split);
-    qwen2 and gemma3 files are written unpermuted."""
+def _unpermuted(w, hf: str, arch: str, n_head: int, n_kv: int):
+    """llama's q/k rows back in HF's order (engine/models/gguf_convert.py ``unpermute``); qwen2
+    and gemma3 files are written unpermuted: ``w`` itself comes back."""
+    from engine.models.gguf_convert import unpermute
     if arch != "llama" or not (".q_proj." in hf or ".k_proj." in hf):
         return w
-    heads = n_head if ".q_proj." in hf else n_kv
-    rows = w.shape[0]
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return unpermute(w, n_head if ".q_proj." in hf else n_kv)
 
-
-class _Cfg:  # make_module reads only .activations: weight-only modules
-    activations = "none"
-
-
-_QUANT_CFG = _Cfg()

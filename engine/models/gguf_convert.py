@@ -77,8 +77,9 @@ def _hf_name(gguf_name: str) -> str | None:
     return template.format(i=m.group(1)) if template else None
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (it interleaves rotary halves; HF keeps them split)."""
+def unpermute(w, n_head: int):
+    """Undo llama.cpp's q/k row permutation (it interleaves rotary halves; HF keeps them split):
+    rows of a numpy array or a torch tensor (a weight, or row indices)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -118,9 +119,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
             continue
         w = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         if name.endswith("q_proj.weight"):
-            w = _unpermute(w, n_head)
+            w = unpermute(w, n_head)
         elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, n_kv)
+            w = unpermute(w, n_kv)
         tensors[name] = np.ascontiguousarray(w)
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     config = {
