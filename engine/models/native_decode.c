@@ -39,13 +39,6 @@ typedef __m512 vf;
 #define vload_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define vsum(v) _mm512_reduce_add_ps(v)
 #define vset1(f) _mm512_set1_ps(f)
-/* VW bytes -> the low nibbles (lanes 0..VW-1 of a 2*VW block) and the high ones, minus 8 */
-#define vload_i4(p, lo, hi) do {                                                                  \
-        __m512i v_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)));                 \
-        lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v_, _mm512_set1_epi32(15)),     \
-                                                 _mm512_set1_epi32(8)));                          \
-        hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v_, 4), _mm512_set1_epi32(8))); \
-    } while (0)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VW 8
@@ -146,11 +139,24 @@ dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_
         for (int r = 0; r < rb; r++) acc[j][r] = vzero();
     const int64_t ng = k / g;
     for (int64_t gi = 0; gi < ng; gi++) {
+#if VW == 16
+        /* The group's 16 possible weights (q - 8) * s + z, one FMA per row; then each code picks
+         * its weight with one permute, which reads only the low 4 bits of its lane (so no mask,
+         * no int->float convert, no per-weight FMA). Same operands as below: the same weights,
+         * bit for bit. On a 2-core AVX-512 EPYC this cut the ops per 32 weights from 11 to 7
+         * (one x row): the unpack, not memory, bounded this kernel (it ran 2x faster on 2 threads
+         * than on 1). */
+        vf tab[NB];
+        for (int j = 0; j < nb; j++)
+            tab[j] = vfma(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
+                          vset1(s[j * ng + gi]), vset1(z[j * ng + gi]));
+#else
         vf sv[NB], zv[NB];
         for (int j = 0; j < nb; j++) {
             sv[j] = vset1(s[j * ng + gi]);
             zv[j] = vset1(z[j * ng + gi]);
         }
+#endif
         for (int64_t c = gi * g; c < (gi + 1) * g; c += 2 * VW) {
             if (((c / 2) & 63) == 0)
                 for (int j = 0; j < nb; j++) PREFETCH(w + (PF_AHEAD * NB + j) * (k / 2) + c / 2);
@@ -161,9 +167,15 @@ dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_
             }
             for (int j = 0; j < nb; j++) {
                 vf lo, hi;
+#if VW == 16
+                __m512i v_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j * (k / 2) + c / 2)));
+                lo = _mm512_permutexvar_ps(v_, tab[j]);
+                hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v_, 4), tab[j]);
+#else
                 vload_i4(w + j * (k / 2) + c / 2, lo, hi);
                 lo = vfma(lo, sv[j], zv[j]);
                 hi = vfma(hi, sv[j], zv[j]);
+#endif
                 for (int r = 0; r < rb; r++) acc[j][r] = vfma(hi, xh[r], vfma(lo, xl[r], acc[j][r]));
             }
         }
