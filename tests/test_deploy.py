@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.deploy import check_cluster_file
+from cli.deploy import check_cluster_file, check_security
 from router.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -44,9 +44,12 @@ def _broken(tmp_path, path, edit):
     (lambda c: c.update(worker_start_ray_commands=["ray start --address=$RAY_HEAD_IP:6379"]), "RAY_AUTH_MODE=token"),
     (lambda c: c.update(head_start_ray_commands=[x.replace("127.0.0.1", "0.0.0.0") for x in c["head_start_ray_commands"]]),
      "dashboard on 0.0.0.0"),
+    (lambda c: c.update(worker_start_ray_commands=[x.replace("RAY_USE_TLS=1", "RAY_USE_TLS=0")
+                                                   for x in c["worker_start_ray_commands"]]), "without Ray's TLS"),
+    (lambda c: c.update(rsync_exclude=[".venv"]), "to every worker|reaches every worker"),
     (lambda c: c.update(setup_commands=["cd ~/pdserve && make install"]), "pdserve pull"),
 ], ids=["typo-top", "typo-node", "min-over-max", "sum-min-over-global-max", "no-prefill", "no-serve", "ray-no-auth",
-        "open-dashboard", "no-model-pull"])
+        "open-dashboard", "ray-no-tls", "secrets-to-workers", "no-model-pull"])
 def test_broken_copies_fail(tmp_path, edit, needle):
     for path in CLUSTER_FILES:
         with pytest.raises(Exception, match=needle.replace("(", r"\(")):
@@ -83,12 +86,10 @@ def test_make_secrets_writes_what_the_cluster_config_names(tmp_path):
                        for k, v in vars(sec).items()})
     door = front_door(sec, "0.0.0.0", env={})
     assert door.tls is not None and len(door.auth.tokens) == 1
-    assert len((tmp_path / "deploy" / "secrets" / "ray_auth_token").read_text().strip()) == 64
+    assert len((tmp_path / "deploy" / "secrets" / "nodes" / "ray_auth_token").read_text().strip()) == 64
     text = subprocess.run(["openssl", "x509", "-in", sec.tls_cert, "-noout", "-text"], capture_output=True,
                           text=True, check=True).stdout
     assert "DNS:head.example" in text and "IP Address:10.0.0.5" in text
-
-
 
 
 def test_the_onprem_loopback_file_validates_with_token_auth_on_every_node():
@@ -103,7 +104,8 @@ def test_the_onprem_loopback_file_validates_with_token_auth_on_every_node():
     validate_config(cfg)
     assert cfg["provider"]["type"] == "local" and cfg["provider"]["worker_ips"] == ["127.0.0.2", "127.0.0.3"]
     for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
-        assert "RAY_AUTH_MODE=token" in c and "ray_auth_token" in c, c
+        assert "RAY_AUTH_MODE=token" in c and "ray_auth_token" in c and "RAY_USE_TLS=1" in c, c
+    check_security(cfg, "onprem-loopback.yaml")  # the listeners and the secrets as in the cloud file
 
 
 def test_node_setup_pulls_the_catalogue_model_the_config_names(tmp_path):
