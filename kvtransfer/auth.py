@@ -38,7 +38,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtransfer.base import Buffer
 
@@ -58,6 +58,17 @@ def mac(key: bytes, frames: Sequence[Buffer]) -> bytes:
     return h.digest()[:MAC_BYTES]
 
 
+def derive(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    """A key for one purpose (``label``) and one context (``parts``): HMAC-SHA256 under ``key``
+    of the length-prefixed parts, so no two contexts share a derived key (``b"ab", b"c"`` is
+    not ``b"a", b"bc"``)."""
+    h = hmac.new(key, label, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(4, "big"))
+        h.update(p)
+    return h.digest()
+
+
 def verify(key: bytes, frames: Sequence[Buffer], tag: bytes | None) -> bool:
     """Whether ``tag`` is the MAC of ``frames`` under ``key`` (compared in constant time)."""
     return tag is not None and hmac.compare_digest(mac(key, frames), tag)
@@ -65,9 +76,10 @@ def verify(key: bytes, frames: Sequence[Buffer], tag: bytes | None) -> bool:
 
 @dataclass(frozen=True)
 class PlaneAuth:
-    """The cluster key and what data MACs cover; one per sender or receiver."""
+    """The cluster key and what data MACs cover; one per sender or receiver. Its repr never
+    shows the key (logs, tracebacks, Ray's task errors print reprs)."""
 
-    key: bytes
+    key: bytes = field(repr=False)
     integrity: str = "header"
 
     def __post_init__(self) -> None:

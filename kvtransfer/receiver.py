@@ -103,6 +103,13 @@ def layout_from_wire(d: object) -> KVLayout | None:
         return None
 
 
+def max_frame_bytes(layout: KVLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The largest K or V frame a sender may send here: every token this cache holds, of every
+    head of the model, at 4 bytes an element (float32, the widest dtype on the wire)."""
+    tokens = kv_caches[0][0].shape[0] if kv_caches else 0
+    return max(1, tokens * layout.num_kv_heads * layout.head_dim * 4)
+
+
 # ---- receiver ----------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Incoming:
@@ -172,11 +179,15 @@ class KVReceiver(TransferTable):
         self.transport, self.layout, self.kv_caches = transport, layout, kv_caches
         self.lease_s, self._clock = lease_s, clock
         self.auth = auth.for_transport(transport) if auth is not None else None
+        limit = getattr(transport, "limit_frames", None)  # (zmq, ucx: refuse bigger frames unallocated)
+        if limit is not None:
+            limit(max_frame_bytes(layout, kv_caches))
         self._address = transport.bind()  # (``address``: the transport's newest)
         self._init_table()  # _transfers: id -> _Incoming
         self.trailers: dict[str, dict] = {}
         self.dropped_frames = 0  # data messages not written: unknown/ended transfer, duplicate, garbage
         self.bad_messages = 0  # control messages that made no sense
+        self._refused = 0  # the transport's refusals already counted in stats.forged
 
     @property
     def address(self) -> str:
@@ -238,6 +249,10 @@ class KVReceiver(TransferTable):
     # ---- network -----------------------------------------------------------------------
     def progress(self) -> None:
         """Handle every waiting message, then fail transfers whose lease has passed."""
+        refused = getattr(self.transport, "refused", 0)  # (ucx: headers refused before allocation)
+        if refused > self._refused:  # counted with the forged ones: a stranger's, or a peer gone bad
+            self.stats.forged += refused - self._refused
+            self._refused = refused
         while True:
             msg = self.transport.recv()
             if msg is None:

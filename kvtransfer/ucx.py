@@ -54,7 +54,9 @@ its address again) while messages of its earlier one are still incomplete: those
 to finish in the background, never delivered. Sends to a peer that died silently stay in flight
 until ``close`` cancels them after ``linger_s`` (UCX cannot cancel them one by one): a peer
 that just stops is noticed by the lifecycle's lease, or by whoever calls ``disconnect``.
-There is no flow control: a receiver that stops calling ``recv`` accumulates messages.
+Flow control on receive only: a peer's frames are received while its messages on their way
+hold at most ``ucx_recv.PEER_INFLIGHT_BYTES`` (later ones wait, unallocated, at the sender);
+a receiver that stops calling ``recv`` still accumulates delivered messages.
 
 Replaced workers. What UCX maps of a peer stays mapped until our UCX worker is destroyed, so
 once enough peers are gone for good (``ucx_peers.py``, "Stale peers") and nothing is in
@@ -114,6 +116,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
             and spins while one is in flight: on a CPU worker, give it a core the forward does
             not use, or it preempts the forward by as much as the transfer it should hide
             (bench/kv_overlap.py).
+        key: the cluster key: headers go sealed and only sealed ones are taken (``ucx_wire``).
     Raises:
         ValueError: ``device`` given but not a CUDA device, CUDA missing, or excluded by ``tls``;
             ``progress_cpus`` empty or naming a core this machine does not have.
@@ -122,7 +125,8 @@ class UcxTransport(ReceiveSide, FrameTransport):
     name = "ucx"
 
     def __init__(self, tls: str | None = None, linger_s: float = 1.0, pool_bytes: int = 512 << 20,
-                 device: str | None = None, progress_cpus: set[int] | None = None) -> None:
+                 device: str | None = None, progress_cpus: set[int] | None = None,
+                 key: bytes | None = None) -> None:
         ncpu = os.cpu_count() or 1
         if progress_cpus is not None and not (progress_cpus and set(progress_cpus) <= set(range(ncpu))):
             raise ValueError(f"progress_cpus {progress_cpus!r}: give cores of this machine (0..{ncpu - 1}), or None")
@@ -152,7 +156,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
         self._peers = PeerTable(self._make_endpoint, _close_endpoint)
         # (uid, endpoint, request, buffer kept alive, the generation it went on)
         self._sending: list[tuple[int, object, object, object, Generation]] = []
-        self._init_receive_side()  # _receiving, _cut, _banned (ucx_recv.py)
+        self._init_receive_side(key)  # _receiving, _cut, _banned, limits (ucx_recv.py)
         self.unroutable = 0  # messages dropped: their peer was unreachable or unknown
         self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
         self._pool = wire.BufferPool(pool_bytes)
@@ -436,6 +440,8 @@ class UcxTransport(ReceiveSide, FrameTransport):
         seq = p.seq
         p.seq, p.last = (seq + 1) & wire.SEQ_MASK, now
         header = wire.pack_header(seq, lengths, kinds, hello, self._process, self._gen.number)
+        if self._key is not None:
+            header = wire.seal_header(self._key, self.uid, header)
         head_tag = ucx_api.UCXXTag(wire.tag(wire.HEADER, self.uid, seq))
         g = self._gen
         self._sending.append((uid, p.ep, p.ep.tag_send(Array(header), head_tag), header, g))

@@ -7,9 +7,13 @@ these attributes of the transport: ``_generations()`` (its UCX workers: ``ucx_ge
 way), ``_cut`` (messages of a dropped connection, kept until UCX no longer writes into their
 buffers) and ``_banned`` (peers that sent a bad header, bounded, oldest out first).
 
-Each message: the header is probed from any sender and received; its frames' receives are
-posted into buffers of the announced lengths (host: pooled; device: fresh CUDA memory); it is
-delivered once complete and first in its sender's order. A header carrying the sender's
+Each message: the header is probed from any sender and received; with a key its MAC is
+checked (``ucx_wire.open_header``), then its lengths (a frame above ``limit_frames``' bound,
+or a message above twice it, bans the peer), all before anything is allocated; its frames'
+receives are posted into buffers of the announced lengths (host: pooled; device: fresh CUDA
+memory) once that peer's messages on their way (posted, not yet delivered) hold less than
+``PEER_INFLIGHT_BYTES`` (a larger one alone; later ones wait in order, unallocated, their
+data at the sender: ``_admit``); it is delivered once complete and first in its sender's order. A header carrying the sender's
 address marks the first message of a new connection of the sender's: messages of its earlier
 connection still incomplete then were cut with it, and a drop mark takes their place (not
 those that came in on another of our workers, one we replaced: the peer sent them before it
@@ -36,6 +40,9 @@ logger = logging.getLogger("kvtransfer.ucx")
 # Peers remembered as banned: a bound on what made-up uids can cost; one that falls out is
 # banned again by its next bad header.
 MAX_BANNED = 1024
+# Bytes one peer's messages may hold while on their way here (posted, not delivered); more wait.
+# Several layers' KV of a long prompt; one message larger than this is received alone.
+PEER_INFLIGHT_BYTES = 256 << 20
 
 
 @dataclass(eq=False)  # identity: queues are searched for one message (in, index, remove)
@@ -51,18 +58,31 @@ class _Incoming:
     lost: str | None = None  # a drop mark: why the sender's earlier connection is gone
     worker: object = None  # the UCX worker of ours it came in on
     internal: bool = False  # no frames: the transport's own message, not delivered
+    nbytes: int = 0  # its frames' announced lengths, in all
+    pending: tuple | None = None  # (data tag, lengths, kinds): frames not posted yet (``_admit``)
+    posted: bool = False  # its frames' receives are posted (it holds memory until delivered)
 
     def done(self) -> bool:
-        return self.frames is not None and all(r.completed for r in self.frame_reqs)
+        return self.frames is not None and self.pending is None and all(r.completed for r in self.frame_reqs)
 
 
 class ReceiveSide:
     """Probe, receive and deliver messages in each sender's order (see the module doc)."""
 
-    def _init_receive_side(self) -> None:
+    def _init_receive_side(self, key: bytes | None = None) -> None:
         self._receiving: dict[int, deque[_Incoming]] = {}
         self._cut: list[_Incoming] = []
         self._banned: dict[int, None] = {}
+        self._key = key
+        self.max_frame_bytes, self.max_message_bytes = wire.MAX_FRAME_BYTES, wire.MAX_MESSAGE_BYTES
+        self.peer_inflight_bytes = PEER_INFLIGHT_BYTES
+        self.refused = 0  # headers refused: no valid MAC, malformed, announcing too much, or a banned peer's
+
+    def limit_frames(self, max_frame_bytes: int) -> None:
+        """Refuse frames above ``max_frame_bytes`` (a receiver's: what its cache can hold of
+        one layer) and messages above twice that and 1 MiB (a KV message: header, K, V)."""
+        self.max_frame_bytes = min(wire.MAX_FRAME_BYTES, max_frame_bytes)
+        self.max_message_bytes = min(wire.MAX_MESSAGE_BYTES, 2 * max_frame_bytes + (1 << 20))
 
     def _probe_headers(self) -> bool:
         """Post a receive for every header waiting; True if there was one."""
@@ -115,6 +135,7 @@ class ReceiveSide:
                     if not msg.internal:
                         self._inbox.append((wire.peer_id(uid), msg.frames))
             if queue:
+                self._admit(uid, queue)  # (what was delivered frees the peer's budget)
                 in_flight = True
             else:
                 del self._receiving[uid]
@@ -129,15 +150,21 @@ class ReceiveSide:
         msg.frames = []
         if msg.dropped or uid in self._banned:
             msg.dropped = True
+            self.refused += 1
             return
         if not _check(msg.header_req, "header recv"):
             msg.dropped = True
             self._lost(uid, "a receive from it failed")
             return
         try:
-            seq, lengths, hello, kinds, process, gen = wire.parse_header(msg.header_buf)
+            head = msg.header_buf if self._key is None else wire.open_header(self._key, uid, msg.header_buf)
+            seq, lengths, hello, kinds, process, gen = wire.parse_header(head)
+            if any(n > self.max_frame_bytes for n in lengths) or sum(lengths) > self.max_message_bytes:
+                raise ValueError(f"announces {sum(lengths)} bytes in frames of up to {max(lengths)}; this side "
+                                 f"takes {self.max_frame_bytes} per frame, {self.max_message_bytes} per message")
         except ValueError as e:
             logger.error("ucx peer %s sent a bad header (%s); ignoring it from now on", wire.peer_id(uid), e)
+            self.refused += 1
             self._ban(uid)
             msg.dropped = True
             return
@@ -147,13 +174,32 @@ class ReceiveSide:
                 self._reconnected(uid, msg, queue)  # an older one's, late: nothing of the newer is cut)
             self._peers.heard(uid, hello, time.monotonic(), process, gen)
             msg.internal = not lengths  # its new address only
+        msg.nbytes, msg.pending = sum(lengths), (wire.tag(wire.DATA, uid, seq), lengths, kinds)
+        self._admit(uid, queue)
+
+    def _admit(self, uid: int, queue: deque[_Incoming]) -> None:
+        """Post the frames of the peer's waiting messages, in order, while its messages on
+        their way hold less than ``peer_inflight_bytes`` (one larger message: alone)."""
+        busy = sum(m.nbytes for m in queue if m.posted)
+        for m in queue:
+            if m.pending is None:
+                continue
+            if busy and busy + m.nbytes > self.peer_inflight_bytes:
+                return
+            busy += m.nbytes
+            self._post_frames(uid, m)
+
+    def _post_frames(self, uid: int, msg: _Incoming) -> None:
+        """Allocate a message's frames and post their receives."""
+        data_tag, lengths, kinds = msg.pending
+        msg.pending, msg.posted = None, True
         bufs: list | None = [None] * len(lengths)  # None: a host frame, from the pool
         if "d" in kinds:
             bufs = None if self.device is None else ucx_device.alloc_frames(lengths, kinds, self.device)
             if bufs is None:
                 self._refuse_device(uid, msg)
                 return
-        tag = ucx_api.UCXXTag(wire.tag(wire.DATA, uid, seq))
+        tag = ucx_api.UCXXTag(data_tag)
         for n, buf in zip(lengths, bufs):
             view = self._pool.take(n) if buf is None else buf
             if n:
@@ -172,7 +218,7 @@ class ReceiveSide:
             return  # nothing in flight on the old connection (e.g. it ended when idle)
         for m in cut:
             queue.remove(m)
-            m.dropped = True
+            m.dropped, m.pending = True, None  # (one never posted has nothing to finish)
         self._cut.extend(cut)
         why = "it reconnected: its earlier connection was cut mid-message"
         queue.insert(queue.index(msg), _Incoming(None, None, frames=[], lost=why))

@@ -21,6 +21,12 @@ exited, and which of two addresses of one uid is the newer (an older version ref
 header: the workers of one cluster run one version). Lengths are checked against
 ``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_MESSAGE_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
 peer that announces more is logged and ignored from then on.
+
+With a key (the cluster key: ``UcxTransport(key=...)``) a header is followed by its MAC
+(``seal_header``: HMAC-SHA256 under the key of the sender's uid and the header, 16 bytes),
+and the receiver checks it before it parses the header or allocates anything; a header
+without a valid MAC bans its sender like a bad one. The KV plane's own MACs (``auth.py``)
+still cover every message: this one only keeps strangers from making a receiver allocate.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import sys
 
 import msgpack
 import numpy as np
+
+from kvtransfer.auth import MAC_BYTES, mac, verify
 
 MAX_FRAME_BYTES = 4 << 30  # announced frame lengths above this are refused
 MAX_MESSAGE_BYTES = 4 << 30  # ... and so are messages announcing more in all (a layer's KV is far less)
@@ -103,6 +111,24 @@ def parse_header(buf) -> tuple[int, list[int], bytes | None, str, str | None, in
             or not isinstance(kinds, str) or len(kinds) != len(lengths) or kinds.strip("hd")):
         raise ValueError(f"bad header fields {version!r}, {seq!r}, {str(lengths)[:80]}, {str(rest)[:40]}")
     return seq, lengths, hello, kinds, process, gen
+
+
+def seal_header(key: bytes, uid: int, header: bytes) -> bytes:
+    """``header`` followed by its MAC under ``key``, bound to the sender's ``uid``."""
+    return header + mac(key, [uid.to_bytes(4, "big"), header])
+
+
+def open_header(key: bytes, uid: int, buf) -> memoryview:
+    """The header in a sealed ``buf`` from ``uid``.
+
+    Raises:
+        ValueError: no valid MAC (not from a transport holding ``key``, or not from ``uid``).
+    """
+    view = memoryview(buf).cast("B")
+    head = view[:-MAC_BYTES] if view.nbytes > MAC_BYTES else view[:0]
+    if not head.nbytes or not verify(key, [uid.to_bytes(4, "big"), head], bytes(view[-MAC_BYTES:])):
+        raise ValueError("header without a valid MAC")
+    return head
 
 
 def format_address(uid: int, worker_address: bytes, process: str | None = None, gen: int = 0) -> str:

@@ -20,6 +20,12 @@ need not keep them alive, but must not modify them until then (frames below pyzm
 threshold are copied anyway). A reply to a ROUTER peer that has disconnected is dropped and
 counted in ``unroutable``. Sockets close with ``LINGER=0``.
 
+Size. Every socket refuses a frame above ``max_frame_bytes`` (libzmq's MAXMSGSIZE, which it
+checks per frame as the frame's length arrives, before allocating it): the peer's connection is
+cut, reported dropped like any other, and nothing else changes. The default is UCX's
+``MAX_FRAME_BYTES``; a receiver lowers it to what its cache can hold (``limit_frames``, before
+``bind``). libzmq has no bound on the frames of one message: a KV message has 4.
+
 Dropped connections. Every socket sends ZMTP heartbeats, so a peer that vanished without
 closing its socket is cut after ``HEARTBEAT_TIMEOUT_MS``; a socket monitor reports each
 closed connection. A DEALER whose connection closed (the receiver restarted, a reset, a
@@ -56,6 +62,8 @@ HWM_MESSAGES = 1000
 # network speed, and a bound on what one stuck peer can pin in this process's memory.
 MAX_QUEUED_MESSAGES = 1 << 16
 MAX_QUEUED_BYTES = 4 << 30
+MAX_FRAME_BYTES = 4 << 30  # the default size limit of one received frame (zmq MAXMSGSIZE), as UCX's
+
 # Heartbeats notice a peer that vanished without closing (power loss, partition): sooner than
 # the 120 s lease, yet a PONG may wait behind one large KV message already being written.
 HEARTBEAT_IVL_MS = 5_000
@@ -112,6 +120,7 @@ class ZmqTransport(FrameTransport):
         self._held: tuple[str, list[Buffer]] | None = None  # a message that arrived after a drop
         self._turn = 0  # round-robin start for recv, so no socket starves the others
         self._closed = False
+        self.max_frame_bytes = MAX_FRAME_BYTES  # (limit_frames)
         self.unroutable = 0  # messages dropped: a ROUTER peer had disconnected, or a dropped DEALER
         self.drops = 0  # connections reported dropped, in all
 
@@ -155,9 +164,17 @@ class ZmqTransport(FrameTransport):
             self._dealers[address] = _Dealer(sock, monitor)
         return address
 
+    def limit_frames(self, max_frame_bytes: int) -> None:
+        """Refuse received frames above ``max_frame_bytes`` (cut their connection) on sockets
+        opened from now on: call it before ``bind`` and ``connect``."""
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be >= 1, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes
+
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sock.setsockopt(zmq.SNDHWM, HWM_MESSAGES)
         sock.setsockopt(zmq.RCVHWM, HWM_MESSAGES)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)

@@ -4,8 +4,9 @@
 the others) and, for a decode worker, every ready prefill worker has connected to its KV
 receiver (a prefill worker coming up connects to every ready decode worker; a peer that went
 away meanwhile is skipped, and connects when it is back). ``lost`` is any of: Ray reports the
-actor RESTARTING or DEAD after its heartbeat went quiet, a heartbeat arrives from a new
-incarnation, a call to it failed with a Ray actor error, or it *stalled*: no report for
+actor RESTARTING or DEAD, or restarted since its bring-up (its restart count grew), asked when
+its heartbeat went quiet or when a report of another incarnation arrives (``check_restart``:
+a report alone never says so, a captured one could be replayed), a call to it failed with a Ray actor error, or it *stalled*: no report for
 ``router.stall_s`` while Ray still says ALIVE (stopped, stuck in a kernel, swapping), or a
 call the router awaits from it unanswered that long (``call``; fire-and-forget calls, abort,
 disconnect and the prefill's ``prefill``, await nothing), and then the router also kills the
@@ -99,6 +100,9 @@ class Liveness:
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
         while True:
             try:
+                # Ray's restart count before its incarnation is read: a restart after this shows
+                # as a higher count (``check_restart``), one before it as a new incarnation.
+                restarts = (await asyncio.to_thread(self.actor_state, w.actor))[1]
                 info = await self._connect(w)
                 if info.incarnation == w.incarnation:
                     # The process outlived being lost (its kill failed): every request it holds
@@ -126,7 +130,9 @@ class Liveness:
                 log.error("worker %s cannot serve: %s", w.worker_id, e)
                 self._gone(w)
                 return
-        w.info, w.incarnation, w.last_seen, w.seq = info, info.incarnation, time.monotonic(), 0
+        if info.incarnation != w.incarnation:  # a new process: its reports count from 1
+            w.seq = 0  # (the same one, back: never reset, or its earlier reports would replay)
+        w.info, w.incarnation, w.last_seen, w.ray_restarts = info, info.incarnation, time.monotonic(), restarts
         w.state = "ready"
         self._notify()
 
@@ -193,14 +199,33 @@ class Liveness:
             now = time.monotonic()
             for w in list(self.workers.values()):
                 if w.state in ("ready", "draining") and now - w.last_seen > QUIET_S:
-                    state = await asyncio.to_thread(_actor_state, w.actor)
-                    if state in ("RESTARTING", "DEAD"):
-                        self.lost(w, f"Ray reports it {state}")
-                    elif now - w.last_seen > self.cfg.router.stall_s:
+                    if await self.check_restart(w):
+                        continue
+                    if now - w.last_seen > self.cfg.router.stall_s:
                         # Alive to Ray but silent (a step never takes this long). ``stalled``
                         # reads the state again: another path may have marked it lost while Ray
                         # answered, and a process already restarted must not be killed.
                         self.stalled(w, f"no report for {now - w.last_seen:.0f}s (router.stall_s)")
+
+
+    async def check_restart(self, w: Worker) -> bool:
+        """Ask Ray whether ``w``'s actor restarted (RESTARTING, DEAD, or a restart count above
+        the one before its bring-up); if so it is lost. Returns whether it was."""
+        state, restarts = await asyncio.to_thread(self.actor_state, w.actor)
+        if w.state not in ("ready", "draining"):  # (lost meanwhile by another path)
+            return False
+        if state in ("RESTARTING", "DEAD"):
+            self.lost(w, f"Ray reports it {state}")
+        elif restarts is not None and w.ray_restarts is not None and restarts > w.ray_restarts:
+            self.lost(w, f"Ray reports it restarted ({restarts} restarts, {w.ray_restarts} at its bring-up)")
+        else:
+            return False
+        return True
+
+    def actor_state(self, actor: Any) -> tuple[str, int | None]:
+        """(state, restart count) of the actor in Ray's GCS; blocking (call it in a thread).
+        Tests replace it."""
+        return _actor_state(actor)
 
 
 def _kill(actor: Any, restart: bool = True) -> None:
@@ -212,11 +237,14 @@ def _kill(actor: Any, restart: bool = True) -> None:
         log.warning("could not kill a stalled worker: %s", e)
 
 
-def _actor_state(actor: Any) -> str:
-    """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD...); "UNKNOWN" if unavailable."""
+def _actor_state(actor: Any) -> tuple[str, int | None]:
+    """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD...) and its restart count;
+    ("UNKNOWN", None) if unavailable."""
     try:
         from ray._private import state  # no public API answers this without the dashboard
-        return state.actors(actor_id=actor._actor_id.hex()).get("State", "UNKNOWN")
+        info = state.actors(actor_id=actor._actor_id.hex())
+        restarts = info.get("NumRestarts")
+        return info.get("State", "UNKNOWN"), restarts if isinstance(restarts, int) else None
     except Exception:  # an API change must not take the router down: heartbeats still work
-        return "UNKNOWN"
+        return "UNKNOWN", None
 

@@ -15,7 +15,21 @@ Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, which :class:`Po
 
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
 step with outputs and at least every 50 ms (worker.step_loop); one PULL socket here receives
-them all, and a message that does not decode as a Report is dropped and counted.
+them all. What is taken (``take_report``), in order of cost:
+
+- no readable origin (worker id, incarnation), a bad MAC, or a malformed body: dropped and
+  counted (``bad_reports``);
+- an origin other than a worker's current incarnation: dropped before any MAC is computed and
+  counted (``stale_reports``). Only Ray says a worker restarted (router.liveness): such a
+  report, if its MAC is valid, at most makes the router ask Ray (once per ``RESTART_CHECK_S``
+  per worker), so a captured report of an earlier process re-runs nothing and frees nothing;
+- a ``seq`` not above the last one taken from that incarnation (a replay): dropped, counted.
+
+The socket holds at most ``REPORT_HWM`` messages per connection (zmq's high-water marks are
+per pipe; past it zmq stops reading that connection, and the worker's own queue holds the
+rest: nothing is dropped) of at most ``MAX_REPORT_BYTES`` each (a bigger one ends its
+connection): 256 MiB per connection at worst, a few hundred KB in practice. MACs are checked
+on the event loop: HMAC-SHA256 of a typical report (~1 KB) takes ~2 us, of the largest ~3 ms.
 """
 
 from __future__ import annotations
@@ -30,13 +44,16 @@ from typing import Any
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvtransfer.auth import new_secret
 from router.config import ClusterConfig
-from router.liveness import HEALTH_PERIOD_S, Liveness
+from router.liveness import HEALTH_PERIOD_S, QUIET_S, Liveness
 from router.placement import WorkerLoad
-from worker.protocol import MAX_REPORT_BYTES, Failed, ModelInfo, ProtocolError, Record, WorkerStatus, decode_report
+from worker.protocol import (MAX_REPORT_BYTES, Failed, Key, ModelInfo, ProtocolError, Record, WorkerStatus,
+                             decode_report, join_pieces, report_key, report_origin)
 from worker.step_loop import RouterLink, WorkerOptions
 
 log = logging.getLogger("pdserve.router")
 
+REPORT_HWM = 64  # messages queued per worker connection on the report socket (module docstring)
+RESTART_CHECK_S = QUIET_S  # a worker's reports of another incarnation ask Ray at most this often
 
 
 @dataclass
@@ -62,6 +79,11 @@ class Worker:
     restarts: int = 0
     info: ModelInfo | None = None  # model_info() of its current incarnation
     seq: int = 0  # the latest report's Report.seq from its current incarnation (older: a replay)
+    ray_restarts: int | None = None  # Ray's restart count of the actor before its bring-up (None: unknown)
+    checked_at: float = float("-inf")  # when a report of another incarnation last made the router ask Ray
+    # (incarnation, its report key): worker.protocol.report_key, derived once per incarnation
+    rkey: tuple[str, bytes] | None = field(default=None, repr=False)
+    pieces: dict[Key, list] = field(default_factory=dict, repr=False)  # worker.protocol.join_pieces
 
     @property
     def reserved_blocks(self) -> int:
@@ -74,6 +96,7 @@ class Worker:
             self.address = status.kv_address  # the newest (a replaced UCX worker's); older ones still reach it a while
         if status is None:
             self.pending, self.calls = [], 0
+            self.pieces.clear()  # (records of a process whose requests moved elsewhere)
         else:
             self.calls = max(self.calls, status.admitted)
             self.pending = [(n, b, t) for n, b, t in self.pending if n > status.admitted]
@@ -86,6 +109,16 @@ class Worker:
         queued = s.queued_prompt_tokens + sum(t for _, _, t in self.pending)
         return WorkerLoad(self.worker_id, self.role, max(0, free), s.kv_blocks_total, s.block_size,
                           queued, s.remaining_decode_tokens, accepting=self.state == "ready")
+
+
+def report_socket(ctx: Any, host: str) -> tuple[Any, str]:
+    """The router's report socket on ``host`` (a zmq PULL, bounded: module docstring) and its address."""
+    import zmq
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, REPORT_HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPORT_BYTES)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return sock, f"tcp://{host}:{port}"
 
 
 def _least_loaded(workers: Iterable[Worker]) -> Worker | None:
@@ -133,7 +166,9 @@ class Pools(Liveness):
         self.workers: dict[str, Worker] = {}
         self.model_info: ModelInfo | None = None  # the first worker's; every other must match it
         self._weights: dict[str, str] = {}  # model folder name -> the weights digest the first worker loaded
-        self.bad_reports = 0  # messages on the report socket that were not a Report
+        self.bad_reports = 0  # messages on the report socket that were not a Report of a worker (or a replay)
+        self.stale_reports = 0  # reports of another incarnation than a worker's current one (ignored)
+        self.clock = time.monotonic  # (injectable: tests)
         # The cluster key: the workers' reports and every KV message carry a MAC under it
         # (kvtransfer.auth). Made here, handed to each actor at creation (Ray's own channel).
         self.key = new_secret()
@@ -146,14 +181,9 @@ class Pools(Liveness):
     async def start(self, progress: Callable[[str], None] = lambda s: None) -> None:
         """Create every actor and wait until all are ready (model loaded, connected)."""
         import ray
-        import zmq
         import zmq.asyncio
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPORT_BYTES)
-        port = self._sock.bind_to_random_port(f"tcp://{ray.util.get_node_ip_address()}")
-        address = f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        self._sock, address = report_socket(self._ctx, ray.util.get_node_ip_address())
         self._spawn(self._receive(), "pools-receive")
         self._address = address
         cfg = self.cfg
@@ -332,30 +362,59 @@ class Pools(Liveness):
     # ---- reports ---------------------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
-            msg = await self._sock.recv()
-            try:
-                report = decode_report(msg, self.key)
-            except ProtocolError as e:  # never from our workers; whatever it is, it ends nothing
-                self.bad_reports += 1
-                log.warning("dropped a message on the report socket: %s", e)
-                continue
-            w = self.workers.get(report.worker_id)
-            if w is None:
-                continue
-            if w.state in ("ready", "draining") and report.incarnation != w.incarnation:
-                self.lost(w, "it restarted")  # a new process: the old one's requests are gone
-                continue
-            if report.incarnation != w.incarnation:
-                continue  # starting, or a late message of a lost incarnation
-            if report.seq <= w.seq:  # zmq keeps a sender's order: this one was seen (a replay)
-                self.bad_reports += 1
-                continue
-            w.seq = report.seq
-            status = report.status
-            freed = w.status is not None and status.kv_blocks_used < w.status.kv_blocks_used
-            w.reported(status)
-            w.last_seen = time.monotonic()
-            if report.records:
-                self.on_records(w, report.records)
-            if freed or any(isinstance(r, Failed) or r.finish for r in report.records):
-                self._notify()
+            self.take_report(await self._sock.recv())
+
+    def take_report(self, msg: bytes) -> None:
+        """One message from the report socket (the module docstring says what is taken)."""
+        try:
+            worker_id, incarnation = report_origin(msg)
+        except ProtocolError as e:  # never from our workers; whatever it is, it ends nothing
+            self._bad(e)
+            return
+        w = self.workers.get(worker_id)
+        if w is None or w.incarnation is None or incarnation != w.incarnation:
+            self._stale(w, incarnation, msg)
+            return
+        if w.rkey is None or w.rkey[0] != incarnation:
+            w.rkey = (incarnation, report_key(self.key, worker_id, incarnation))
+        try:
+            report = decode_report(msg, rkey=w.rkey[1])
+        except ProtocolError as e:
+            self._bad(e)
+            return
+        if report.seq <= w.seq:  # zmq keeps a sender's order: this one was seen (a replay)
+            self._bad(f"a replayed report of {worker_id} (seq {report.seq} after {w.seq})")
+            return
+        w.seq = report.seq
+        status = report.status
+        freed = w.status is not None and status.kv_blocks_used < w.status.kv_blocks_used
+        w.reported(status)
+        w.last_seen = time.monotonic()
+        records = join_pieces(w.pieces, report.records) if report.records else []
+        if records:
+            self.on_records(w, records)
+        if freed or any(isinstance(r, Failed) or r.finish for r in records):
+            self._notify()
+
+    def _bad(self, why: object) -> None:
+        self.bad_reports += 1
+        if self.bad_reports & (self.bad_reports - 1) == 0:  # the 1st, 2nd, 4th, 8th...: no log flood
+            log.warning("dropped a message on the report socket (%d so far): %s", self.bad_reports, why)
+
+    def _stale(self, w: Worker | None, incarnation: str, msg: bytes) -> None:
+        """A report of no current incarnation: ignored. A serving worker's, with a valid MAC of
+        its claimed incarnation, has the router ask Ray (at most every RESTART_CHECK_S) whether
+        the actor restarted; a starting (or dead) worker's new process reports before its
+        bring-up adopts it, which is expected."""
+        self.stale_reports += 1
+        if w is None or w.state not in ("ready", "draining") or self.clock() - w.checked_at < RESTART_CHECK_S:
+            return
+        try:
+            decode_report(msg, self.key)
+        except ProtocolError as e:
+            self._bad(e)
+            return
+        w.checked_at = self.clock()
+        log.warning("worker %s: a report of incarnation %s, not its current %s, ignored (%d such so far); "
+                    "asking Ray whether it restarted", w.worker_id, incarnation, w.incarnation, self.stale_reports)
+        self._spawn(self.check_restart(w), f"check-{w.worker_id}")

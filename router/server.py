@@ -35,6 +35,7 @@ import grpc
 from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.admin import is_admin, scoped_id
 from router.auth import FrontDoor
 from router.autoscale import PoolController, Recent
 from router.roles import RoleController
@@ -165,7 +166,8 @@ class Router(pb_grpc.GenerationServicer):
             rid = request_id(request, self.limits)
         except InvalidRequestError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if rid in self.jobs:  # whoever runs it: ids are the cluster's, and the message names no one
+        jid = scoped_id(owner, rid)  # ids are the caller's own (router.admin): no oracle across tokens
+        if jid in self.jobs:
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
         try:
             # Tokenizing a long prompt takes a while: in its own thread, off the event loop that
@@ -175,23 +177,24 @@ class Router(pb_grpc.GenerationServicer):
             params = sampling_params(request.sampling, self.limits, len(ids))
         except InvalidRequestError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if rid in self.jobs:  # the same id again while this one was tokenized
+        if jid in self.jobs:  # the same id again while this one was tokenized
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
-        job = Job(rid, ids, params, owner=owner, deadline=None if time_left is None else time.monotonic() + time_left,
+        job = Job(jid, ids, params, owner=owner, deadline=None if time_left is None else time.monotonic() + time_left,
                   prefer=prefer)
-        self.jobs[rid] = job
+        self.jobs[jid] = job
         self.metrics.prompt_tokens.inc(len(ids))
         outcome = "cancelled"
         try:
             async for response in self._run(job):
                 if response.finish_reason:
                     outcome = {1: "stop", 2: "length", 3: "abort"}[response.finish_reason]
+                response.request_id = rid  # (the client's id, not the scoped one)
                 yield response
         except Reject as e:
             outcome = e.code.name.lower()
             raise
         finally:
-            self.jobs.pop(rid, None)
+            self.jobs.pop(jid, None)
             if not job.finished:  # cancelled by the client, aborted or failed: free both sides
                 self._release(job)
             self._observe(job, outcome)
@@ -458,9 +461,19 @@ class Router(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid token")
         return owner
 
+    def job(self, owner: str, request_id: str) -> Job | None:
+        """``owner``'s running request ``request_id`` (the client's id), or None."""
+        return self.jobs.get(scoped_id(owner, request_id))
+
+    async def _admin(self, context) -> None:
+        """Only an admin token goes on (router.admin): PERMISSION_DENIED for any other."""
+        if not is_admin(self.door.auth, await self._caller(context)):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this call needs an admin token")
+
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        job = self.jobs.get(request.request_id)
-        if job is None or job.owner != await self._caller(context):  # another's: as if absent
+        owner = await self._caller(context)
+        job = self.job(owner, request.request_id)
+        if job is None or job.owner != owner:  # another's: as if absent
             return pb.AbortResponse(found=False)
         job.put(None, Aborted())
         return pb.AbortResponse(found=True)
@@ -528,6 +541,7 @@ class Router(pb_grpc.GenerationServicer):
         return total
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
+        await self._admin(context)  # worker addresses, and check_blocks calls every worker
         stranded = await self.stranded_blocks() if request.check_blocks else None
         workers = []
         for w in self.pools.workers.values():
@@ -554,9 +568,8 @@ async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.S
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
     lim, door = router.cfg.limits, router.door
-    server = grpc.aio.server(maximum_concurrent_rpcs=lim.concurrent_rpcs,
-                             interceptors=[door.auth.interceptor()] if door.auth.enabled else [],
-                             options=[("grpc.max_receive_message_length", lim.message_bytes)])
+    from router.grpc_guard import server_kwargs  # limits, keepalive, connection age, Watch cap, drain
+    server = grpc.aio.server(**server_kwargs(router.cfg, door))
     pb_grpc.add_GenerationServicer_to_server(router, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -45,6 +45,8 @@ class WorkerActor(StepLoop):
         where = {"host": ray.util.get_node_ip_address()} if options.transport == "zmq" else {}
         if options.transfer_cpus and options.transport == "ucx":  # its progress thread copies every message
             where = {"progress_cpus": set(options.transfer_cpus)}
+        if options.key and options.transport == "ucx":  # sealed headers: strangers make it allocate nothing
+            where = {**where, "key": options.key}
         self._start(self._make(LLMEngine(config, progress=False), lambda: get_transport(options.transport, **where),
                                lease_s, options, auth), options)
 

@@ -7,10 +7,27 @@ pushed over zmq after every step with outputs and at least every heartbeat::
     Report(worker_id, incarnation, records=[Tokens | Failed, ...], status=WorkerStatus, seq)
 
 With the cluster key (``WorkerOptions.key``; the router makes it) each report travels behind
-its MAC: only a worker of this cluster can speak on the report socket, and ``seq`` (per
-process, from 1) lets the router drop a replayed one. The status rides along, so the
-router's view of each worker's load is never older than one
-step, without polls. ``ModelInfo`` answers the router's ``model_info()`` call.
+its MAC, under a key of its own incarnation (``report_key``: derived from the cluster key, the
+worker id and the incarnation, which the process draws at random when it starts): only a
+worker of this cluster can speak on the report socket, a report of an earlier process cannot
+verify as one of the current one, and ``seq`` (per process, from 1, never reset) lets the
+router drop a replay within one. Wire form::
+
+    [MAC (16 bytes, with a key)] [n (1 byte)] [origin: n bytes, msgpack [worker_id, incarnation]] [body: the Report]
+
+The origin is in the clear so that the router picks the key, or drops a report of another
+incarnation, before any MAC or body is computed; the MAC covers origin and body, and the body
+must name the same origin. The status rides along, so the router's view of each worker's
+load is never older than one step, without polls. ``ModelInfo`` answers the router's
+``model_info()`` call.
+
+Size. No message exceeds ``MAX_REPORT_BYTES`` (the router's socket refuses bigger ones,
+zmq MAXMSGSIZE): the worker sends a batch whose encoding passes ``REPORT_TARGET_BYTES`` as
+several reports (``split_records``), and a record's prompt logprobs of more than
+``PIECE_ENTRIES`` positions as pieces (``Tokens.more``: more of this record follows), which
+the router joins before anything reads the record. A piece is at most ``PIECE_ENTRIES`` x
+``LOGPROB_ENTRY_BYTES`` (1.3 MB); the cap leaves 2x margin over the target for what one
+record beyond its logprobs holds (a step's text, its tokens).
 
 Why msgspec: typed msgpack structs that validate while they decode (a wrong type, a missing
 field or a garbage frame raises ``ProtocolError`` for that one message, which the router
@@ -27,7 +44,7 @@ from typing import Literal
 
 import msgspec
 
-from kvtransfer.auth import MAC_BYTES, mac, verify
+from kvtransfer.auth import MAC_BYTES, derive, mac, verify
 from kvtransfer.base import TransferStats
 
 # None while the request goes on; "prefilled": the prefill side's part is done (first token
@@ -66,6 +83,9 @@ class Tokens(msgspec.Struct, tag="tokens", array_like=True):
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     # with the first token (SamplingParams.prompt_logprobs): per prompt token from the second on
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # A piece: more of this record follows (its prompt logprobs go on in the next one); the
+    # router joins the pieces (``join_pieces``), so nothing past it sees one.
+    more: bool = False
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -92,6 +112,9 @@ class Reservation(msgspec.Struct, frozen=True, array_like=True):
 
     secret: bytes = b""
     token_start: int = 0
+
+    def __repr__(self) -> str:  # never the secret (logs, tracebacks and Ray's errors print reprs)
+        return f"Reservation(secret=<{len(self.secret)} bytes>, token_start={self.token_start})"
 
 
 class WorkerStatus(msgspec.Struct):
@@ -156,30 +179,110 @@ class Report(msgspec.Struct, array_like=True):
     seq: int = 0
 
 
-MAX_REPORT_BYTES = 64 << 20  # the router's socket drops bigger messages (zmq MAXMSGSIZE)
+# One logprob entry, msgpack at most: [token (5), logprob (9), [20 x [token (5), logprob (9)] + headers]]
+LOGPROB_ENTRY_BYTES = 318
+PIECE_ENTRIES = 4096  # prompt logprob positions per piece: 1.3 MB at most
+REPORT_TARGET_BYTES = 2 << 20  # a worker splits a batch that encodes to more into several reports
+MAX_REPORT_BYTES = 4 << 20  # the router's socket refuses bigger messages (zmq MAXMSGSIZE): 2x the target
+MAX_ORIGIN_BYTES = 255  # (one length byte)
+_ORIGIN_LABEL = b"pdserve report v2"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Report)
+_origin_decoder = msgspec.msgpack.Decoder(tuple[str, str])
+
+
+def report_key(key: bytes, worker_id: str, incarnation: str) -> bytes:
+    """The key one worker process's reports are MAC'd under (see the module doc)."""
+    return derive(key, _ORIGIN_LABEL, worker_id.encode(), incarnation.encode())
 
 
 def encode_report(report: Report, key: bytes | None = None) -> bytes:
-    """The wire form: with the cluster ``key``, its MAC (kvtransfer.auth) and then the body."""
+    """The wire form (module doc); ``key``: the cluster key, or None (no MAC: tests)."""
+    origin = _encoder.encode((report.worker_id, report.incarnation))
+    if len(origin) > MAX_ORIGIN_BYTES:
+        raise ValueError(f"worker id and incarnation too long for a report ({len(origin)} bytes encoded)")
+    head = bytes([len(origin)]) + origin
     body = _encoder.encode(report)
-    return mac(key, [body]) + body if key else body
+    if not key:
+        return head + body
+    return mac(report_key(key, report.worker_id, report.incarnation), [head, body]) + head + body
 
 
-def decode_report(data: bytes, key: bytes | None = None) -> Report:
-    """Raises:
-        ProtocolError: with ``key``, no valid MAC (not from a worker of this cluster: checked
-            before a byte is parsed); not a well-formed Report (garbage, a missing field, a
-            wrong type).
+def report_origin(data: bytes, keyed: bool = True) -> tuple[str, str]:
+    """(worker id, incarnation) a report claims, unverified; cheap (no MAC, no body parsed).
+
+    Raises:
+        ProtocolError: no readable origin.
     """
-    if key:
-        body = memoryview(data)[MAC_BYTES:]
-        if len(data) < MAC_BYTES or not verify(key, [body], bytes(data[:MAC_BYTES])):
-            raise ProtocolError("report without a valid MAC: not from a worker of this cluster")
-        data = body
+    start = MAC_BYTES if keyed else 0
+    n = data[start] if len(data) > start else 0
+    if not n or len(data) < start + 1 + n:
+        raise ProtocolError("report without a readable origin")
     try:
-        return _decoder.decode(data)
+        return _origin_decoder.decode(data[start + 1:start + 1 + n])
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"report without a readable origin: {e}") from None
+
+
+def decode_report(data: bytes, key: bytes | None = None, rkey: bytes | None = None) -> Report:
+    """The report in ``data``. ``key``: the cluster key (the report key is derived from the
+    origin); ``rkey``: the report key itself, already derived for the origin the caller
+    expects (the router's, cached per incarnation); neither: no MAC (tests).
+
+    Raises:
+        ProtocolError: with a key, no valid MAC (not from this process of a worker of this
+            cluster: checked before the body is parsed); not a well-formed Report (garbage, a
+            missing field, a wrong type), or a body naming another origin than its head.
+    """
+    keyed = bool(key or rkey)
+    try:
+        origin = report_origin(data, keyed)
+    except ProtocolError as e:
+        raise ProtocolError(f"report without a valid MAC ({e})" if keyed else str(e)) from None
+    start = (MAC_BYTES if keyed else 0) + 1 + data[MAC_BYTES if keyed else 0]
+    view = memoryview(data)
+    if keyed:
+        rkey = rkey or report_key(key, *origin)
+        if not verify(rkey, [view[MAC_BYTES:start], view[start:]], bytes(view[:MAC_BYTES])):
+            raise ProtocolError("report without a valid MAC: not from this process of a worker of this cluster")
+    try:
+        report = _decoder.decode(view[start:])
     except msgspec.DecodeError as e:  # ValidationError is a DecodeError
         raise ProtocolError(f"bad worker report: {e}") from None
+    if (report.worker_id, report.incarnation) != origin:
+        raise ProtocolError("a report whose body names another origin than its head")
+    return report
+
+
+def split_records(records: list[Record]) -> list[Record]:
+    """``records`` with each record's prompt logprobs beyond ``PIECE_ENTRIES`` positions sent
+    ahead as pieces (``Tokens.more``), in order: no record then encodes to much more than a
+    piece. ``join_pieces`` undoes it."""
+    out: list[Record] = []
+    for r in records:
+        lps = r.prompt_logprobs if isinstance(r, Tokens) else None
+        if lps is None or len(lps) <= PIECE_ENTRIES:
+            out.append(r)
+            continue
+        cut = len(lps) - (len(lps) - 1) % PIECE_ENTRIES - 1  # (the last piece: the record itself)
+        for i in range(0, cut, PIECE_ENTRIES):
+            out.append(Tokens(r.key, r.start, [], "", None, prompt_logprobs=lps[i:i + PIECE_ENTRIES], more=True))
+        out.append(msgspec.structs.replace(r, prompt_logprobs=lps[cut:]))
+    return out
+
+
+def join_pieces(pieces: dict[Key, list], records: list[Record]) -> list[Record]:
+    """The whole records among ``records``: a piece's prompt logprobs wait in ``pieces`` (the
+    caller's, per sender process: it comes from one authenticated worker, whose context
+    length bounds them) and go in front of the record's own when it arrives."""
+    out: list[Record] = []
+    for r in records:
+        held = pieces.pop(r.key, None)
+        if isinstance(r, Tokens) and r.more:
+            pieces[r.key] = (held or []) + (r.prompt_logprobs or [])
+            continue
+        if held and isinstance(r, Tokens):
+            r = msgspec.structs.replace(r, prompt_logprobs=held + (r.prompt_logprobs or []))
+        out.append(r)
+    return out

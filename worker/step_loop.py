@@ -22,14 +22,15 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.llm_engine import RequestOutput
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
-from worker.protocol import Failed, Key, ModelInfo, Record, Report, Tokens, WorkerStatus, encode_report
+from worker.protocol import (MAX_REPORT_BYTES, REPORT_TARGET_BYTES, Failed, Key, ModelInfo, Record, Report, Tokens,
+                             WorkerStatus, encode_report, split_records)
 
 log = logging.getLogger("pdserve.worker")
 
@@ -84,8 +85,8 @@ class WorkerOptions:
     # forward runs on the process's other cores (prefill_worker/kv_stream.py). Empty: inline.
     transfer_cpus: tuple[int, ...] = ()
     # The cluster key (the router's; at least 16 bytes): MACs reports and every KV message
-    # (kvtransfer.auth). None: trust the network (tests in one process).
-    key: bytes | None = None
+    # (kvtransfer.auth). None: trust the network (tests in one process). Never in a repr.
+    key: bytes | None = field(default=None, repr=False)
     kv_integrity: str = "header"  # what a KV data frame's MAC covers: header | full (kvtransfer.auth)
     faults: bool = False  # chaos testing only: accept inject() (kv_transfer.fault_injection)
     # Resolve the config's ``model:`` (None: the bundled one) on this node and load that, not
@@ -284,9 +285,27 @@ class StepLoop:
         self._count_tokens(batch, now)
         self._log(batch)
         self._snapshot = self._status()
+        for wire in self._reports(split_records(batch)):
+            sink.send(wire)
+
+    def _reports(self, records: list[Record]) -> list[bytes]:
+        """``records`` and the status as encoded reports: one, or (past ``REPORT_TARGET_BYTES``)
+        halves in order, each with its own ``seq``. A lone record past ``MAX_REPORT_BYTES``,
+        which the router's socket would refuse, goes as a ``Failed`` instead."""
         self._seq += 1
-        sink.send(encode_report(Report(self.worker_id, self.incarnation, batch, self._snapshot, self._seq),
-                                self.options.key))
+        wire = encode_report(Report(self.worker_id, self.incarnation, records, self._snapshot, self._seq),
+                             self.options.key)
+        if len(wire) <= REPORT_TARGET_BYTES or (len(records) == 1 and len(wire) <= MAX_REPORT_BYTES):
+            return [wire]
+        if len(records) > 1:
+            half = len(records) // 2
+            return self._reports(records[:half]) + self._reports(records[half:])
+        r = records[0]
+        log.error("rid=%s attempt=%d event=error worker=%s error=output of %d bytes exceeds a report",
+                  r.key.request_id, r.key.attempt, self.worker_id, len(wire))
+        self.keys.pop(r.key.engine_id, None)
+        return self._reports([Failed(r.key, f"this step's output ({len(wire)} bytes) exceeds a report's "
+                                            f"{MAX_REPORT_BYTES} bytes", invalid=True)])
 
     def _connect(self) -> Any:
         import zmq
