@@ -1,7 +1,13 @@
 """Starting and stopping a whole cluster: Ray (local or joined), the pools, the gRPC server.
 
-``serve`` is what ``pdserve serve`` runs (foreground, Ctrl-C stops it cleanly);
-``BackgroundCluster`` runs the same in a thread, for tests and benchmarks.
+``serve`` is what ``pdserve serve`` runs (foreground); ``BackgroundCluster`` runs the same in
+a thread, for tests and benchmarks.
+
+Stopping (SIGTERM or Ctrl-C; ``stop_cluster``): the router drains first (router.drain): health
+turns NOT_SERVING on both ports, new requests are refused with a retry hint (HTTP 503 +
+``Retry-After``, gRPC UNAVAILABLE), and the running ones get ``front_door.shutdown_grace_s``
+(30 s) to finish. Then the servers stop, aborting what still runs, and the pools are shut down.
+A second signal ends the wait at once.
 """
 
 from __future__ import annotations
@@ -107,7 +113,16 @@ async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Call
     return router, server, bound
 
 
-async def stop_cluster(router, server) -> None:
+async def stop_cluster(router, server, grace_s: float = 0.0, progress: Callable[[str], None] | None = None) -> None:
+    """Drain (see the module doc; running requests get ``grace_s``), then stop the servers and
+    the pools."""
+    gate = router.door.gate
+    if progress is not None and gate.active:
+        progress(f"draining: {gate.active} requests running get up to {grace_s:g} s to finish "
+                 "(a second signal stops now) ...")
+    left = await gate.drain(grace_s)
+    if progress is not None and left:
+        progress(f"aborting {left} requests still running")
     if router.http is not None:
         await router.http.stop()
     await server.stop(grace=1.0)
@@ -132,8 +147,10 @@ def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        _say("shutting down ...")
-        await stop_cluster(router, server)
+        _say("shutting down: health NOT_SERVING, new requests refused ...")
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: stop waiting for requests
+            loop.add_signal_handler(sig, router.door.gate.hurry)
+        await stop_cluster(router, server, cfg.front_door.shutdown_grace_s, _say)
 
     try:
         asyncio.run(main())
@@ -161,8 +178,9 @@ class BackgroundCluster:
     def call(self, coro_fn, timeout: float = 300):
         return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop as ``pdserve serve`` does on SIGTERM, with ``grace_s`` for running requests."""
         self.stopped = True
-        self.call(lambda: stop_cluster(self.router, self.server))
+        self.call(lambda: stop_cluster(self.router, self.server, grace_s), timeout=300 + grace_s)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)

@@ -5,7 +5,9 @@ prompt, the output and the token private; a client CA makes it mutual), and neit
 caller without a token from the operator's tokens file. A token names its holder (``token
 name`` per line, or the token alone: then its name is a short hash of it); the router keeps each
 request's holder and answers ``Abort`` only to it. ``grpc.health.v1`` stays open: it is what
-load balancers probe, and it says nothing but SERVING.
+load balancers probe, and it says nothing but SERVING or NOT_SERVING (its ``Watch`` streams are
+capped: router.grpc_guard). The door also holds the drain gate (router.drain) that both servers
+ask before letting a request in.
 
 Tokens come from a file or the ``PDSERVE_TOKENS`` environment variable (one per line, or comma
 separated), never from the config file, which is meant to be shared and committed. The router
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from router.drain import Gate
 
 log = logging.getLogger("pdserve.router")
 
@@ -187,6 +191,7 @@ class FrontDoor:
     tls: Tls | None = None
     auth: Auth = dataclasses.field(default_factory=lambda: Auth({}))
     reflection: bool = True
+    gate: Gate = dataclasses.field(default_factory=Gate, compare=False)  # stopping: router.drain
 
 
 def front_door(sec, host: str, env: dict[str, str] | None = None) -> FrontDoor:

@@ -154,6 +154,37 @@ class SecurityConfig:
     tokens_file: str = ""  # `token` or `token name` per line: every call but health needs one
     reflection: bool = True  # gRPC server reflection (behind the tokens like every other call)
     insecure: bool = False  # serve a non-loopback host without TLS and authentication anyway
+    # HTTP Host names (``name`` or ``name:port``) accepted besides loopback ones; set, every
+    # request must name one of them or a loopback name (DNS rebinding: router/http_guard.py)
+    allowed_hosts: tuple[str, ...] = ()
+    # Browser origins (``https://app.example``) allowed besides the server's own host (CSRF)
+    allowed_origins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    """``front_door``: what one connection, body and response may take at the door, and how it
+    stops (router/http_body.py, http_conn.py, http_guard.py, grpc_guard.py, drain.py)."""
+
+    json_depth: int = 32  # nesting of arrays and objects in a JSON body; beyond: 400
+    # choices x tokens x (1 + top_logprobs) an OpenAI response may carry when it asks for
+    # logprobs (tokens: max_tokens, or the context length with echo); beyond: 400, before generating
+    logprob_entries: int = 262144
+    header_timeout_s: float = 10.0  # HTTP: a request's line and headers must arrive within this
+    body_timeout_s: float = 60.0  # HTTP: ... and its body within this once the headers are in; beyond: 408
+    keepalive_s: int = 5  # HTTP: an idle keep-alive connection is closed after this
+    header_bytes: int = 16384  # HTTP: the most bytes of request line and headers (h11)
+    connections_per_client: int = 256  # HTTP: open connections per client address
+    connections: int = 2048  # HTTP: open connections in all (at a cap the oldest idle one is closed)
+    grpc_connections: int = 2048  # gRPC: open connections in all (beyond: refused)
+    grpc_streams_per_connection: int = 256  # gRPC: concurrent calls on one HTTP/2 connection
+    grpc_keepalive_s: float = 60.0  # gRPC: ping a connection quiet this long ...
+    grpc_keepalive_timeout_s: float = 20.0  # ... and close it when the ping is unanswered this long
+    grpc_max_idle_s: float = 300.0  # gRPC: close a connection with no call this long
+    grpc_max_age_s: float = 3600.0  # gRPC: ask a connection to reconnect (GOAWAY) at this age ...
+    grpc_max_age_grace_s: float = 600.0  # ... and end the calls still on it this much later
+    health_watches: int = 64  # gRPC: concurrent grpc.health.v1 Watch streams (beyond: RESOURCE_EXHAUSTED)
+    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish, then are aborted
 
 
 @dataclass(frozen=True)
@@ -192,6 +223,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     limits: InputLimits = field(default_factory=InputLimits)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    front_door: FrontDoorConfig = field(default_factory=FrontDoorConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     roles: RolesConfig = field(default_factory=RolesConfig)  # mode: adaptive (router/roles.py)
@@ -214,6 +246,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "router.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535"),
     "router.http_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "limits.choices": (lambda v: v >= 1, ">= 1"),
+    "security.allowed_hosts": (lambda v: all(isinstance(h, str) and h and " " not in h for h in v),
+                               "a list of host names (name or name:port)"),
+    "security.allowed_origins": (lambda v: all(isinstance(o, str) and "://" in o for o in v),
+                                 "a list of origins (scheme://host[:port])"),
     "metrics.port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "metrics.worker_port": (lambda v: 0 <= v <= 65535, "a port number 0..65535 (0: a free one) or null (off)"),
     "decode.reserve_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -13,10 +13,15 @@ Defaults are OpenAI's, not the gRPC API's: ``temperature`` 1 (sampling), and a c
 A request with ``n`` choices (and a completion with several prompts) becomes one pdserve
 request per choice, ``<id>-<k>``; with a ``seed``, choice ``k`` samples with ``seed + k``: the
 choices differ, and the same request gives the same choices again.
+
+Refused with a 400 before anything runs: a lone UTF-16 surrogate in any string (valid JSON, not
+text), and an answer that could hold more than ``front_door.logprob_entries`` log probabilities
+(``check_logprob_budget``: choices x tokens x (1 + alternatives)).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -185,6 +190,7 @@ def parse(kind: type[_Sampling], body: Any, most_choices: int | None = None) -> 
     of a million one-token prompts would hold the event loop for seconds)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_surrogates(body)
     prompt, n = body.get("prompt"), body.get("n", 1)
     if most_choices is not None and isinstance(n, int) and isinstance(prompt, list) and prompt \
             and not isinstance(prompt[0], int) and len(prompt) * max(n, 1) > most_choices:
@@ -198,6 +204,53 @@ def parse(kind: type[_Sampling], body: Any, most_choices: int | None = None) -> 
         raise ApiError(400, f"{loc}: {err['msg']}", str(err["loc"][0]) if err["loc"] else None) from None
     req.refuse_unsupported()
     return req
+
+
+def _refuse_surrogates(body: dict[str, Any]) -> None:
+    """A lone UTF-16 surrogate (JSON ``"\\ud800"``) anywhere is a 400 naming its parameter: it
+    is valid JSON but not text, and protobuf (UTF-8) would fail on it later. One C-speed
+    encode of the whole body; the parameter is looked for only when there is one."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        param = next((k for k, v in body.items() if _encodes(k) and not _encodes(v)), None)
+        raise ApiError(400, f"{param or 'the request'}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                            "without its pair); text must be valid Unicode", param) from None
+
+
+def _encodes(x: Any) -> bool:
+    try:
+        json.dumps(x, ensure_ascii=False).encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def logprob_entries(reqs: list[pb.GenerateRequest], context_length: int, default_max_tokens: int) -> int:
+    """The most log probabilities the answer to ``reqs`` can hold: per choice asking for them,
+    tokens x (1 + alternatives), tokens being max_tokens (else the router's default), or with
+    echo the whole context (the prompt's are scored too)."""
+    total = 0
+    for g in reqs:
+        s = g.sampling
+        if not (s.HasField("logprobs") or s.HasField("prompt_logprobs")):
+            continue
+        tokens = context_length if s.HasField("prompt_logprobs") else \
+            min(s.max_tokens if s.HasField("max_tokens") else default_max_tokens, context_length)
+        total += tokens * (1 + max(s.logprobs, s.prompt_logprobs))
+    return total
+
+
+def check_logprob_budget(reqs: list[pb.GenerateRequest], chat: bool, context_length: int, default_max_tokens: int,
+                         most: int) -> None:
+    """ApiError 400 when the answer could hold more than ``most`` log probabilities
+    (``front_door.logprob_entries``): refused before anything is generated."""
+    n = logprob_entries(reqs, context_length, default_max_tokens)
+    if n > most:
+        param = "top_logprobs" if chat else "logprobs"
+        raise ApiError(400, f"{param}: this request may return {n} log probabilities (choices x tokens x "
+                            f"(1 + alternatives)); the limit is {most} (front_door.logprob_entries): ask for "
+                            "fewer choices, max_tokens or alternatives", param)
 
 
 def requests_for(req: _Sampling, id_prefix: str, most_choices: int) -> tuple[str, list[pb.GenerateRequest]]:

@@ -5,17 +5,23 @@ with ``stream: true``, ending ``data: [DONE]``), ``GET /v1/models``, ``GET /heal
 request goes through ``Router.generate``, as gRPC's do: the same validation, admission queue,
 placement, limits and tokens (``Authorization: Bearer``). Shapes: router.openai_api.
 
-Errors are OpenAI's JSON with the matching status: 400 bad input (``param`` names it), 401 no
-valid token, 404 unknown model, 413 body over ``limits.message_bytes``, 429 admission queue
-full (or no capacity for ``router.queue_timeout_s``), 503 no worker. A streamed request answers
+Errors are OpenAI's JSON with the matching status: 400 bad input (``param`` names it; a body
+too deep, not JSON or with a lone surrogate too: router.http_body), 401 no valid token, 403 a
+foreign Host or Origin (router.http_guard), 404 unknown model, 408 a body too slow, 413 body
+over ``limits.message_bytes``, 415 a body that is not JSON, 429 admission queue full (or no
+capacity for ``router.queue_timeout_s``), 503 no worker, too many requests in progress, or
+stopping (with ``Retry-After``). No malformed body is a 500. A streamed request answers
 with its status until its first token is out; an error after that comes as a last event
 ``data: {"error": ...}``. A client that disconnects ends its requests on every worker at once:
 each response watches the connection (not only the next write, which may be far off while a
 request waits for admission).
 
-Limits: ``limits.message_bytes`` per body, ``limits.choices`` per request (prompts x n), and
-``limits.concurrent_rpcs`` connections in progress (beyond: 503). ``/health`` is open, as
-gRPC's health service is: 200 while a worker of every role serves, 503 otherwise.
+Limits: ``limits.message_bytes`` per body, ``limits.choices`` per request (prompts x n),
+``front_door.logprob_entries`` log probabilities per answer (router.openai_api), and
+``limits.concurrent_rpcs`` requests in progress (beyond: 503; idle connections do not count).
+Connections: router.http_conn (header timeout, caps per client address and in all). ``/health``
+is open, as gRPC's health service is: 200 while a worker of every role serves and the router
+is not stopping (router.drain), 503 otherwise.
 """
 
 from __future__ import annotations
@@ -35,8 +41,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, Shaper, api_error, models_list,
-                               parse, requests_for)
+from router.auth import is_loopback
+from router.http_body import read_json
+from router.http_conn import guarded
+from router.http_guard import Guard
+from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, Shaper, api_error,
+                               check_logprob_budget, models_list, parse, requests_for)
 from router.server import Reject
 
 log = logging.getLogger("pdserve.router")
@@ -84,12 +94,14 @@ async def until_disconnect(receive, coro):
 def build_app(router):
     """The FastAPI app over ``router`` (a router.server.Router, started)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    limits = router.cfg.limits
+    limits, door_cfg = router.cfg.limits, router.cfg.front_door
     started = int(time.time())
 
-    def error(e: ApiError) -> JSONResponse:
-        headers = {"www-authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    def error(e: ApiError) -> Response:
+        headers = {"www-authenticate": "Bearer"} if e.status == 401 else \
+            {"connection": "close"} if e.status in (408, 413) else None  # (the body's rest unread)
+        # (ASCII JSON: a message may quote the client's input, lone surrogates included)
+        return Response(json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json")
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -107,23 +119,10 @@ def build_app(router):
                            "this server needs `Authorization: Bearer TOKEN`", code="invalid_api_key")
         return owner
 
-    async def body(request: Request) -> Any:
-        most = limits.message_bytes
-        if int(request.headers.get("content-length") or 0) > most:
-            raise ApiError(413, f"the request body is over {most} bytes (limits.message_bytes)")
-        data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > most:
-                raise ApiError(413, f"the request body is over {most} bytes (limits.message_bytes)")
-        try:
-            return json.loads(data)
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-
     @app.get("/health")
     async def health():
-        ok = router.limits is not None and all(router.pools.any_alive(r) for r in router.roles)
+        ok = not router.door.gate.draining and router.limits is not None and \
+            all(router.pools.any_alive(r) for r in router.roles)
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -134,7 +133,7 @@ def build_app(router):
     async def complete(request: Request, kind):
         owner = caller(request)
         try:
-            raw = await body(request)
+            raw = await read_json(request, limits.message_bytes, door_cfg.json_depth, door_cfg.body_timeout_s)
         except ClientDisconnect:  # gone while sending the body: nothing started
             return Response(status_code=499)
         req = parse(kind, raw, limits.choices)
@@ -143,6 +142,8 @@ def build_app(router):
                                 f"{router.served_model_name!r} (GET /v1/models)", "model", code="model_not_found")
         chat = kind is ChatCompletionRequest
         rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", limits.choices)
+        check_logprob_budget(reqs, chat, router.limits.context_length, router.limits.default_max_tokens,
+                             door_cfg.logprob_entries)
         echo = None
         if not chat and req.echo:  # the prompt's text before each choice's completion
             echo = [g.prompt if g.WhichOneof("input") == "prompt" else await _decode(router, g.token_ids.ids)
@@ -222,7 +223,7 @@ async def _merged(router, reqs, owner: str, n: int = 1) -> AsyncIterator[tuple[i
             async with contextlib.aclosing(router.generate(req, owner, None, prefer)) as responses:
                 async for r in responses:
                     if followers:
-                        job = router.jobs.get(req.request_id)
+                        job = router.job(owner, req.request_id)
                         where = (job.prefill_id, job.decode_id) if job is not None else None
                         for k in followers:
                             start(k, where)
@@ -295,8 +296,15 @@ async def start_http(router, host: str, port: int, tls=None) -> tuple[Any, int]:
         kw = dict(ssl_certfile=tls.tls_cert, ssl_keyfile=tls.tls_key)
         if tls.tls_client_ca:
             kw.update(ssl_ca_certs=tls.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    config = uvicorn.Config(build_app(router), log_level="warning", access_log=False, lifespan="off",
-                            limit_concurrency=router.cfg.limits.concurrent_rpcs, timeout_graceful_shutdown=1, **kw)
+    cfg = router.cfg
+    sec = tls if tls is not None else cfg.security
+    app = Guard(build_app(router), router.door.gate, is_loopback(host), sec, cfg.limits.concurrent_rpcs)
+    # Requests in progress are limited by the Guard (uvicorn's limit_concurrency would count
+    # idle connections too); connections by the protocol (router.http_conn).
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http=guarded(cfg.front_door),
+                            timeout_keep_alive=cfg.front_door.keepalive_s,
+                            h11_max_incomplete_event_size=cfg.front_door.header_bytes, timeout_graceful_shutdown=1,
+                            **kw)
     server = HttpServer(config)
     server.task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
     while not server.started:

@@ -154,7 +154,7 @@ def test_a_client_that_disconnects_while_waiting_for_a_whole_answer_frees_its_re
     body = json.dumps({"model": model, "prompt": "Count to a million:", "max_tokens": ctx - 16, "ignore_eos": True,
                        "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", cluster.http_port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 120  # hang guard only
         while not any(j.generated for j in cluster.router.jobs.values()):  # it is decoding

@@ -1,0 +1,137 @@
+"""The gRPC port's bounds: server options, and an interceptor for health and stopping.
+
+``server_kwargs`` is everything ``grpc.aio.server`` is built with (router.server.start_server):
+
+- ``limits.concurrent_rpcs`` calls in progress (``maximum_concurrent_rpcs``; beyond:
+  RESOURCE_EXHAUSTED) and ``limits.message_bytes`` per message, either way.
+- ``front_door.grpc_connections`` open connections (``grpc.max_allowed_incoming_connections``)
+  and ``front_door.grpc_streams_per_connection`` calls on one (HTTP/2 max concurrent streams:
+  a client beyond it waits for a stream, it is not refused).
+- keepalive: a connection quiet for ``grpc_keepalive_s`` is pinged and closed when the ping goes
+  unanswered for ``grpc_keepalive_timeout_s`` (a peer that vanished does not hold a slot).
+- ``grpc_max_idle_s``: a connection with no call this long is closed; ``grpc_max_age_s``: a
+  connection this old is asked to reconnect (GOAWAY; clients do so transparently), and the
+  calls still on it are ended ``grpc_max_age_grace_s`` later. No stream lives forever.
+
+The interceptor (``Guard``), ahead of the tokens' (router.auth):
+
+- ``grpc.health.v1`` stays open (load balancers probe it), but at most
+  ``front_door.health_watches`` ``Watch`` streams at once (beyond: RESOURCE_EXHAUSTED; ``Check``
+  is unbounded and quick), so never-ending Watch streams cannot take the slots ``Generate`` needs.
+- Stopping (router.drain): ``Check`` and every ``Watch`` say NOT_SERVING, a new ``Generate`` is
+  UNAVAILABLE with ``retry-after`` (seconds) in its trailing metadata; running ones go on and are
+  counted until they end. ``Abort`` and ``GetClusterStatus`` still work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from router.drain import RETRY_AFTER_S, Gate
+
+HEALTH = "/grpc.health.v1.Health/"
+GENERATE = "/pdserve.v1.Generation/Generate"
+NOT_SERVING = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def server_options(front_door, limits) -> list[tuple[str, int]]:
+    """``grpc.aio.server`` options for router.config FrontDoorConfig and InputLimits."""
+    def ms(s: float) -> int:
+        return int(s * 1000)
+
+    fd = front_door
+    return [("grpc.max_receive_message_length", limits.message_bytes),
+            ("grpc.max_send_message_length", limits.message_bytes),
+            ("grpc.max_allowed_incoming_connections", fd.grpc_connections),
+            ("grpc.max_concurrent_streams", fd.grpc_streams_per_connection),
+            ("grpc.keepalive_time_ms", ms(fd.grpc_keepalive_s)),
+            ("grpc.keepalive_timeout_ms", ms(fd.grpc_keepalive_timeout_s)),
+            ("grpc.max_connection_idle_ms", ms(fd.grpc_max_idle_s)),
+            ("grpc.max_connection_age_ms", ms(fd.grpc_max_age_s)),
+            ("grpc.max_connection_age_grace_ms", ms(fd.grpc_max_age_grace_s))]
+
+
+def server_kwargs(cfg, door) -> dict:
+    """Keyword arguments for ``grpc.aio.server`` (cfg: router.config.ClusterConfig, door:
+    router.auth.FrontDoor)."""
+    interceptors = [Guard(door.gate, cfg.front_door.health_watches)]
+    if door.auth.enabled:
+        interceptors.append(door.auth.interceptor())
+    return dict(maximum_concurrent_rpcs=cfg.limits.concurrent_rpcs, interceptors=interceptors,
+                options=server_options(cfg.front_door, cfg.limits))
+
+
+class Guard(grpc.aio.ServerInterceptor):
+    """Bounds health ``Watch``, turns health NOT_SERVING and refuses ``Generate`` while draining."""
+
+    def __init__(self, gate: Gate, most_watches: int) -> None:
+        self.gate, self.most_watches = gate, most_watches
+        self.watches = 0
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        if details.method == HEALTH + "Check" and handler.unary_unary is not None:
+            return _like(handler, unary_unary=self._check(handler.unary_unary))
+        if details.method == HEALTH + "Watch" and handler.unary_stream is not None:
+            return _like(handler, unary_stream=self._watch(handler.unary_stream))
+        if details.method == GENERATE and handler.unary_stream is not None:
+            return _like(handler, unary_stream=self._generate(handler.unary_stream))
+        return handler
+
+    def _check(self, behavior):
+        async def check(request, context):
+            response = await behavior(request, context)
+            return NOT_SERVING if self.gate.draining and response is not None else response
+        return check
+
+    def _watch(self, behavior):
+        async def watch(request, context) -> None:
+            if self.watches >= self.most_watches:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{self.most_watches} health Watch streams are open (front_door.health_watches); "
+                                    "use Check, or retry later")
+            self.watches += 1
+            try:
+                if not self.gate.draining:
+                    inner = asyncio.ensure_future(behavior(request, context))
+                    drained = asyncio.ensure_future(self.gate.until_draining())
+                    try:
+                        await asyncio.wait({inner, drained}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for t in (inner, drained):
+                            t.cancel()
+                        await asyncio.gather(inner, drained, return_exceptions=True)
+                    if inner.done() and not inner.cancelled() and inner.exception() is not None:
+                        raise inner.exception()
+                await context.write(NOT_SERVING)
+                await asyncio.Event().wait()  # the stream stays (as Watch does) until the server stops
+            finally:
+                self.watches -= 1
+        return watch
+
+    def _generate(self, behavior):
+        async def generate(request, context):
+            with self.gate.call() as admitted:
+                if not admitted:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "this server is stopping; retry on another "
+                                        "replica", trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
+                out = behavior(request, context)
+                if inspect.isasyncgen(out):
+                    async for response in out:
+                        yield response
+                else:  # a handler that writes (context.write), e.g. the tokens' refusal
+                    await out
+        return generate
+
+
+def _like(handler: grpc.RpcMethodHandler, **behavior) -> grpc.RpcMethodHandler:
+    """``handler`` with one behaviour replaced (same kind and (de)serializers)."""
+    make = grpc.unary_unary_rpc_method_handler if "unary_unary" in behavior else grpc.unary_stream_rpc_method_handler
+    return make(next(iter(behavior.values())), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)

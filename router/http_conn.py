@@ -1,0 +1,142 @@
+"""Connections to the HTTP port, bounded before any request exists (uvicorn's h11 protocol, extended).
+
+What uvicorn offers is used as is: ``timeout_keep_alive`` (``front_door.keepalive_s``) closes a
+connection idle between requests, ``h11_max_incomplete_event_size`` (``front_door.header_bytes``)
+caps a request's line and headers. What it lacks is added here, per connection:
+
+- **Header timeout** (``front_door.header_timeout_s``, against slowloris): from a connection's
+  opening, or from the first byte of its next request, the request line and headers must all be
+  in within this, however slowly bytes trickle; else the connection is closed. (The body has its
+  own: router.http_body.)
+- **Connection caps**: ``front_door.connections_per_client`` open connections per client
+  address, ``front_door.connections`` in all. At a cap, the oldest *idle* connection there (no
+  request in progress: waiting for its headers, or kept alive between requests) is closed to
+  make room, so a flood of idle connections cannot lock out a client with work to do, from
+  another address or its own; when every one is busy, the new connection gets a 503 and is closed.
+
+Requests in progress are counted by router.http_guard (idle connections do not count), not by
+uvicorn's ``limit_concurrency``, which counts connections and is left off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from router.drain import RETRY_AFTER_S
+
+_BUSY_BODY = json.dumps({"error": {"message": "too many connections (front_door.connections_per_client, "
+                                              "front_door.connections); retry shortly", "type": "server_error",
+                                   "param": None, "code": "service_unavailable"}}).encode()
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"retry-after: %d\r\ncontent-length: %d\r\n\r\n%s" % (RETRY_AFTER_S, len(_BUSY_BODY), _BUSY_BODY))
+
+
+class ConnTable:
+    """The open connections, oldest first, per client address and in all."""
+
+    def __init__(self, per_client: int, total: int) -> None:
+        self.per_client, self.total = per_client, total
+        self.by_client: dict[str, dict[GuardedH11, None]] = {}
+        self.all: dict[GuardedH11, None] = {}
+
+    def admit(self, conn: GuardedH11) -> bool:
+        """Register ``conn``, closing an idle one to make room at a cap; False: no room."""
+        mine = self.by_client.get(conn.client_key, {})
+        if len(mine) >= self.per_client and not self._evict(mine):
+            return False
+        if len(self.all) >= self.total and not self._evict(self.all):
+            return False
+        self.by_client.setdefault(conn.client_key, {})[conn] = None
+        self.all[conn] = None
+        return True
+
+    def _evict(self, group: dict[GuardedH11, None]) -> bool:
+        victim = next((c for c in group if c.idle()), None)
+        if victim is None:
+            return False
+        victim.close_idle()
+        self.remove(victim)
+        return True
+
+    def remove(self, conn: GuardedH11) -> None:
+        self.all.pop(conn, None)
+        mine = self.by_client.get(conn.client_key)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.by_client[conn.client_key]
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's H11Protocol with a header timeout and the connection caps (``guarded`` makes
+    the class for one server)."""
+
+    table: ConnTable
+    header_timeout_s: float
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self.client_key = ""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.client_key = self.client[0] if self.client else ""
+        if not self.table.admit(self):
+            transport.write(BUSY)
+            transport.close()
+            return
+        self._watch_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        self.table.remove(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        super().data_received(data)
+        self._watch_head()
+
+    def idle(self) -> bool:
+        """No request in progress: waiting for one's headers, or kept alive between requests."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def close_idle(self) -> None:
+        self._stop_timer()
+        if not self.transport.is_closing():
+            try:
+                self.conn.send(h11.ConnectionClosed())
+            except h11.LocalProtocolError:
+                pass
+            self.transport.close()
+
+    def _watch_head(self) -> None:
+        """A timer while a request's headers are awaited (armed once: more bytes do not reset it)."""
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+        else:
+            self._stop_timer()
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and self.idle():
+            self.close_idle()
+
+    def _stop_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+
+def guarded(front_door) -> type[GuardedH11]:
+    """The protocol class for one HTTP server under ``front_door`` (router.config.FrontDoorConfig)."""
+    return type("GuardedH11", (GuardedH11,), {
+        "table": ConnTable(front_door.connections_per_client, front_door.connections),
+        "header_timeout_s": front_door.header_timeout_s})

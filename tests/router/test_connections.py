@@ -1,0 +1,109 @@
+"""Connections to the HTTP port (router.http_conn, router.http_guard) over real sockets: idle
+connections never make a request a 503, a request's headers must arrive within the header
+timeout however slowly they trickle, its body within the body timeout, and each client
+address holds at most so many connections, the oldest idle one making room."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+
+from tests.router.front_door_fakes import (COMPLETION, HANG_GUARD_S, Served, closed_by_server, readable,
+                                          rest, stream, until)
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Served(limits__concurrent_rpcs=2, front_door__header_timeout_s=0.3, front_door__body_timeout_s=0.3)
+    yield s
+    s.stop()
+
+
+def test_idle_connections_do_not_count_against_the_request_limit(srv):
+    idle = [srv.raw() for _ in range(6)]  # open, nothing sent yet
+    kept = []
+    for _ in range(3):  # kept alive after a request
+        c = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=HANG_GUARD_S)
+        c.request("GET", "/v1/models", headers={"host": f"127.0.0.1:{srv.http_port}"})
+        assert c.getresponse().read() and c.sock is not None
+        kept.append(c)
+    assert srv.post("/v1/completions", COMPLETION)[0] == 200
+    srv.holding(True)
+    streams = [stream(srv) for _ in range(2)]  # the two requests the limit allows, in progress
+    until(lambda: srv.router.door.gate.active == 2)
+    status, headers, body = srv.post("/v1/completions", COMPLETION)
+    assert status == 503 and headers["retry-after"] == "1"
+    assert json.loads(body)["error"]["code"] == "service_unavailable" and "limits.concurrent_rpcs" in body.decode()
+    assert srv.get("/health")[0] == 200  # probes are not requests
+    srv.holding(False)
+    for s in streams:
+        assert b"data: [DONE]" in rest(s)
+    until(lambda: srv.router.door.gate.active == 0)
+    assert srv.post("/v1/completions", COMPLETION)[0] == 200
+    for s in idle:
+        s.close()
+    for c in kept:
+        c.close()
+
+
+def test_headers_must_arrive_within_the_header_timeout(srv):
+    silent = srv.raw()
+    partial = srv.raw()
+    partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    assert closed_by_server(silent) and closed_by_server(partial)
+    # slowloris: a byte at a time, each in time, the whole never: the timer is not reset by bytes
+    slow = srv.raw()
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nX-Slow: %s\r\n\r\n" % (srv.http_port, b"a" * 2000)
+    for i in range(len(head)):
+        if readable(slow):
+            break
+        try:
+            slow.sendall(head[i:i + 1])
+        except OSError:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the whole head went through byte by byte")
+    assert closed_by_server(slow)
+
+
+def test_a_kept_alive_connection_gets_the_same_timeout_for_its_next_request(srv):
+    c = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=HANG_GUARD_S)
+    c.request("GET", "/health", headers={"host": f"127.0.0.1:{srv.http_port}"})
+    assert c.getresponse().read()
+    c.sock.sendall(b"GET /health HTTP/1.1\r\n")  # and the rest never
+    assert closed_by_server(c.sock)
+
+
+def test_a_body_that_does_not_arrive_is_a_408(srv):
+    s = srv.raw()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"model\"" % srv.http_port)
+    answer = rest(s)
+    assert answer.startswith(b"HTTP/1.1 408") and b"front_door.body_timeout_s" in answer
+
+
+def test_each_client_address_has_a_connection_cap_that_idle_ones_make_room_in():
+    srv = Served(front_door__connections_per_client=3)
+    try:
+        a, b, c = srv.raw(), srv.raw(), srv.raw()
+        for s in (a, b, c):  # each registered, oldest first
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % srv.http_port)
+            got = b""
+            while not got.endswith(b'{"status":"ok"}'):  # the whole answer: nothing left to read
+                got += s.recv(65536)
+        assert srv.post("/v1/completions", COMPLETION)[0] == 200  # a fourth: the oldest idle one goes
+        assert closed_by_server(a) and not readable(b) and not readable(c)
+        b.close()
+        c.close()
+        srv.holding(True)
+        streams = [stream(srv) for _ in range(3)]  # three busy connections: none can go
+        late = srv.raw()
+        assert rest(late).startswith(b"HTTP/1.1 503")
+        srv.holding(False)
+        for s in streams:
+            assert b"data: [DONE]" in rest(s)
+    finally:
+        srv.stop()

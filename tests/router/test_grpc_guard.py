@@ -1,0 +1,73 @@
+"""The gRPC port's bounds (router.grpc_guard) on a real server: the options it is built with,
+and health Watch streams capped so that never-ending ones cannot take Generate's slots."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.config import load_config
+from router.grpc_guard import server_options
+from tests.router.front_door_fakes import Served
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def test_server_options_follow_the_config():
+    cfg = load_config(None, {"front_door.grpc_max_age_s": 120, "front_door.grpc_streams_per_connection": 8,
+                             "limits.message_bytes": 1000})
+    opts = dict(server_options(cfg.front_door, cfg.limits))
+    assert opts["grpc.max_connection_age_ms"] == 120_000 and opts["grpc.max_concurrent_streams"] == 8
+    assert opts["grpc.max_receive_message_length"] == opts["grpc.max_send_message_length"] == 1000
+    assert opts["grpc.max_connection_idle_ms"] == 300_000 and opts["grpc.max_connection_age_grace_ms"] == 600_000
+    assert opts["grpc.keepalive_time_ms"] == 60_000 and opts["grpc.keepalive_timeout_ms"] == 20_000
+    assert opts["grpc.max_allowed_incoming_connections"] == 2048
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Served(front_door__health_watches=2, limits__concurrent_rpcs=4)
+    yield s
+    s.stop()
+
+
+def test_watch_streams_are_capped_and_generate_keeps_its_slots(srv):
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    health = health_pb2_grpc.HealthStub(ch)
+    watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+    assert [next(w).status for w in watches] == [SERVING, SERVING]
+    extra = health.Watch(health_pb2.HealthCheckRequest())
+    with pytest.raises(grpc.RpcError) as e:
+        next(extra)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "front_door.health_watches" in e.value.details()
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == SERVING  # Check is not capped
+    gen = pb_grpc.GenerationStub(ch)
+    for _ in range(6):  # more than concurrent_rpcs - watches in a row: each slot comes back
+        out = list(gen.Generate(pb.GenerateRequest(prompt="hi"), timeout=30))
+        assert "".join(r.text for r in out) == "ab"
+    watches[0].cancel()  # a closed Watch gives its place back
+    deadline = time.monotonic() + 30  # hang guard only
+    while True:
+        w = health.Watch(health_pb2.HealthCheckRequest())
+        try:
+            assert next(w).status == SERVING
+            break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+            time.sleep(0.01)
+    w.cancel()
+    watches[1].cancel()
+    ch.close()
+
+
+def test_an_unknown_health_service_is_still_not_found(srv):
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    with pytest.raises(grpc.RpcError) as e:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    ch.close()
