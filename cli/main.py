@@ -48,9 +48,26 @@ def _engine_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
                         + (" (a cluster: overrides `dtype` and sets `dequantize`)" if cluster else ""))
     only = " (--local only; a cluster sets them per pool: --set decode.kv_cache_gb=2 ...)" if cluster else ""
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)" + only)
-    g.add_argument("--kv-cache-gb", type=float, default=None, help="memory for the paged KV cache (default 1)" + only)
+    g.add_argument("--kv-cache-gb", type=_kv_cache_gb, default=None, metavar="GIB|auto",
+                   help="memory for the paged KV cache, GiB (default 1); auto: what this machine has left after "
+                        "the weights and a reserve (engine/kv_budget.py)"
+                        + (" (a cluster takes only auto here, for both pools; a number per pool: --set "
+                           "decode.kv_cache_gb=2 ...)" if cluster else ""))
     g.add_argument("--max-batched-tokens", type=int, default=None,
                    help="per-step token budget; longer prompts prefill in chunks (default 2048)" + only)
+
+
+def _kv_cache_gb(value: str) -> float | str:
+    """``--kv-cache-gb``: a positive number of GiB, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = float("nan")
+    if not gb > 0 or gb == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0 or auto, got {value!r}")
+    return gb
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
@@ -92,8 +109,15 @@ def _build_engine(args: argparse.Namespace, chat: bool = False):
         raise ValueError(f"model {args.model or 'bundled'!r} has no chat template (a base model, not "
                          "instruction-tuned): give a plain text prompt (no --chat)")
     # --dtype given: a GGUF model's weights in that dtype, not as shipped (no effect on others)
+    kv_gb = 1.0 if args.kv_cache_gb is None else args.kv_cache_gb
+    if kv_gb == "auto":  # one engine, alone on this machine: all that is left
+        from engine.kv_budget import estimate_weights_bytes, kv_budget, node_available_bytes
+        budget = kv_budget(node_available_bytes(), estimate_weights_bytes(path, dtype, args.dtype is not None),
+                           "colocated", {"colocated": 1})
+        print(budget.describe(), file=sys.stderr, flush=True)
+        kv_gb = budget.kv_cache_gib
     cfg = EngineConfig(model=str(path), dtype=dtype, num_threads=args.threads, dequantize=args.dtype is not None,
-                       cache=CacheConfig(memory_gb=1.0 if args.kv_cache_gb is None else args.kv_cache_gb),
+                       cache=CacheConfig(memory_gb=kv_gb),
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens or 2048))
     print(f"loading {args.model or 'bundled SmolLM2-135M-Instruct'} ({_precision(path, args.dtype)}) ...",
           file=sys.stderr, flush=True)
@@ -179,7 +203,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"mode": st.mode, "queued_requests": st.queued_requests,
                           "autoscale_events": list(st.autoscale_events),
                           "active_requests": st.active_requests, "metrics_address": st.metrics_address,
-                          "workers": [dict(zip(keys, r)) for r in rows],
+                          "workers": [{**dict(zip(keys, r)), **_memory_json(w)} for r, w in zip(rows, st.workers)],
                           **({"blocks_checked": st.blocks_checked, "stranded_blocks": stranded}
                              if args.check_blocks else {})}))
         return leak_rc
@@ -189,6 +213,15 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"metrics: {st.metrics_address or 'off'}")
     for r in (head, *rows):
         print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    memory = [w for w in st.workers if w.HasField("memory")]
+    if memory:
+        print("memory (GB): weights as served + packed copies + KV cache + other tensors; process RSS, PSS, "
+              "loading peak")
+    for w in memory:
+        m = w.memory
+        print(f"  {w.worker_id}: weights {m.weights_gb:.2f} + packed {m.packed_copies_gb:.2f} + kv "
+              f"{m.kv_cache_gb:.2f} + other {m.other_gb:.2f}; rss {m.rss_gb:.2f}, pss {m.pss_gb:.2f}, "
+              f"peak {m.peak_rss_gb:.2f}")
     for w in st.workers:
         if w.speculative_acceptance:
             print(f"{w.worker_id}: speculative acceptance {w.speculative_acceptance:.2f}, "
@@ -206,6 +239,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             print("block check: every KV block held belongs to a live request")
     return leak_rc
+
+
+MEMORY_FIELDS = ("weights_gb", "packed_copies_gb", "kv_cache_gb", "other_gb", "rss_gb", "pss_gb", "peak_rss_gb")
+
+
+def _memory_json(w) -> dict:
+    """``{"memory": {weights_gb: ..., ...}}`` for a worker whose memory is known, else {}."""
+    return {"memory": {k: round(getattr(w.memory, k), 3) for k in MEMORY_FIELDS}} if w.HasField("memory") else {}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -242,7 +283,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve_cluster(args: argparse.Namespace) -> int:
     from router.app import serve
     from router.config import ConfigError, load_config
-    local = [flag for name, flag in LOCAL_ONLY.items() if getattr(args, name) is not None]
+    kv_auto = args.kv_cache_gb == "auto"  # the one engine option a cluster takes: auto, for both pools
+    local = [flag for name, flag in LOCAL_ONLY.items() if getattr(args, name) is not None
+             and not (name == "kv_cache_gb" and kv_auto)]
     if local:  # silently ignoring them would serve something other than what was asked
         raise ConfigError(f"{', '.join(local)} apply to --local only; a cluster sets them per pool, e.g. "
                           "--set decode.kv_cache_gb=2 --set prefill.threads=1 --set decode.max_batched_tokens=4096")
@@ -253,7 +296,9 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
                                    ("router.http_port", args.http_port),
                                    ("metrics.port", args.metrics_port), ("security.tls_cert", args.tls_cert),
                                    ("security.tls_key", args.tls_key), ("security.tls_client_ca", args.tls_client_ca),
-                                   ("security.tokens_file", args.tokens_file), ("security.insecure", args.insecure))
+                                   ("security.tokens_file", args.tokens_file), ("security.insecure", args.insecure),
+                                   ("prefill.kv_cache_gb", "auto" if kv_auto else None),
+                                   ("decode.kv_cache_gb", "auto" if kv_auto else None))
                  if v is not None}
     import yaml
     for item in args.set:

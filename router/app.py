@@ -8,11 +8,18 @@ turns NOT_SERVING on both ports, new requests are refused with a retry hint (HTT
 ``Retry-After``, gRPC UNAVAILABLE), and the running ones get ``front_door.shutdown_grace_s``
 (30 s) to finish. Then the servers stop, aborting what still runs, and the pools are shut down.
 A second signal ends the wait at once.
+
+Reloading (SIGHUP; ``reload_security``): the tokens file and the policy file
+(``security.policy_file``) are read again and take effect for the next call: a token no longer
+in the file is refused from then on (its requests already running may finish), new limits
+apply to new requests. A file that cannot be read or parsed changes nothing (the error is
+logged); neither does a reload that would turn tokens off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import tempfile
@@ -22,6 +29,7 @@ from pathlib import Path
 
 from router.config import ClusterConfig
 
+log = logging.getLogger("pdserve.router")
 
 def _say(msg: str) -> None:
     print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
@@ -129,9 +137,39 @@ async def stop_cluster(router, server, grace_s: float = 0.0, progress: Callable[
     await router.stop()
 
 
+def reload_security(router, sec, env: dict[str, str] | None = None) -> bool:
+    """Read the tokens and the policy again (SIGHUP) and swap them in; False (and nothing
+    changed) if either file is bad, or tokens would turn off. ``sec``: router.config.SecurityConfig."""
+    from router.auth import load_tokens
+    from router.policy import load_policy
+    auth = router.door.auth
+    try:
+        tokens = load_tokens(sec.tokens_file, env)
+        policy = load_policy(sec.policy_file)
+    except ValueError as e:  # (SecurityError, PolicyError)
+        log.error("reload refused, the tokens and policy stay as they were: %s", e)
+        return False
+    if auth.enabled and not tokens:
+        log.error("reload refused: no token left would serve without authentication (restart to do that)")
+        return False
+    gone = len(set(auth.tokens) - set(tokens))
+    auth.tokens = tokens
+    router.admission.reload(policy)
+    log.info("reloaded %d tokens (%d revoked) and the policy of %d token names", len(tokens), gone,
+             len(policy.tokens))
+    return True
+
+
+def install_signals(loop: asyncio.AbstractEventLoop, router, sec, stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set ``stop``; SIGHUP reloads the tokens and the policy (``reload_security``)."""
+    import signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_security, router, sec)
+
+
 def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
-    """Foreground server until Ctrl-C (or SIGTERM)."""
-    import logging
+    """Foreground server until Ctrl-C (or SIGTERM); SIGHUP reloads tokens and policy."""
     import signal
 
     import ray
@@ -144,8 +182,7 @@ def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
         router, server, _ = await start_cluster(cfg, host, port, door=door)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        install_signals(loop, router, cfg.security, stop)
         await stop.wait()
         _say("shutting down: health NOT_SERVING, new requests refused ...")
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: stop waiting for requests

@@ -7,7 +7,9 @@ name`` per line, or the token alone: then its name is a short hash of it); the r
 request's holder and answers ``Abort`` only to it. ``grpc.health.v1`` stays open: it is what
 load balancers probe, and it says nothing but SERVING or NOT_SERVING (its ``Watch`` streams are
 capped: router.grpc_guard). The door also holds the drain gate (router.drain) that both servers
-ask before letting a request in.
+ask before letting a request in, and the per-token policy (``security.policy_file``, by token
+name: router.policy) that admission applies (router.admission). SIGHUP re-reads the tokens and
+the policy (router.app ``reload_security``): a removed token is refused from the next call on.
 
 Tokens come from a file or the ``PDSERVE_TOKENS`` environment variable (one per line, or comma
 separated), never from the config file, which is meant to be shared and committed. The router
@@ -30,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from router.drain import Gate
+from router.policy import Policy, PolicyError, load_policy
 
 log = logging.getLogger("pdserve.router")
 
@@ -192,6 +195,7 @@ class FrontDoor:
     auth: Auth = dataclasses.field(default_factory=lambda: Auth({}))
     reflection: bool = True
     gate: Gate = dataclasses.field(default_factory=Gate, compare=False)  # stopping: router.drain
+    policy: Policy = dataclasses.field(default_factory=Policy)  # at start; reloads go to router.admission
 
 
 def front_door(sec, host: str, env: dict[str, str] | None = None) -> FrontDoor:
@@ -206,6 +210,10 @@ def front_door(sec, host: str, env: dict[str, str] | None = None) -> FrontDoor:
     """
     tls = load_tls(sec.tls_cert, sec.tls_key, sec.tls_client_ca)
     auth = Auth(load_tokens(sec.tokens_file, env))
+    try:
+        policy = load_policy(sec.policy_file)
+    except PolicyError as e:
+        raise SecurityError(str(e)) from e
     if not is_loopback(host):
         missing = [what for what, ok in (("TLS (--tls-cert, --tls-key)", tls is not None),
                                          ("authentication (--tokens-file, PDSERVE_TOKENS or --tls-client-ca)",
@@ -218,4 +226,4 @@ def front_door(sec, host: str, env: dict[str, str] | None = None) -> FrontDoor:
         if missing:
             log.warning("!!! serving %s WITHOUT %s: anyone who reaches this port can use the cluster !!!",
                         host, " and ".join(missing))
-    return FrontDoor(tls, auth, sec.reflection)
+    return FrontDoor(tls, auth, sec.reflection, policy=policy)

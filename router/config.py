@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 class PrefillPool:
     replicas: int = 1
     threads: int = 1
-    kv_cache_gb: float = 0.5
+    kv_cache_gb: float | str = 0.5  # GiB, or "auto": what the node has left, by role (engine/kv_budget.py)
     block_size: int = _engine(CacheConfig, "block_size")
     max_batched_tokens: int = _engine(SchedulerConfig, "max_num_batched_tokens")
     # Cores (of its node) for each worker's KV transfer: a thread gathering and sending each
@@ -68,7 +68,7 @@ class DecodeSpeculative:
 class DecodePool:
     replicas: int = 1
     threads: int = 1
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float | str = 1.0  # GiB, or "auto" (engine/kv_budget.py)
     block_size: int = _engine(CacheConfig, "block_size")
     max_num_seqs: int = _engine(SchedulerConfig, "max_num_seqs")
     max_batched_tokens: int = _engine(SchedulerConfig, "max_num_batched_tokens")
@@ -152,6 +152,8 @@ class SecurityConfig:
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA: clients must show a certificate it signed (mTLS)
     tokens_file: str = ""  # `token` or `token name` per line: every call but health needs one
+    # per token name: max_concurrent, tokens_per_minute, priority, weight (router/policy.py); "": no limits
+    policy_file: str = ""
     reflection: bool = True  # gRPC server reflection (behind the tokens like every other call)
     insecure: bool = False  # serve a non-loopback host without TLS and authentication anyway
     # HTTP Host names (``name`` or ``name:port``) accepted besides loopback ones; set, every
@@ -316,6 +318,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             continue
         if value is None and path in _NULLABLE:
             kwargs[name] = None
+            continue
+        if name == "kv_cache_gb" and isinstance(value, str):  # (a number is checked as any other)
+            if value != "auto":
+                raise ConfigError(f"{path}: must be a number of GiB or auto, got {value!r}")
+            kwargs[name] = value
             continue
         if isinstance(default, str) and not isinstance(value, str):
             raise ConfigError(f"{path}: must be a string, got {value!r}")

@@ -66,6 +66,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic time the client stops waiting (its gRPC deadline)
     prefer: tuple[str, str] | None = None  # (prefill, decode) worker ids placement prefers
+    lease: Any = None  # router.admission.Lease: its token's admission (limits, priority, usage)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
     prefill: Any = None  # pools.Worker, while placed

@@ -3,7 +3,9 @@
 Request latencies are measured where the client sees them (the router): TTFT from arrival to
 the first token sent, TPOT as a request's mean gap after the first token, ITL each gap
 between token batches, e2e from arrival to the last message. Worker series (worker.metrics)
-are read from the pools' latest heartbeats at scrape time.
+are read from the pools' latest heartbeats at scrape time. Per-token series
+(``pdserve_token_*``, router.admission) are labelled with the token's NAME from the tokens
+file, never the token (``-`` with auth off).
 """
 
 from __future__ import annotations
@@ -84,4 +86,29 @@ class RouterMetrics:
         for (role, state), n in sorted(counts.items()):
             pools.add_metric([role, state], n)
         yield pools
+        yield from token_families(r.admission.stats())
         yield from worker_families(({"worker": w.worker_id, "role": w.role}, w.status, w.info) for w in workers)
+
+
+def token_families(stats: dict) -> list:
+    """Per-token families from ``Admission.stats()`` (name -> TokenStats), by token name."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    admitted = CounterMetricFamily("pdserve_token_requests_admitted", "Requests admitted, by token name",
+                                   labels=["token"])
+    refused = CounterMetricFamily("pdserve_token_requests_refused", "Requests refused by the token's policy "
+                                  "(429 / RESOURCE_EXHAUSTED), by token name and limit", labels=["token", "limit"])
+    used = CounterMetricFamily("pdserve_token_tokens", "Prompt and generated tokens used, by token name "
+                               "(what tokens_per_minute counts)", labels=["token"])
+    in_flight = GaugeMetricFamily("pdserve_token_requests_in_flight", "Requests in progress, by token name",
+                                  labels=["token"])
+    waiting = GaugeMetricFamily("pdserve_token_requests_waiting", "Requests waiting for a placement (fair "
+                                "order: router.admission), by token name", labels=["token"])
+    for name, s in sorted(stats.items()):
+        label = name or "-"
+        admitted.add_metric([label], s.admitted)
+        for limit, n in sorted(s.refused.items()):
+            refused.add_metric([label, limit], n)
+        used.add_metric([label], s.tokens)
+        in_flight.add_metric([label], s.in_flight)
+        waiting.add_metric([label], s.waiting)
+    return [admitted, refused, used, in_flight, waiting]

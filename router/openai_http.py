@@ -9,7 +9,8 @@ Errors are OpenAI's JSON with the matching status: 400 bad input (``param`` name
 too deep, not JSON or with a lone surrogate too: router.http_body), 401 no valid token, 403 a
 foreign Host or Origin (router.http_guard), 404 unknown model, 408 a body too slow, 413 body
 over ``limits.message_bytes``, 415 a body that is not JSON, 429 admission queue full (or no
-capacity for ``router.queue_timeout_s``), 503 no worker, too many requests in progress, or
+capacity for ``router.queue_timeout_s``, or over the token's policy: router.admission; with
+``Retry-After``), 503 no worker, too many requests in progress, or
 stopping (with ``Retry-After``). No malformed body is a 500. A streamed request answers
 with its status until its first token is out; an error after that comes as a last event
 ``data: {"error": ...}``. A client that disconnects ends its requests on every worker at once:
@@ -47,7 +48,7 @@ from router.http_conn import guarded
 from router.http_guard import Guard
 from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, Shaper, api_error,
                                check_logprob_budget, models_list, parse, requests_for)
-from router.server import Reject
+from router.server import Reject, retry_after
 
 log = logging.getLogger("pdserve.router")
 
@@ -100,6 +101,8 @@ def build_app(router):
     def error(e: ApiError) -> Response:
         headers = {"www-authenticate": "Bearer"} if e.status == 401 else \
             {"connection": "close"} if e.status in (408, 413) else None  # (the body's rest unread)
+        if getattr(e, "retry_after", None) is not None:  # (a refusal's hint: _refusal)
+            headers = {**(headers or {}), "retry-after": e.retry_after}
         # (ASCII JSON: a message may quote the client's input, lone surrogates included)
         return Response(json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json")
 
@@ -158,7 +161,7 @@ def build_app(router):
             first = await until_disconnect(request.receive, anext(events, None))
         except Reject as e:
             await events.aclose()
-            raise api_error(e.code, str(e)) from None
+            raise _refusal(e) from None
         except ClientGone:  # its requests are freed; nobody reads an answer (499: nginx's "client closed")
             await events.aclose()
             log.info("event=client_disconnected before the answer")
@@ -178,6 +181,14 @@ def build_app(router):
         return await complete(request, ChatCompletionRequest)
 
     return app
+
+
+def _refusal(e: Reject) -> ApiError:
+    """The HTTP answer for a router refusal, with its retry hint (429's ``Retry-After``)."""
+    err = api_error(e.code, str(e))
+    hint = getattr(e, "retry_after_s", None)
+    err.retry_after = None if hint is None else retry_after(hint)
+    return err
 
 
 class _SSE(Response):

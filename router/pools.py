@@ -128,19 +128,25 @@ def _least_loaded(workers: Iterable[Worker]) -> Worker | None:
                else (0, 0, w.worker_id), default=None)
 
 
+def _fixed_gb(kv_cache_gb: float | str) -> float:
+    """A pool's KV cache GiB; for ``auto`` the engine's default, which the worker replaces with
+    its node's figure when it starts (``WorkerOptions.kv_cache_auto``, worker.actor)."""
+    return CacheConfig().memory_gb if kv_cache_gb == "auto" else kv_cache_gb
+
+
 def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
     """(prefill, decode) engine configs from the cluster config."""
     p, d = cfg.prefill, cfg.decode
     common = dict(model=model_path, dtype=cfg.dtype, dequantize=cfg.dequantize, device=cfg.device)
     # A prefill worker never decodes: no compiled one-token path (its memory and compile time).
     prefill = EngineConfig(**common, compile_decode=False,
-                           cache=CacheConfig(block_size=p.block_size, memory_gb=p.kv_cache_gb),
+                           cache=CacheConfig(block_size=p.block_size, memory_gb=_fixed_gb(p.kv_cache_gb)),
                            scheduler=SchedulerConfig(max_num_batched_tokens=p.max_batched_tokens))
     from engine.quant import split_quantization
     decode_model, quantization = split_quantization(d.quantization, model_path)  # a checkpoint replaces the model
     decode = EngineConfig(**{**common, "model": decode_model}, quantization=quantization,
                           compile_decode=d.compile_decode, compile_decode_rows=d.compile_decode_rows,
-                          cache=CacheConfig(block_size=d.block_size, memory_gb=d.kv_cache_gb),
+                          cache=CacheConfig(block_size=d.block_size, memory_gb=_fixed_gb(d.kv_cache_gb)),
                           scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
                                                     max_num_seqs=d.max_num_seqs,
                                                     enable_chunked_prefill=d.chunked_prefill),
@@ -225,7 +231,10 @@ class Pools(Liveness):
                              faults=kt.fault_injection,
                              transfer_cpus=cfg.prefill.transfer_cpus if role == "prefill" else (),
                              # (a decode pool's quantized checkpoint is its own folder: as given)
-                             resolve_model=engine_cfg.model == self.model_path, model=cfg.model)
+                             resolve_model=engine_cfg.model == self.model_path, model=cfg.model,
+                             # (an adaptive worker runs the decode pool's engine)
+                             kv_cache_auto=(cfg.prefill if role == "prefill" and not adaptive else cfg.decode
+                                            ).kv_cache_gb == "auto")
         cpus = pool.threads + (len(cfg.prefill.transfer_cpus) if role == "prefill" else 0)  # (the transfer's own)
         actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=cpus,
                             max_restarts=-1, max_task_retries=0,

@@ -3,7 +3,9 @@
 One request, from ``Generate`` to its last token (the job's states: router.jobs)::
 
     Generate ─validate (router.requests)─► Job: PLACING
-      admission: waits in a bounded queue while no decode worker can reserve it (full queue, or
+      admission: the token's limits (router.admission: over max_concurrent or tokens_per_minute,
+      RESOURCE_EXHAUSTED with retry-after); then waits in a bounded queue, in priority and fair
+      share order across tokens, while no decode worker can reserve it (full queue, or
       waited router.queue_timeout_s: RESOURCE_EXHAUSTED) ─► decode.reserve(key, the client's
       time left; it answers the first prompt position whose KV it lacks: a prefix its cache holds
       is shared, not sent) ─► prefill.prefill(key, decode address, that reservation, time left): RUNNING
@@ -27,25 +29,29 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from typing import Any
 
 import grpc
+import msgspec
 
 from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.admin import is_admin, scoped_id
+from router.admission import Admission, Refused
 from router.auth import FrontDoor
 from router.autoscale import PoolController, Recent
 from router.roles import RoleController
 from router.config import ClusterConfig
-from router.jobs import Aborted, Job, Lost
+from router.drain import RETRY_AFTER_S
+from router.jobs import Aborted, Job, JobState, Lost
 from router.placement import PrefixView, admission_tokens, pick_decode, pick_prefill, prefill_where
 from router.prefix_index import PrefixIndex, block_hashes, expect_prefix, prefix_view
 from router.pools import Pools, Worker
 from router.requests import Limits, prompt_ids, request_id, sampling_params
-from worker.protocol import Failed, Record
+from worker.protocol import Failed, Record, memory_now
 
 log = logging.getLogger("pdserve.router")
 
@@ -54,11 +60,14 @@ RETRY_WAIT_S = 0.1  # admission re-checks at least this often, besides every loa
 
 
 class Reject(Exception):
-    """End a Generate call with this gRPC status."""
+    """End a Generate call with this gRPC status (and a retry hint, seconds: RESOURCE_EXHAUSTED
+    has one by default; gRPC's ``retry-after`` trailing metadata, HTTP's ``Retry-After``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s if retry_after_s is not None else \
+            RETRY_AFTER_S if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
 
 
 class Router(pb_grpc.GenerationServicer):
@@ -81,6 +90,8 @@ class Router(pb_grpc.GenerationServicer):
         self.pools = Pools(cfg, model_path, self._on_records, self._on_lost)
         self.jobs: dict[str, Job] = {}
         self.queued = 0  # jobs waiting for a decode worker
+        self.admission = Admission(self.door.policy)  # per-token limits, fair order (router.admission)
+        self._turn_changed = asyncio.Event()  # replaced when a waiting job leaves the order or tries
         self._stranded_before: dict[str, set[str]] = {}  # the last sweep's finds (worker → engine ids)
         self.limits: Limits | None = None
         self.colocated = cfg.mode == "colocated"
@@ -144,7 +155,9 @@ class Router(pb_grpc.GenerationServicer):
             async for response in self.generate(request, owner, context.time_remaining()):
                 yield response
         except Reject as e:
-            await context.abort(e.code, str(e))
+            if e.retry_after_s is None:
+                await context.abort(e.code, str(e))
+            await context.abort(e.code, str(e), trailing_metadata=(("retry-after", retry_after(e.retry_after_s)),))
         except Exception as e:  # a bug: INTERNAL naming it (not gRPC's bare UNKNOWN), the trace in the log
             log.exception("rid=%s event=internal_error", request.request_id or "-")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the router ({type(e).__name__}: {e}); "
@@ -179,13 +192,18 @@ class Router(pb_grpc.GenerationServicer):
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if jid in self.jobs:  # the same id again while this one was tokenized
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
+        lease = self.admission.admit(owner, len(ids))  # the token's limits (router.policy)
+        if isinstance(lease, Refused):
+            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, lease.message, lease.retry_after_s)
         job = Job(jid, ids, params, owner=owner, deadline=None if time_left is None else time.monotonic() + time_left,
-                  prefer=prefer)
+                  prefer=prefer, lease=lease)
         self.jobs[jid] = job
         self.metrics.prompt_tokens.inc(len(ids))
-        outcome = "cancelled"
+        outcome, charged = "cancelled", 0
         try:
             async for response in self._run(job):
+                self.admission.charge(lease, len(job.generated) - charged)  # (tokens per minute)
+                charged = len(job.generated)
                 if response.finish_reason:
                     outcome = {1: "stop", 2: "length", 3: "abort"}[response.finish_reason]
                 response.request_id = rid  # (the client's id, not the scoped one)
@@ -195,6 +213,7 @@ class Router(pb_grpc.GenerationServicer):
             raise
         finally:
             self.jobs.pop(jid, None)
+            self.admission.release(lease)
             if not job.finished:  # cancelled by the client, aborted or failed: free both sides
                 self._release(job)
             self._observe(job, outcome)
@@ -303,6 +322,7 @@ class Router(pb_grpc.GenerationServicer):
         # again), when both pools name blocks alike (the same block size: the default)
         decode_view = not self.colocated and self.prefix is not None and self.cfg.decode.block_size == bs
         missed = False  # a decode worker did not hold the prefix the index said: the pool prefills it
+        entry = self.admission.enqueue(job.lease, len(ids) + params.max_tokens)
         try:
             while True:
                 # (adaptive: with no prefill worker, decode workers prefill their own prompts; with
@@ -320,8 +340,10 @@ class Router(pb_grpc.GenerationServicer):
                     loads, view = self._prefix_view(loads, hashes, len(ids), bs)
                 elif decode_view:  # (the reported queues stay: prefill_where reads them)
                     view = self._prefix_view(loads, hashes, len(ids), bs)[1]
+                # Fair share and priority (router.admission): while another waiting job goes
+                # first, this one waits as if no decode worker had room
                 d = pick_decode(loads, len(ids), params.max_tokens, frac, prefer[1] if self.colocated else None,
-                                view)
+                                view) if self.admission.turn(entry) else None
                 # Disaggregated: the decode worker prefills a short prompt itself (placement.prefill_where)
                 # (from the prompt's part not cached there)
                 cached_d = min(view.cached.get(d.worker_id, 0), len(ids) - 1) if decode_view and d else 0
@@ -342,8 +364,10 @@ class Router(pb_grpc.GenerationServicer):
                         raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      f"no KV capacity for {self.cfg.router.queue_timeout_s:g}s "
                                      "(router.queue_timeout_s); retry later")
-                    await self.pools.wait_change(RETRY_WAIT_S)
+                    await self._wait_change()
                     continue
+                self.admission.trying(entry)  # the next in order may try meanwhile
+                self._turn_moved()
                 dw = self.pools.workers[d.worker_id]
                 need = d.blocks_for(admission_tokens(d, len(ids), params.max_tokens, frac, view))
                 # Known before the call's round trip, so placements meanwhile see the prefix there
@@ -412,8 +436,24 @@ class Router(pb_grpc.GenerationServicer):
                 pw.actor.prefill.remote(job.key, ids, params, dw.address, got, job.time_left())
                 return
         finally:
+            self.admission.leave(entry, placed=job.state is JobState.RUNNING)
+            self._turn_moved()
             if queued:
                 self.queued -= 1
+
+    def _turn_moved(self) -> None:
+        ev, self._turn_changed = self._turn_changed, asyncio.Event()
+        ev.set()
+
+    async def _wait_change(self) -> None:
+        """Until capacity may have grown (router.pools), the admission order moved, or RETRY_WAIT_S."""
+        waits = {asyncio.ensure_future(self.pools.wait_change(RETRY_WAIT_S)),
+                 asyncio.ensure_future(self._turn_changed.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     def _pool_queued(self) -> int | None:
         """Prompt tokens the least busy ready prefill worker still has to compute (None: no
@@ -484,7 +524,8 @@ class Router(pb_grpc.GenerationServicer):
         dec = next((w.info for w in self.pools.workers.values() if w.role != "prefill" and w.info), info)
         return pb.ModelInfo(model=self.served_model_name, context_length=self.limits.context_length,
                             vocab_size=info.vocab_size, dtype=info.dtype, quantization=dec.quantization,
-                            speculative=dec.speculative, block_size=info.block_size, kernels=dec.kernels)
+                            speculative=dec.speculative, block_size=info.block_size, kernels=dec.kernels,
+                            memory=[m for w in self.pools.workers.values() if (m := worker_memory(w)) is not None])
 
     async def stranded(self) -> dict[str, dict[str, int]] | None:
         """Per ready worker (by id), the requests that hold KV blocks there (engine id → blocks) but
@@ -546,7 +587,7 @@ class Router(pb_grpc.GenerationServicer):
         workers = []
         for w in self.pools.workers.values():
             ws = pb.WorkerStatus(worker_id=w.worker_id, role=w.role, state=w.state, restarts=w.restarts,
-                                 stranded_blocks=(stranded or {}).get(w.worker_id, 0))
+                                 stranded_blocks=(stranded or {}).get(w.worker_id, 0), memory=worker_memory(w))
             if (s := w.status) is not None:
                 spec = s.speculative or {}
                 ws.MergeFrom(pb.WorkerStatus(
@@ -585,6 +626,18 @@ async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.S
     for name in ("", service):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
     return server, bound
+
+
+def worker_memory(w: Worker) -> pb.WorkerMemory | None:
+    """``w``'s memory (its account at load, its latest RSS and PSS), or None before it has one."""
+    m = memory_now(w.info, w.status) if w.state not in ("dead", "gone") else None  # (an old process's)
+    return None if m is None else pb.WorkerMemory(worker_id=w.worker_id, role=w.role,
+                                                  **msgspec.structs.asdict(m))
+
+
+def retry_after(seconds: float) -> str:
+    """A retry hint as HTTP's Retry-After and gRPC's retry-after metadata say it: whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))
 
 
 async def _maybe_await(x: Any) -> None:

@@ -96,6 +96,21 @@ def test_serve_model_and_dtype_reach_the_cluster_config(monkeypatch):
                                                                ("qwen2.5-coder-0.5b", "float32", False)]
 
 
+def test_kv_cache_gb_auto_reaches_both_pools_and_a_bad_value_is_refused(monkeypatch, capsys):
+    """`pdserve serve --kv-cache-gb auto`: both pools size their KV cache from what the node has
+    left (engine/kv_budget.py); a number stays per pool (--set), anything else is refused."""
+    import router.app
+    from cli.main import main
+    got = []
+    monkeypatch.setattr(router.app, "serve", lambda cfg, *a: got.append(cfg) or 0)
+    assert main(["serve", "--kv-cache-gb", "auto"]) == 0
+    assert main(["serve"]) == 0  # the default stays the fixed figures
+    assert [(c.prefill.kv_cache_gb, c.decode.kv_cache_gb) for c in got] == [("auto", "auto"), (0.5, 1.0)]
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--local", "hi", "--kv-cache-gb", "lots"])
+    assert e.value.code == 2 and "expected a number of GiB > 0 or auto, got 'lots'" in capsys.readouterr().err
+
+
 def test_a_bad_gguf_or_model_name_is_a_clear_error_before_any_load(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a model at all")

@@ -39,6 +39,8 @@ class WorkerActor(StepLoop):
         if options.resolve_model:
             from engine.models.loader import resolve_model_path
             config = dataclasses.replace(config, model=str(resolve_model_path(options.model, progress=False)))
+        if options.kv_cache_auto:  # this node's memory, before this worker's load takes any of it
+            config = _auto_kv_cache(config, self.role)
         lease_s = LEASE_S if options.lease_s is None else options.lease_s
         auth = PlaneAuth(options.key, options.kv_integrity) if options.key else None
         # KV endpoints listen on this node's address: peers on other nodes reach them there.
@@ -55,6 +57,29 @@ class WorkerActor(StepLoop):
         """The worker core (``PrefillWorker``, ``DecodeWorker``, ``AdaptiveWorker``) around a
         loaded engine; ``new_transport()`` makes a KV transport (one per sender or receiver)."""
         raise NotImplementedError
+
+
+def _auto_kv_cache(config: EngineConfig, role: str) -> EngineConfig:
+    """``config`` with the KV cache ``kv_cache_gb: auto`` gives a ``role`` worker on this node
+    (engine/kv_budget.py); the workers the node hosts are those its ``prefill``/``decode``
+    resources admit (the most it can hold). Raises KVBudgetError when nothing is left."""
+    import sys
+
+    import ray
+
+    from engine.kv_budget import estimate_weights_bytes, kv_budget, node_available_bytes
+    node = ray.get_runtime_context().get_node_id()
+    res = next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node), {})
+    counts = {r: int(res.get(r, 0)) for r in ("prefill", "decode")}
+    if role == "adaptive":  # every worker here runs the same engine in either role
+        workers = {"adaptive": max(1, sum(counts.values()))}
+    else:
+        counts[role] = max(1, counts.get(role, 0))
+        workers = {r: n for r, n in counts.items() if n}
+    budget = kv_budget(node_available_bytes(), estimate_weights_bytes(config.model, config.dtype, config.dequantize),
+                       role, workers)
+    print(f"pdserve worker ({role}, node hosts {workers}): {budget.describe()}", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, memory_gb=budget.kv_cache_gib))
 
 
 def _pin_forward(transfer_cpus: set[int]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from worker.protocol import ModelInfo, WorkerStatus
+from worker.protocol import ModelInfo, WorkerStatus, memory_now
 
 # name, kind, help, value from a status (None: not reported by this worker)
 _WORKER_SERIES: list[tuple[str, str, str, Callable[[WorkerStatus], Any]]] = [
@@ -50,6 +50,9 @@ _WORKER_SERIES: list[tuple[str, str, str, Callable[[WorkerStatus], Any]]] = [
 
 WorkerView = tuple[dict[str, str], WorkerStatus | None, ModelInfo | None]
 
+# pdserve_memory_bytes{kind}: worker.protocol.Memory's fields (GB) by kind
+MEMORY_KINDS = ("weights", "packed_copies", "kv_cache", "other", "rss", "pss", "peak_rss")
+
 
 def worker_families(workers: Iterable[WorkerView]) -> list:
     """Metric families for ``(labels, status, model info)`` of each worker (labels e.g.
@@ -74,6 +77,15 @@ def worker_families(workers: Iterable[WorkerView]) -> list:
         if model is not None:
             info.add_metric([labels[n] for n in names] + [model.quantization, model.speculative], 1.0)
     out.append(info)
+    memory = GaugeMetricFamily("pdserve_memory_bytes", "Worker memory by kind: its engine's account at load "
+                               "(weights as served, packed copies of them, kv_cache, other tensors) and the "
+                               "process's resident (rss), proportional (pss) and loading peak (peak_rss) sets",
+                               labels=names + ["kind"])
+    for labels, status, model in workers:
+        if (m := memory_now(model, status)) is not None:
+            for kind in MEMORY_KINDS:
+                memory.add_metric([labels[n] for n in names] + [kind], getattr(m, f"{kind}_gb") * 1e9)
+    out.append(memory)
     return out
 
 

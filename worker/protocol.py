@@ -117,6 +117,32 @@ class Reservation(msgspec.Struct, frozen=True, array_like=True):
         return f"Reservation(secret=<{len(self.secret)} bytes>, token_start={self.token_start})"
 
 
+class Memory(msgspec.Struct, frozen=True, array_like=True):
+    """A worker's memory in GB (1e9 bytes; engine/memory.py). The categories are its engine's
+    account, taken once when the model is up (``account`` walks the object graph: never per
+    step); the process figures are as of the latest refresh (``with_process``)."""
+
+    weights_gb: float = 0.0  # the model's own modules: the weights as served
+    packed_copies_gb: float = 0.0  # fast paths' own layouts of the weights (a second copy, or derived)
+    kv_cache_gb: float = 0.0  # the paged KV cache as allocated (its pages are resident once written)
+    other_gb: float = 0.0  # other tensors: scratch buffers, rotary tables
+    rss_gb: float = 0.0  # resident set
+    pss_gb: float = 0.0  # proportional set: pages shared with other processes split between them
+    peak_rss_gb: float = 0.0  # the process's peak resident set while loading (when its engine was up)
+
+    def with_process(self, rss_gb: float | None, pss_gb: float | None) -> Memory:
+        """This account with newer process figures (a status's); None: keep the ones here."""
+        return msgspec.structs.replace(self, rss_gb=self.rss_gb if rss_gb is None else rss_gb,
+                                       pss_gb=self.pss_gb if pss_gb is None else pss_gb)
+
+
+def memory_now(info: ModelInfo | None, status: WorkerStatus | None) -> Memory | None:
+    """A worker's memory: its account at load (``info``) with its latest process figures (``status``)."""
+    if info is None or info.memory is None:
+        return None
+    return info.memory if status is None else info.memory.with_process(status.rss_gb, status.pss_gb)
+
+
 class WorkerStatus(msgspec.Struct):
     """A worker's load and identity, for placement, autoscaling, metrics and GetClusterStatus.
 
@@ -146,6 +172,10 @@ class WorkerStatus(msgspec.Struct):
     kv_transfer: TransferStats | None = None  # sender's (prefill), receiver's (decode) or both added (adaptive)
     # engine.spec.decoder.SpecDecoder.stats(): alpha, tokens per verify, draft vs verify time
     speculative: dict[str, float | int | str | bool | None] | None = None
+    # The process's resident and proportional set now, GB (refreshed every MEMORY_REFRESH_S,
+    # worker.step_loop); the rest of its memory account is ModelInfo.memory
+    rss_gb: float | None = None
+    pss_gb: float | None = None
 
     @property
     def kv_blocks_free(self) -> int:
@@ -166,6 +196,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     quantization: str = "none"
     kernels: str = ""
     weights: str = ""  # engine.models.loader.weights_digest of the folder it loaded: every worker's must match
+    memory: Memory | None = None  # its memory account when the model was up (memory_now: with a status's RSS)
 
 
 class Report(msgspec.Struct, array_like=True):

@@ -29,8 +29,8 @@ from engine.llm_engine import RequestOutput
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
-from worker.protocol import (MAX_REPORT_BYTES, REPORT_TARGET_BYTES, Failed, Key, ModelInfo, Record, Report, Tokens,
-                             WorkerStatus, encode_report, split_records)
+from worker.protocol import (MAX_REPORT_BYTES, REPORT_TARGET_BYTES, Failed, Key, Memory, ModelInfo, Record, Report,
+                             Tokens, WorkerStatus, encode_report, split_records)
 
 log = logging.getLogger("pdserve.worker")
 
@@ -41,6 +41,9 @@ EXPIRY_CHECK_S = 0.05  # how often client deadlines are checked (a deadline is m
 # prefill's activations freed (100-200 MB here) in its arenas and reuses it unevenly, so a
 # serving worker's RSS creeps for hours without it (the soak, issue 16); a trim costs ~ms.
 TRIM_S = 30.0
+# How often a status re-reads the process's RSS and PSS (/proc/self/smaps_rollup: ~0.1-1 ms,
+# too much for every 50 ms heartbeat, nothing every few seconds).
+MEMORY_REFRESH_S = 5.0
 
 
 def release_heap() -> bool:
@@ -61,6 +64,21 @@ def _malloc_trim() -> Any:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def load_memory(engine: Any) -> Memory | None:
+    """The engine's memory account (engine.memory.account, by category) and this process's
+    figures, now: called once the model is up, so its peak RSS is the loading peak. None if the
+    account fails (it walks the engine's objects: a new layout must not stop a worker)."""
+    from engine.memory import account, process_memory
+    try:
+        gb = account(engine).gb()
+    except Exception:
+        log.exception("memory account failed; serving without it")
+        return None
+    proc = process_memory()
+    return Memory(weights_gb=gb["weights"], packed_copies_gb=gb["packed_copies"], kv_cache_gb=gb["kv_cache"],
+                  other_gb=gb["other"], rss_gb=proc["rss_gb"], pss_gb=proc["pss_gb"], peak_rss_gb=proc["peak_rss_gb"])
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,9 @@ class WorkerOptions:
     # node's own HOME (router.nodes checks that every node holds the same weights).
     resolve_model: bool = False
     model: str | None = None
+    # kv_cache_gb: auto: size the engine's KV cache from what this node has left, this worker's
+    # share by role (engine/kv_budget.py), instead of the config's cache.memory_gb
+    kv_cache_auto: bool = False
 
 
 class StepLoop:
@@ -116,6 +137,9 @@ class StepLoop:
 
         from engine.models.loader import weights_digest
         self._weights = weights_digest(Path(worker.engine.model_path))
+        self.memory = load_memory(worker.engine)
+        self._process_memory: tuple[float, float] | None = None  # (rss_gb, pss_gb) as of _memory_at
+        self._memory_at = float("-inf")
         root = logging.getLogger("pdserve")
         if not root.handlers:  # a worker process: its stderr goes to the Ray worker log file
             handler = logging.StreamHandler()
@@ -384,7 +408,17 @@ class StepLoop:
             admitted=self.admitted, metrics_address=self.metrics_address,
             kv_address=receiver.address if receiver is not None else None,
             kv_transfer=sum(sides, TransferStats()) if sides else None,
-            speculative=eng.spec.stats() if getattr(eng, "spec", None) is not None else None)
+            speculative=eng.spec.stats() if getattr(eng, "spec", None) is not None else None,
+            **self._process_now(now))
+
+    def _process_now(self, now: float) -> dict[str, float]:
+        """rss_gb, pss_gb for a status: read again every ``MEMORY_REFRESH_S``, else the last reading."""
+        if now - self._memory_at >= MEMORY_REFRESH_S:
+            from engine.memory import process_memory
+            m = process_memory()
+            self._process_memory, self._memory_at = (m["rss_gb"], m["pss_gb"]), now
+        rss, pss = self._process_memory
+        return {"rss_gb": rss, "pss_gb": pss}
 
     def model_info(self) -> ModelInfo:
         eng = self.worker.engine
@@ -395,7 +429,7 @@ class StepLoop:
                          speculative=eng.spec.label if getattr(eng, "spec", None) is not None else "none",
                          quantization=quantization_name(eng.config.quantization, eng.model_path,
                                                                        eng.config.dequantize),
-                         kernels=eng.kernels, weights=self._weights)
+                         kernels=eng.kernels, weights=self._weights, memory=self.memory)
 
     def shutdown(self) -> None:
         self.running = False

@@ -153,6 +153,12 @@ def _bad_requests(ctx: int, vocab: int):
 def test_bad_input_is_invalid_argument_and_the_cluster_keeps_serving(stub, cluster, wait_idle):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.model == "SmolLM2-135M-Instruct" and info.vocab_size == 49152 and info.context_length > 0
+    # each worker's memory (issue 47): weights as served, its KV cache (kv_cache_gb 0.1 GiB), a process around them
+    assert sorted(m.worker_id for m in info.memory) == sorted(cluster.router.pools.workers)
+    for m in info.memory:
+        assert 0.4 < m.weights_gb < 0.7 and m.kv_cache_gb == pytest.approx(0.1 * 2**30 / 1e9, rel=0.05), m
+        assert m.rss_gb >= m.weights_gb and m.peak_rss_gb >= m.weights_gb and m.pss_gb > 0, m
+        assert m.role == cluster.router.pools.workers[m.worker_id].role
     for name, req in _bad_requests(info.context_length, info.vocab_size).items():
         with pytest.raises(grpc.RpcError) as e:
             collect(stub.Generate(req))
@@ -389,11 +395,17 @@ def test_the_block_check_finds_a_reservation_no_request_owns(stub, cluster, wait
     out = json.loads(r.stdout)
     assert r.returncode == 3 and out["blocks_checked"] and out["stranded_blocks"][dw.worker_id] >= 3, r.stdout
     assert set(out["stranded_blocks"]) == {dw.worker_id}
+    for w in out["workers"]:  # each worker's memory (issue 47), GB
+        m = w["memory"]
+        assert m["weights_gb"] > 0.4 and m["kv_cache_gb"] > 0 and m["rss_gb"] >= m["weights_gb"], w
+        assert set(m) == {"weights_gb", "packed_copies_gb", "kv_cache_gb", "other_gb", "rss_gb", "pss_gb",
+                          "peak_rss_gb"}
     ray.get(dw.actor.abort.remote(key))
     wait_idle(stub, cluster)
     r = subprocess.run([pdserve, "status", "--server", server, "--check-blocks"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "every KV block held belongs to a live request" in r.stdout, r.stdout
+    assert f"{dw.worker_id}: weights " in r.stdout and "memory (GB)" in r.stdout, r.stdout
 
 
 def _fill(ray, actor, tag: str) -> list:

@@ -119,3 +119,18 @@ def test_node_errors_say_how_each_kind_of_model_gets_onto_a_node():
     assert "`pdserve pull gemma3-270m` on every worker node" in _remedy("gemma3-270m")
     assert _what("gemma3-270m") == "catalogue model 'gemma3-270m'"
     assert _what("/m/x.gguf") == "GGUF file '/m/x.gguf'" and "same path" in _remedy("/m/x.gguf")
+
+
+def test_kv_cache_gb_auto_per_pool():
+    """``kv_cache_gb: auto`` (engine/kv_budget.py) per pool; the engine config keeps a number
+    until the worker sizes its cache on its node (WorkerOptions.kv_cache_auto)."""
+    from router.pools import engine_configs
+    cfg = load_config(LOCAL, {"decode.kv_cache_gb": "auto"})
+    assert cfg.decode.kv_cache_gb == "auto" and cfg.prefill.kv_cache_gb == 0.5  # the default stays fixed
+    prefill, decode = engine_configs(cfg, "/m")
+    assert prefill.cache.memory_gb == 0.5 and decode.cache.memory_gb > 0
+    assert load_config(LOCAL, {"prefill.kv_cache_gb": "auto"}).prefill.kv_cache_gb == "auto"
+    with pytest.raises(ConfigError, match="decode.kv_cache_gb: must be a number of GiB or auto, got 'lots'"):
+        load_config(LOCAL, {"decode.kv_cache_gb": "lots"})
+    with pytest.raises(ConfigError, match="prefill.kv_cache_gb: must be > 0"):
+        load_config(LOCAL, {"prefill.kv_cache_gb": 0})

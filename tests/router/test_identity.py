@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
 from router.admin import is_admin, scoped_id
+from router.admission import Admission
 from router.auth import Auth, FrontDoor, _digest
 from router.server import Reject, Router
 
@@ -42,6 +43,7 @@ def _router(monkeypatch, tokens: dict[str, str] = TOKENS) -> Router:
     r = object.__new__(Router)
     r.door = FrontDoor(auth=Auth({_digest(t): name for name, t in tokens.items()}))
     r.jobs, r._tokenizing, r.tokenizer = {}, None, None
+    r.admission = Admission()  # no per-token policy (router.admission)
     r.limits = SimpleNamespace(input=SimpleNamespace(request_id_chars=128))
     r.metrics = SimpleNamespace(prompt_tokens=SimpleNamespace(inc=lambda n: None))
     r._release = r._observe = lambda *a: None

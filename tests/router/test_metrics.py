@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,7 +29,9 @@ INFO = ModelInfo(model="m", fingerprint="f", incarnation="i", context_length=204
 
 
 def exported(workers) -> dict[str, list]:
-    router = SimpleNamespace(queued=1, jobs={}, pools=SimpleNamespace(workers=workers, bad_reports=3))
+    from router.admission import Admission
+    router = SimpleNamespace(queued=1, jobs={}, pools=SimpleNamespace(workers=workers, bad_reports=3),
+                             admission=Admission())
     m = RouterMetrics(router)
     m.requests.labels("stop").inc()
     for h in (m.ttft, m.tpot, m.itl, m.e2e):
@@ -61,3 +65,27 @@ def test_dashboard_queries_only_exported_series():
     dash = json.loads(DASHBOARD.read_text())
     used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"pdserve_[a-z0-9_]+", t["expr"])}
     assert used and used <= names, sorted(used - names)
+
+
+def test_memory_gauges_are_the_account_at_load_with_the_latest_rss():
+    """pdserve_memory_bytes{kind} (worker/metrics.py, on each worker's /metrics and the router's):
+    the worker's account at load (ModelInfo.memory), RSS and PSS from its latest status (through
+    the codec), in bytes."""
+    from worker.metrics import worker_families
+    from worker.protocol import Memory
+    info = msgspec.structs.replace(INFO, memory=Memory(weights_gb=0.54, packed_copies_gb=0.1, kv_cache_gb=0.2,
+                                                       other_gb=0.01, rss_gb=1.0, pss_gb=0.9, peak_rss_gb=1.5))
+    status = msgspec.structs.replace(STATUS, rss_gb=1.25, pss_gb=1.125)
+    status = decode_report(encode_report(Report("decode-0", "i", [], status))).status
+    labels = {"worker": "decode-0", "role": "decode"}
+
+    def memory(status) -> dict[str, float]:
+        fam = next(f for f in worker_families([(labels, status, info)]) if f.name == "pdserve_memory_bytes")
+        assert all(s.labels["worker"] == "decode-0" for s in fam.samples)
+        return {s.labels["kind"]: s.value for s in fam.samples}
+
+    assert memory(status) == pytest.approx({"weights": 0.54e9, "packed_copies": 0.1e9, "kv_cache": 0.2e9,
+                                            "other": 0.01e9, "rss": 1.25e9, "pss": 1.125e9, "peak_rss": 1.5e9})
+    assert memory(None)["rss"] == pytest.approx(1.0e9)  # before its first status: the figures taken at load
+    fam = next(f for f in worker_families([(labels, status, INFO)]) if f.name == "pdserve_memory_bytes")
+    assert not fam.samples  # no account (an older worker, or the account failed): no series rather than zeros

@@ -159,7 +159,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "context_length", "vocab_size", "dtype", "quantization", "speculative", "block_size", "kernels")
+    __slots__ = ("model", "context_length", "vocab_size", "dtype", "quantization", "speculative", "block_size", "kernels", "memory")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class ModelInfo(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     model: str
     context_length: int
     vocab_size: int
@@ -176,7 +177,30 @@ class ModelInfo(_message.Message):
     speculative: str
     block_size: int
     kernels: str
-    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
+    memory: _containers.RepeatedCompositeFieldContainer[WorkerMemory]
+    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ..., block_size: _Optional[int] = ..., kernels: _Optional[str] = ..., memory: _Optional[_Iterable[_Union[WorkerMemory, _Mapping]]] = ...) -> None: ...
+
+class WorkerMemory(_message.Message):
+    __slots__ = ("worker_id", "role", "weights_gb", "packed_copies_gb", "kv_cache_gb", "other_gb", "rss_gb", "pss_gb", "peak_rss_gb")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_GB_FIELD_NUMBER: _ClassVar[int]
+    PACKED_COPIES_GB_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GB_FIELD_NUMBER: _ClassVar[int]
+    OTHER_GB_FIELD_NUMBER: _ClassVar[int]
+    RSS_GB_FIELD_NUMBER: _ClassVar[int]
+    PSS_GB_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_GB_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    weights_gb: float
+    packed_copies_gb: float
+    kv_cache_gb: float
+    other_gb: float
+    rss_gb: float
+    pss_gb: float
+    peak_rss_gb: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., weights_gb: _Optional[float] = ..., packed_copies_gb: _Optional[float] = ..., kv_cache_gb: _Optional[float] = ..., other_gb: _Optional[float] = ..., rss_gb: _Optional[float] = ..., pss_gb: _Optional[float] = ..., peak_rss_gb: _Optional[float] = ...) -> None: ...
 
 class GetClusterStatusRequest(_message.Message):
     __slots__ = ("check_blocks",)
@@ -185,7 +209,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self, check_blocks: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "metrics_address", "restarts", "speculative_acceptance", "speculative_tokens_per_verify", "stranded_blocks")
+    __slots__ = ("worker_id", "role", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "metrics_address", "restarts", "speculative_acceptance", "speculative_tokens_per_verify", "stranded_blocks", "memory")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +223,7 @@ class WorkerStatus(_message.Message):
     SPECULATIVE_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_TOKENS_PER_VERIFY_FIELD_NUMBER: _ClassVar[int]
     STRANDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     state: str
@@ -212,7 +237,8 @@ class WorkerStatus(_message.Message):
     speculative_acceptance: float
     speculative_tokens_per_verify: float
     stranded_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., metrics_address: _Optional[str] = ..., restarts: _Optional[int] = ..., speculative_acceptance: _Optional[float] = ..., speculative_tokens_per_verify: _Optional[float] = ..., stranded_blocks: _Optional[int] = ...) -> None: ...
+    memory: WorkerMemory
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., metrics_address: _Optional[str] = ..., restarts: _Optional[int] = ..., speculative_acceptance: _Optional[float] = ..., speculative_tokens_per_verify: _Optional[float] = ..., stranded_blocks: _Optional[int] = ..., memory: _Optional[_Union[WorkerMemory, _Mapping]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("mode", "workers", "metrics_address", "queued_requests", "active_requests", "autoscale_events", "blocks_checked")
