@@ -33,7 +33,7 @@ PIP_FLAGS   ?= --quiet
 PIP_NOISE   := is neither a file nor a directory
 PIP_FILTER  := 2>&1 | { grep -v '$(PIP_NOISE)' || true; }
 PYTEST_ARGS ?=
-# test-avx2: which tests (default: all but those that stop Ray); e.g. TESTS='tests/quant tests/engine'
+# test-avx2: which tests (default: all but those that stop Ray); e.g. TESTS=tests/engine (quant and spec included)
 TESTS       ?= tests
 # Kernel dispatch held to AVX2 + FMA, as on the smallest CPUs of this project's kind: torch
 # (ATEN_CPU_CAPABILITY, which inductor follows too), fbgemm, oneDNN and MKL each have their own

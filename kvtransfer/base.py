@@ -210,7 +210,7 @@ class FrameTransport(ABC):
     @abstractmethod
     def bind(self) -> str:
         """Start accepting peers; returns the address others ``connect`` to (the newest, where
-        a transport's address can change: ``ucx.py``)."""
+        a transport's address can change: ``ucx/transport.py``)."""
 
     def identity(self, address: str) -> str:
         """What stays the same across every address one peer has had: the key to know a peer
@@ -261,7 +261,7 @@ def get_transport(name: str, **kwargs) -> FrameTransport:
 
 
 # The transports that ship with pdserve (name -> module that registers it): what a config may name.
-BUILTIN_TRANSPORTS = {"ucx": "kvtransfer.ucx", "zmq": "kvtransfer.zmq_transport", "inproc": "kvtransfer.inproc"}
+BUILTIN_TRANSPORTS = {"ucx": "kvtransfer.ucx.transport", "zmq": "kvtransfer.zmq_transport", "inproc": "kvtransfer.inproc"}
 
 
 def _load_builtin() -> None:
@@ -273,5 +273,5 @@ def _load_builtin() -> None:
         try:
             importlib.import_module(mod)
         except ImportError as e:
-            if mod != "kvtransfer.ucx" or (e.name or "").split(".")[0] not in ("ucxx", "rmm"):
+            if mod != BUILTIN_TRANSPORTS["ucx"] or (e.name or "").split(".")[0] not in ("ucxx", "rmm"):
                 raise

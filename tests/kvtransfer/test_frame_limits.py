@@ -68,7 +68,7 @@ def test_ucx_admits_a_peers_frames_only_within_its_in_flight_budget():
     """The receive side's bookkeeping alone (no UCX): messages wait, unallocated, in order, until
     the peer's messages on their way leave room; a larger one goes alone."""
     pytest.importorskip("ucxx")
-    from kvtransfer.ucx_recv import ReceiveSide, _Incoming
+    from kvtransfer.ucx.recv import ReceiveSide, _Incoming
     side = object.__new__(ReceiveSide)
     side._init_receive_side()
     side.peer_inflight_bytes = 100
@@ -89,7 +89,7 @@ def test_ucx_admits_a_peers_frames_only_within_its_in_flight_budget():
 def _raw_sender(address: str):
     import ucxx._lib.libucxx as ucx_api
 
-    from kvtransfer import ucx_wire
+    from kvtransfer.ucx import wire as ucx_wire
     ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
     worker = ucx_api.UCXWorker(ctx)
     _, addr, _, _ = ucx_wire.parse_address(address)
@@ -102,7 +102,7 @@ def _send_header(raw, uid: int, header: bytes) -> None:
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib.arr import Array
 
-    from kvtransfer import ucx_wire
+    from kvtransfer.ucx import wire as ucx_wire
     buf = np.frombuffer(header, np.uint8)
     req = raw.ep.tag_send(Array(buf), ucx_api.UCXXTag(ucx_wire.tag(ucx_wire.HEADER, uid, 0)))
     while not req.completed:
@@ -113,7 +113,7 @@ def _send_header(raw, uid: int, header: bytes) -> None:
 @pytest.mark.parametrize("case", ["unsealed", "wrong-key", "over-limit"])
 def test_ucx_refuses_a_bad_or_oversized_header_before_allocating(case):
     pytest.importorskip("ucxx")
-    from kvtransfer import ucx_wire
+    from kvtransfer.ucx import wire as ucx_wire
     from kvtransfer.ucx import UcxTransport
     key = b"k" * 32
     server, good = UcxTransport(key=key), UcxTransport(key=key)

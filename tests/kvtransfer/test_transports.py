@@ -158,7 +158,7 @@ def test_disconnect_forgets_and_connect_starts_afresh(make):
 
 def test_the_other_side_sees_a_disconnect_as_a_drop(make):
     """zmq and inproc report the peer's disconnect to the other side. UCX without endpoint
-    error handling (kvtransfer/ucx.py says why it stays off) cannot tell: nothing is reported
+    error handling (kvtransfer/ucx/transport.py says why it stays off) cannot tell: nothing is reported
     there, and the receiver's lease (or the router's own disconnect) covers that case."""
     import time
     server, client = make(), make()

@@ -28,7 +28,7 @@ else:
 
 import xxhash  # noqa: E402
 
-from kvtransfer import ucx, ucx_wire  # noqa: E402
+from kvtransfer.ucx import transport as ucx, wire as ucx_wire  # noqa: E402
 from kvtransfer.base import TRANSPORTS, _load_builtin  # noqa: E402
 from kvtransfer.ucx import UcxTransport  # noqa: E402
 

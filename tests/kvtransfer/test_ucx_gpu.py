@@ -32,7 +32,7 @@ else:
 
 import xxhash  # noqa: E402
 
-from kvtransfer import ucx, ucx_device, ucx_wire  # noqa: E402
+from kvtransfer.ucx import device as ucx_device, transport as ucx, wire as ucx_wire  # noqa: E402
 from kvtransfer.base import KVLayout, TransferState  # noqa: E402
 from kvtransfer.format import FrameError, decode_frames, encode_frames, gather_layer  # noqa: E402
 from kvtransfer.receiver import KVReceiver  # noqa: E402

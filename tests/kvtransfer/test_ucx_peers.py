@@ -1,4 +1,4 @@
-"""The UCX transport's peer table (kvtransfer/ucx_peers.py): it stays bounded as peers come and
+"""The UCX transport's peer table (kvtransfer/ucx/peers.py): it stays bounded as peers come and
 go, never forgets a peer whose next message would not bring its address back, and keeps one
 endpoint per address for every connection to it (closed for good only when broken, when its
 process has exited (at the next connection to it or the next prune), past MAX_PEERS addresses,
@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtransfer import ucx_peers
-from kvtransfer.ucx_peers import ENDPOINT_IDLE_S, PEER_IDLE_S, PRUNE_EVERY_S, PeerTable, process_gone, this_process
+from kvtransfer.ucx import peers as ucx_peers
+from kvtransfer.ucx.peers import ENDPOINT_IDLE_S, PEER_IDLE_S, PRUNE_EVERY_S, PeerTable, process_gone, this_process
 
 
 class FakeUcx:
@@ -101,7 +101,7 @@ def test_a_broken_endpoint_is_closed_for_good_and_the_next_connection_makes_a_ne
 
 def _exited_process() -> str:
     """The identity of a process that has exited (and was reaped)."""
-    code = "from kvtransfer.ucx_peers import this_process; print(this_process())"
+    code = "from kvtransfer.ucx.peers import this_process; print(this_process())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     return out.stdout.strip()

@@ -1,5 +1,5 @@
 """A UCX transport replaces its UCX worker once enough peers are gone for good
-(kvtransfer/ucx_generation.py): what UCX mapped of dead peers is unmapped then, and every live
+(kvtransfer/ucx/generation.py): what UCX mapped of dead peers is unmapped then, and every live
 peer goes on talking to it through the change, senders and receivers alike.
 
 Why: UCX keeps a peer's shared-memory segments mapped while our UCX worker lives once that peer
@@ -22,13 +22,13 @@ pytest.importorskip("ucxx", reason="ucxx (pip ucxx-cu12) is not importable: no U
 import torch  # noqa: E402
 
 from engine.kv_cache import BlockManager, allocate_kv_tensors  # noqa: E402
-from kvtransfer import ucx_generation, ucx_peers  # noqa: E402
+from kvtransfer.ucx import generation as ucx_generation, peers as ucx_peers  # noqa: E402
 from kvtransfer.base import TransferState  # noqa: E402
 from kvtransfer.format import gather_layer  # noqa: E402
 from kvtransfer.receiver import KVReceiver  # noqa: E402
 from kvtransfer.sender import KVSender  # noqa: E402
 from kvtransfer.ucx import UcxTransport  # noqa: E402
-from kvtransfer.ucx_wire import parse_address  # noqa: E402
+from kvtransfer.ucx.wire import parse_address  # noqa: E402
 from tests.kvtransfer.test_faults import peer_mod, spawn  # noqa: E402,F401  (spawn is a fixture)
 from tests.kvtransfer.test_ucx import make, recv_wait  # noqa: E402,F401  (make is a fixture)
 from tests.kvtransfer.test_ucx_faults import shared_memory_mappings  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvtransfer import ucx_wire as wire
+from kvtransfer.ucx import wire
 
 
 def test_header_round_trip_host_and_device():

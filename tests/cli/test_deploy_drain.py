@@ -19,7 +19,7 @@ import yaml
 
 from cli.deploy import invocations
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 # a stand-in for `pdserve serve` (its command line says so): on SIGTERM it takes 0.5 s, as running
 # requests finishing would, writes when it finished, then exits; with "stubborn" it ignores SIGTERM

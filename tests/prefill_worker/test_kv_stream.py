@@ -1,6 +1,6 @@
 """The transfer thread's logic (prefill_worker/kv_stream.py) with a recording sender: order,
 one request's failure isolated, flush reporting it once, and no silent hang if the thread is
-gone. The real sender and transports run it in tests/workers/test_workers.py."""
+gone. The real sender and transports run it in tests/worker/test_prefill_decode.py."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import yaml
 from cli.deploy import check_cluster_file, check_security
 from router.config import load_config
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CLUSTER_FILES = sorted(DEPLOY.glob("cluster-*.yaml"))
 
 
@@ -94,7 +94,7 @@ def test_make_secrets_writes_what_the_cluster_config_names(tmp_path):
 
 def test_the_onprem_loopback_file_validates_with_token_auth_on_every_node():
     """deploy/onprem-loopback.yaml: `ray up` with the local provider on 127.0.0.1-3 (run by hand:
-    it needs an SSH server; README "Deploying"). Ray's own validation, and Ray's token auth in
+    it needs an SSH server; deploy/README.md). Ray's own validation, and Ray's token auth in
     every start command (Ray resolves a 127.0.0.1 head to the machine's address)."""
     import copy
 

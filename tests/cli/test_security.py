@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cli.client import channel, connect, make_request
 from pdserve.v1 import pdserve_pb2 as pb
-from tests.test_cli import PDSERVE, _run
+from tests.cli.test_cli import PDSERVE, _run
 
 ALICE, BOB = "alice-" + "a" * 26, "bob-" + "b" * 28
 ADMIN = "admin-" + "c" * 26  # named admin: the operator's class (router/admin.py)

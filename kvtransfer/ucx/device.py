@@ -1,4 +1,4 @@
-"""GPU buffers for the UCX transport: what ``ucx.py`` needs to send and receive device memory.
+"""GPU buffers for the UCX transport: what ``transport.py`` needs to send and receive device memory.
 
 UCX moves CUDA memory itself (``cuda_ipc``/NVLink between GPUs of one node, ``cuda_copy`` plus
 RDMA or TCP across nodes); ucxx's ``Array`` accepts any ``__cuda_array_interface__`` object.

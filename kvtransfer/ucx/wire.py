@@ -1,4 +1,4 @@
-"""The UCX transport's wire protocol, address format and receive buffers (``ucx.py`` runs them).
+"""The UCX transport's wire protocol, address format and receive buffers (``transport.py`` runs them).
 
 Wire protocol. Every worker picks a random 32-bit ``uid``. A 64-bit UCX tag is
 ``kind (2 bits) | sender uid (32) | seq (30)``; a message to one peer is a header
@@ -8,15 +8,15 @@ one ``"h"`` (host) or ``"d"`` (device) per frame, only when some frame is in GPU
 elements (an older peer's header, or any host-only message) mean all host, so host traffic
 is unchanged on the wire. The sender's address is in the first message of each connection (a
 new one starts after a drop, a ``disconnect`` or an idle spell, on the same UCX endpoint:
-``ucx_peers.py``), so the receiver can make the endpoint its replies use, and knows the
+``peers.py``), so the receiver can make the endpoint its replies use, and knows the
 sender's earlier connection is gone. Each connection starts its seq at random (then +1 per
 message, modulo 2^30), so tags of an earlier one's messages still in flight are not taken for
 a new one's. The receiver probes for kind-1 tags from any
 sender, so the peer id it reports is the sender's uid -- the same id the sender got from
 ``connect``. A header that carries the address also carries, as its sixth and seventh elements
-(the memory-type string is then always the fifth), the sender's process (``ucx_peers``'s
+(the memory-type string is then always the fifth), the sender's process (``peers``'s
 ``this_process()``, or None) and the *generation* of its UCX worker (0 first; a transport that
-replaces its worker, ``ucx.py``, counts up): the receiver then knows when that process has
+replaces its worker, ``transport.py``, counts up): the receiver then knows when that process has
 exited, and which of two addresses of one uid is the newer (an older version refuses such a
 header: the workers of one cluster run one version). Lengths are checked against
 ``MAX_HEADER_BYTES`` / ``MAX_FRAME_BYTES`` / ``MAX_MESSAGE_BYTES`` / ``MAX_FRAMES`` before anything is allocated; a
@@ -133,7 +133,7 @@ def open_header(key: bytes, uid: int, buf) -> memoryview:
 
 def format_address(uid: int, worker_address: bytes, process: str | None = None, gen: int = 0) -> str:
     """``ucx://<uid hex>/<base64 worker address>[/<process>[/<generation>]]``; ``process``
-    (``ucx_peers``'s ``this_process()``, ``-`` when unknown) lets a peer on this host tell that
+    (``peers``'s ``this_process()``, ``-`` when unknown) lets a peer on this host tell that
     it has exited; the generation of the UCX worker (see the module doc) which address is newer."""
     tail = f"/{process or '-'}/{gen}" if gen else f"/{process}" if process else ""
     return f"{_SCHEME}{peer_id(uid)}/{base64.urlsafe_b64encode(worker_address).decode()}{tail}"

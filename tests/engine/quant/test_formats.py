@@ -135,7 +135,7 @@ def test_w8a8_on_the_avx2_code_path_uses_7_bit_activations():
     env = dict(os.environ, FBGEMM_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2",
                ATEN_CPU_CAPABILITY="avx2")
     out = subprocess.run([sys.executable, "-c", _NO_VNNI_PROBE], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["reduce_range"] is True
@@ -151,4 +151,6 @@ def test_bytes_per_weight():
     i4 = Int4Linear(quantize_weight(w, 4, 128, True))
     fp = w.numel() * 4
     assert i8.weight_bytes() < 0.26 * fp
-    assert i4.weight_bytes() < 0.14 * fp
+    # INT4: half a byte a weight, plus a scale and a zero point per group of 128, fp32 at most
+    # (the native kernels' layout; torch's int4pack keeps them in bf16): 0.5625 B, 14% of fp32
+    assert i4.weight_bytes() <= w.numel() * (0.5 + 2 * 4 / 128)

@@ -2,9 +2,9 @@
 
 Why a transport replaces its UCX worker: what UCX maps of a peer that connected back to us
 stays mapped until our worker is destroyed, even once the peer's process has exited or its
-endpoint is closed (``ucx_peers.py``, "Stale peers"). A long-lived worker whose peers are
+endpoint is closed (``peers.py``, "Stale peers"). A long-lived worker whose peers are
 replaced (restarts, autoscaling, faults) would keep every dead peer's shared memory. So once
-enough peers are stale, ``ucx.py`` makes a new :class:`Generation` (a new UCX context and
+enough peers are stale, ``transport.py`` makes a new :class:`Generation` (a new UCX context and
 worker: a new worker address, the same uid), tells every known peer its new address (an
 empty message on a new connection, whose header carries the address and the generation), and
 keeps the old generation receiving until ``RETIRE_AFTER_S`` has passed and nothing is in

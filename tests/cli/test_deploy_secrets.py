@@ -16,7 +16,7 @@ import pytest
 
 from cli.deploy import Mounts, _prepared
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_UP_FILES = sorted(DEPLOY.glob("cluster-*.yaml")) + [DEPLOY / "onprem-loopback.yaml"]
 
 

@@ -11,7 +11,7 @@ import yaml
 
 from cli.deploy import _excluded, check_cluster_file, invocations
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 AWS = DEPLOY / "cluster-aws.yaml"
 ENV = ("export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=t RAY_USE_TLS=1 RAY_TLS_SERVER_CERT=c RAY_TLS_SERVER_KEY=k "
        "RAY_TLS_CA_CERT=a")

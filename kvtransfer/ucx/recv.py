@@ -1,14 +1,14 @@
-"""The receiving half of the UCX transport's progress thread (``ucx.py`` runs it).
+"""The receiving half of the UCX transport's progress thread (``transport.py`` runs it).
 
-A mixin of :class:`kvtransfer.ucx.UcxTransport`, run by its progress thread only; it uses
-these attributes of the transport: ``_generations()`` (its UCX workers: ``ucx_generation.py``), ``_pool``, ``device``, ``_peers``
-(``ucx_peers.py``), ``_inbox``, ``refused_device`` and ``_lost``. Its own tables:
+A mixin of :class:`kvtransfer.ucx.transport.UcxTransport`, run by its progress thread only; it uses
+these attributes of the transport: ``_generations()`` (its UCX workers: ``generation.py``), ``_pool``, ``device``, ``_peers``
+(``peers.py``), ``_inbox``, ``refused_device`` and ``_lost``. Its own tables:
 ``_receiving`` (uid → that peer's messages in arrival order, kept only while one is on its
 way), ``_cut`` (messages of a dropped connection, kept until UCX no longer writes into their
 buffers) and ``_banned`` (peers that sent a bad header, bounded, oldest out first).
 
 Each message: the header is probed from any sender and received; with a key its MAC is
-checked (``ucx_wire.open_header``), then its lengths (a frame above ``limit_frames``' bound,
+checked (``wire.open_header``), then its lengths (a frame above ``limit_frames``' bound,
 or a message above twice it, bans the peer), all before anything is allocated; its frames'
 receives are posted into buffers of the announced lengths (host: pooled; device: fresh CUDA
 memory) once that peer's messages on their way (posted, not yet delivered) hold less than
@@ -33,7 +33,7 @@ import numpy as np
 import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 
-from kvtransfer import ucx_device, ucx_wire as wire
+from kvtransfer.ucx import device as ucx_device, wire
 
 logger = logging.getLogger("kvtransfer.ucx")
 
@@ -211,7 +211,7 @@ class ReceiveSide:
         with its old one: set them aside and put a drop mark in their place, so the caller
         learns of the drop before ``msg``; our connection to it ends too (as a reset would: our
         next message to it starts a new one, with a hello and a fresh seq, on the UCX endpoint
-        kept for its address -- ``ucx_peers.py``)."""
+        kept for its address -- ``peers.py``)."""
         older = list(queue)[:queue.index(msg)]
         cut = [m for m in older if not m.done() and m.worker is msg.worker]
         if not cut:

@@ -169,7 +169,7 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen([PDSERVE, "serve", "--config", os.path.join(root, "deploy", "local.yaml"),
                              "--port", str(port), "--metrics-port", "0", "--http-port", "0"],
                             stderr=subprocess.PIPE, text=True)
@@ -200,7 +200,7 @@ def test_serve_generate_status_and_ctrl_c(tmp_path):
 def _serve(port: int):
     """`pdserve serve` on ``port`` (deploy/local.yaml), once it says it serves."""
     import time
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen([PDSERVE, "serve", "--config", os.path.join(root, "deploy", "local.yaml"),
                              "--port", str(port), "--metrics-port", "0", "--http-port", "0"],
                             stderr=subprocess.PIPE, text=True)

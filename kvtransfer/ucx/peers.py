@@ -14,7 +14,7 @@ thread touches the table. Three rules keep it bounded while peers come and go:
 - past ``MAX_PEERS`` records, the least recently active heard one is forgotten at once.
 
 "Idle": no message to or from the peer. A message to a forgotten peer is dropped and
-reported (``ucx.py``), never an error.
+reported (``transport.py``), never an error.
 
 Endpoints: one per worker address, made by the first connection to it and reused by every
 later one (each still starts with a hello and a fresh seq: the peer sees a new connection).
@@ -38,7 +38,7 @@ our endpoint is closed; only destroying the worker unmaps it. So the table count
 ``stale``, the peers that are surely gone since our worker was made: an endpoint closed because
 its process exited, a heard peer forgotten for the same reason, and an address superseded by
 a newer one of the same uid (its process replaced its UCX worker: the generation in its
-hello, or in a dialed address, is higher). ``ucx.py`` replaces its worker when ``stale``
+hello, or in a dialed address, is higher). ``transport.py`` replaces its worker when ``stale``
 passes ``recycle_at`` (and hands the table the new one's endpoints from then on: ``take_endpoints``).
 """
 

@@ -9,11 +9,11 @@ One background thread ("ucx-progress") owns the UCX worker; the caller never tou
 never blocks::
 
     caller                            progress thread
-    connect(addr) ─────────► _outbox ──► record the peer (ucx_peers.py; connection made on first send)
+    connect(addr) ─────────► _outbox ──► record the peer (peers.py; connection made on first send)
     send(peer, frames) ──► _outbox ──► post header + one tagged send per non-empty frame;
                                        keep the caller's buffers until each send completes
     disconnect(peer) ──────► _outbox ──► end our connection, forget the peer (the UCX endpoint
-                                       stays for the next connection to that address: ucx_peers.py)
+                                       stays for the next connection to that address: peers.py)
                                        probe headers from any peer ─► post one tagged recv per
                                        frame into a pooled buffer of the announced length
     recv() ◄────────────── _inbox ◄── message complete and first in its sender's order,
@@ -24,7 +24,7 @@ rendezvous raises no wake-up event), yielding the GIL each round; when idle, or 
 without any completion (a dead peer), it sleeps on the worker's epoll fd and a wake pipe with
 a 2 ms timeout, so an idle transport costs almost nothing.
 
-Wire protocol (tags, header, address format): ``ucx_wire.py``.
+Wire protocol (tags, header, address format): ``wire.py``.
 
 Buffers. Sends are zero-copy from the caller's buffers: keep them unchanged until delivered.
 Received host frames are writable memoryviews (format "B") owned by the caller; their memory
@@ -38,29 +38,29 @@ posted once the caller's current stream has produced them (an event, polled). A 
 is received into a fresh uint8 CUDA tensor on this transport's ``device`` and ``recv``
 returns that tensor itself, not a memoryview. A side without CUDA drops messages with device
 frames before allocating anything, logs an error and counts them in ``refused_device``; the
-sender's sends of them stay in flight until its ``close``. Stream details: ``ucx_device.py``.
+sender's sends of them stay in flight until its ``close``. Stream details: ``device.py``.
 
 Dropped connections. Endpoint error handling is off (it would disable shared memory), so UCX
 itself reports no dead peer. A connection is this side's conversation with a peer: it starts
 with a hello (our address) and a fresh seq, on the UCX endpoint kept for that peer's address
-(``ucx_peers.py``: a new endpoint per connection would map the peer's shared memory again).
+(``peers.py``: a new endpoint per connection would map the peer's shared memory again).
 This side reports a peer dropped (``dropped``; our connection to it ends and the peer is
 forgotten, or for a peer that reconnected, its earlier connection's state) when: an endpoint
 to it cannot be made, or its process has exited (its address says which: then no kept
 endpoint is reused); a send to it (then its endpoint is closed for good) or a receive from it
 fails; a message goes to a peer this side does not know (never connected, disconnected, or
-forgotten: ``ucx_peers.py``); or it started a new connection to us (its first message carries
+forgotten: ``peers.py``); or it started a new connection to us (its first message carries
 its address again) while messages of its earlier one are still incomplete: those are cut, left
 to finish in the background, never delivered. Sends to a peer that died silently stay in flight
 until ``close`` cancels them after ``linger_s`` (UCX cannot cancel them one by one): a peer
 that just stops is noticed by the lifecycle's lease, or by whoever calls ``disconnect``.
 Flow control on receive only: a peer's frames are received while its messages on their way
-hold at most ``ucx_recv.PEER_INFLIGHT_BYTES`` (later ones wait, unallocated, at the sender);
+hold at most ``recv.PEER_INFLIGHT_BYTES`` (later ones wait, unallocated, at the sender);
 a receiver that stops calling ``recv`` still accumulates delivered messages.
 
 Replaced workers. What UCX maps of a peer stays mapped until our UCX worker is destroyed, so
-once enough peers are gone for good (``ucx_peers.py``, "Stale peers") and nothing is in
-flight, the progress thread replaces the worker (``ucx_generation.py``): the uid stays, the
+once enough peers are gone for good (``peers.py``, "Stale peers") and nothing is in
+flight, the progress thread replaces the worker (``generation.py``): the uid stays, the
 address (``bind``) changes, every known peer is told the new one on a new connection, and the
 old worker keeps receiving until it is quiet, then is destroyed. A peer that dials an older
 address of a uid than one it has heard keeps the newer (addresses carry the generation).
@@ -86,13 +86,13 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before ucxx loads UCX
 import ucxx._lib.libucxx as ucx_api  # noqa: E402  (ImportError here: "ucx" stays unregistered)
 from ucxx._lib.arr import Array  # noqa: E402
 
-from kvtransfer import ucx_device, ucx_wire as wire  # noqa: E402
+from kvtransfer.ucx import device as ucx_device, wire  # noqa: E402
 from kvtransfer.base import MAX_DROP_REPORTS, Buffer, FrameTransport, register_transport  # noqa: E402
-from kvtransfer.ucx_generation import Generation  # noqa: E402
-from kvtransfer.ucx_peers import PeerTable, this_process  # noqa: E402
-from kvtransfer.ucx_recv import ReceiveSide, _check  # noqa: E402
+from kvtransfer.ucx.generation import Generation  # noqa: E402
+from kvtransfer.ucx.peers import PeerTable, this_process  # noqa: E402
+from kvtransfer.ucx.recv import ReceiveSide, _check  # noqa: E402
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvtransfer.ucx")  # one logger for the whole transport, as before it was a package
 
 _IDLE_WAIT_S = 0.002  # sleep bound when idle: shared-memory traffic may raise no event
 _SPIN_S = 1.0  # stop spinning after this long without any completion (e.g. a dead peer)
@@ -116,7 +116,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
             and spins while one is in flight: on a CPU worker, give it a core the forward does
             not use, or it preempts the forward by as much as the transfer it should hide
             (bench/kv_overlap.py).
-        key: the cluster key: headers go sealed and only sealed ones are taken (``ucx_wire``).
+        key: the cluster key: headers go sealed and only sealed ones are taken (``wire``).
     Raises:
         ValueError: ``device`` given but not a CUDA device, CUDA missing, or excluded by ``tls``;
             ``progress_cpus`` empty or naming a core this machine does not have.
@@ -141,7 +141,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
         self.device = device
         self.device_frames = device is not None  # FrameTransport capability: send/recv GPU memory
         self._config = {"TLS": tls} if tls else None
-        self._gen = Generation.make(0, self._config)  # the UCX worker in use (ucx_generation.py)
+        self._gen = Generation.make(0, self._config)  # the UCX worker in use (generation.py)
         self._retiring: list[Generation] = []  # replaced ones, receiving until quiet
         self.recycles = 0  # workers replaced
         self.uid = secrets.randbits(32)
@@ -156,7 +156,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
         self._peers = PeerTable(self._make_endpoint, _close_endpoint)
         # (uid, endpoint, request, buffer kept alive, the generation it went on)
         self._sending: list[tuple[int, object, object, object, Generation]] = []
-        self._init_receive_side(key)  # _receiving, _cut, _banned, limits (ucx_recv.py)
+        self._init_receive_side(key)  # _receiving, _cut, _banned, limits (recv.py)
         self.unroutable = 0  # messages dropped: their peer was unreachable or unknown
         self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
         self._pool = wire.BufferPool(pool_bytes)
@@ -399,7 +399,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
             self._post_send(uid, [], [], "", now)
 
     def _destroy_retired(self, now: float) -> None:
-        """Destroy replaced workers once quiet (``ucx_generation.py``); what is still in flight
+        """Destroy replaced workers once quiet (``generation.py``); what is still in flight
         on one then is cut, and its peer reported dropped."""
         for g in list(self._retiring):
             w = g.worker
