@@ -114,6 +114,8 @@ class LLMEngine:
         self.kernels = report(self.model, single_token=st.kernel if st is not None else None,
                               rows=st.max_rows if st is not None else 1)
         log.info("kernels: %s", self.kernels)
+        from engine.memory import release_freed_memory
+        release_freed_memory()  # the load's freed temporaries: not the worker's to keep
         self.load_seconds = time.monotonic() - t0
 
     # ---- requests ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ Process-level figures (RSS, PSS, peak) come from /proc and getrusage: ``process_
 
 from __future__ import annotations
 
+import ctypes
 import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,3 +167,13 @@ def process_memory() -> dict[str, float]:
     except OSError:
         pass
     return {k: round(v, 3) for k, v in out.items()}
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading converts weights
+    through large temporaries that glibc keeps for reuse once freed: 1.1 GB of a 1.5B GGUF
+    load's resident memory on this machine was such free heap. A no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -226,6 +226,8 @@ def _load_calibration(path: Path, quantization) -> list[list[int]] | None:
 def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool,
                        compile_rows: int | None = 1, min_rows: int = 1) -> LlamaForCausalLM:
     """Attach the fast decode path (if asked for and supported), prepack, build it."""
+    from engine.memory import release_freed_memory
+    release_freed_memory()  # the conversion's temporaries, before the layouts below are built
     if single_token and SingleTokenDecoder.supports(model):
         # copies the plain weights: before prepacking
         model.single_token = SingleTokenDecoder(model, compile_rows, min_rows)

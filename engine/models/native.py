@@ -101,6 +101,9 @@ def library() -> ctypes.CDLL | None:
     for f in (lib.pd_pre, lib.pd_post, lib.pd_post_pre, lib.pd_logits, lib.pd_layer):
         f.restype = None
     lib.pd_vector_width.restype = i
+    lib.pd_linear_i4.argtypes = [p, i, p, p, i]
+    lib.pd_dequant_i4.argtypes = [p, p, i]
+    lib.pd_linear_i4.restype = lib.pd_dequant_i4.restype = None
     return lib
 
 
@@ -127,16 +130,50 @@ class Attn(ctypes.Structure):
 
 def int4_weights(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, lanes: int, out: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An INT4 linear in the kernel's layout: q [N, K] (0..15) packed into ``out`` (uint8 [N, K/2])
-    in blocks of 2 * ``lanes`` columns (byte i: column i low, column lanes + i high), and the
-    group scales s and offsets z [N, K/group] of w = (q - 8) * s + z, rounded to bf16 as torch's
-    int4pack kernel stores them (Int4Linear.kernel_weight), so both paths apply the same weights."""
+    """An INT4 linear in the kernels' layout: q [N, K] (0..15) packed into ``out`` (uint8
+    [N, K/2]) in blocks of 2 * ``lanes`` columns (byte i: column i low, column lanes + i high),
+    and its group scales and zero points [N, K/group] as they are (fp32): the kernels apply
+    w = (q - zero) * scale as q * scale + (-zero * scale), one FMA, on every path."""
     n, k = q.shape
     blocks = q.to(torch.uint8).view(n, k // (2 * lanes), 2, lanes)
     out.view(n, k // (2 * lanes), lanes).copy_(blocks[:, :, 0] | (blocks[:, :, 1] << 4))
-    s = scale.to(torch.bfloat16).float()
-    z = ((8.0 - zero) * scale).to(torch.bfloat16).float()
-    return out, s.contiguous(), z.contiguous()
+    return out, scale.float().contiguous(), zero.float().contiguous()
+
+
+def int4_codes(w: torch.Tensor, lanes: int) -> torch.Tensor:
+    """Inverse of :func:`int4_weights`' packing: the codes q [N, K] (uint8, 0..15)."""
+    n, half = w.shape
+    blocks = w.view(n, half // lanes, 1, lanes)
+    return torch.cat((blocks & 15, blocks >> 4), 2).view(n, 2 * half)
+
+
+class Int4Kernel:
+    """One INT4 linear served by this library from its weights in :func:`int4_weights`' layout
+    (the only copy the process holds): any number of rows through the GEMV, or the weights
+    dequantized for a GEMM. The tensors must outlive this object (their owner holds both)."""
+
+    def __init__(self, lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+                 group: int) -> None:
+        if not (w.is_contiguous() and s.is_contiguous() and z.is_contiguous() and b.is_contiguous()):
+            raise ValueError("INT4 kernel tensors must be contiguous")
+        if s.dtype != torch.float32 or z.dtype != torch.float32 or w.dtype != torch.uint8:
+            raise ValueError(f"INT4 kernel reads uint8 codes and fp32 scales/zeros, got {w.dtype} {s.dtype} {z.dtype}")
+        n, half = w.shape
+        self.lib, self.n, self.k = lib, n, 2 * half
+        self.lin = Lin(w.data_ptr(), s.data_ptr(), z.data_ptr(), b.data_ptr(), n, 2 * half, W_I4, group)
+        self.ptr = ctypes.addressof(self.lin)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] fp32 contiguous -> x W^T + b [R, N]."""
+        y = torch.empty(x.shape[0], self.n)
+        self.lib.pd_linear_i4(self.ptr, x.shape[0], x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def dequantize(self, out: torch.Tensor) -> torch.Tensor:
+        """The weights as fp32 [N, K] into ``out`` (numel >= N * K), bit for bit what the GEMV applies."""
+        w = out[:self.n * self.k].view(self.n, self.k)
+        self.lib.pd_dequant_i4(self.ptr, w.data_ptr(), torch.get_num_threads())
+        return w
 
 
 class NativeLayers:

@@ -19,7 +19,7 @@
  * A linear is y[r, n] = s[n] * (x[r] . w[n]) - zs[n] * sum(x[r]) + b[n]: fp32 w [N, K] (s = 1,
  * zs = 0), or INT8 w [N, K] with its columns in interleave4 order (engine/quant/formats.py: byte
  * 4i + j is column j*K/4 + i), for which x is permuted the same way first. INT4 (per group of
- * `group` inputs, as torch's int4pack kernel applies it): w = (q - 8) * s[n, g] + z[n, g], y = x . w
+ * `group` inputs): w = q * s[n, g] - zero[n, g] * s[n, g] (one FMA: (q - zero) * s), y = x . w
  * + b; stored [N, K/2] in blocks of 2 * VW columns, byte i of a block holding column i in its low
  * nibble and column VW + i in its high one (built by native.py for this library's VW), so that
  * VW bytes widen to two full vectors of weights.
@@ -50,9 +50,8 @@ typedef __m256 vf;
 #define vset1(f) _mm256_set1_ps(f)
 #define vload_i4(p, lo, hi) do {                                                                  \
         __m256i v_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)));                 \
-        lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v_, _mm256_set1_epi32(15)),     \
-                                                 _mm256_set1_epi32(8)));                          \
-        hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v_, 4), _mm256_set1_epi32(8))); \
+        lo = _mm256_cvtepi32_ps(_mm256_and_si256(v_, _mm256_set1_epi32(15)));                     \
+        hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v_, 4));                                         \
     } while (0)
 static inline float vsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -68,8 +67,8 @@ enum { W_F32 = 0, W_I8 = 1, W_I4 = 2 };
 
 typedef struct {
     const void *w;    /* [n, k] fp32, int8 in interleave4 order, or int4 [n, k/2] (below) */
-    const float *s;   /* [n] (int4: [n, k/group]) */
-    const float *zs;  /* [n] (int4: [n, k/group], the offset z) */
+    const float *s;   /* [n] (int4: [n, k/group], the group scales) */
+    const float *zs;  /* [n] (int4: [n, k/group], the group zero points) */
     const float *b;   /* [n] */
     int64_t n, k, kind, group;
 } lin_t;
@@ -140,7 +139,7 @@ dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_
     const int64_t ng = k / g;
     for (int64_t gi = 0; gi < ng; gi++) {
 #if VW == 16
-        /* The group's 16 possible weights (q - 8) * s + z, one FMA per row; then each code picks
+        /* The group's 16 possible weights q * s - zero * s, one FMA per row; then each code picks
          * its weight with one permute, which reads only the low 4 bits of its lane (so no mask,
          * no int->float convert, no per-weight FMA). Same operands as below: the same weights,
          * bit for bit. On a 2-core AVX-512 EPYC this cut the ops per 32 weights from 11 to 7
@@ -148,13 +147,13 @@ dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_
          * than on 1). */
         vf tab[NB];
         for (int j = 0; j < nb; j++)
-            tab[j] = vfma(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
-                          vset1(s[j * ng + gi]), vset1(z[j * ng + gi]));
+            tab[j] = vfma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                          vset1(s[j * ng + gi]), vset1(-z[j * ng + gi] * s[j * ng + gi]));
 #else
         vf sv[NB], zv[NB];
         for (int j = 0; j < nb; j++) {
             sv[j] = vset1(s[j * ng + gi]);
-            zv[j] = vset1(z[j * ng + gi]);
+            zv[j] = vset1(-z[j * ng + gi] * s[j * ng + gi]);
         }
 #endif
         for (int64_t c = gi * g; c < (gi + 1) * g; c += 2 * VW) {
@@ -440,6 +439,33 @@ void pd_logits(const ctx_t *ctx, const lin_t *head, const float *ln, int R, cons
             prepare_x(head, R, bf.a, bf.b, bf.xsum);
         }
         gemv(head, R, head->kind == W_I8 ? bf.b : bf.a, bf.xsum, logits, head->n, 0);
+    }
+}
+
+/* A whole INT4 linear, y [R, n] = x [R, k] W^T + b, for any R: the batched steps' path (the
+ * weights of each block of rows are read from memory once and reused by every x row while they
+ * sit in L1). Engine/quant/linear.py's Int4Linear calls it. */
+void pd_linear_i4(const lin_t *L, int R, const float *x, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    gemv(L, R, x, NULL, y, L->n, 0);
+}
+
+/* An INT4 linear's weights as fp32 [n, k], exactly the values the kernels above apply (the same
+ * fused multiply-add), for a prefill-sized step's GEMM. */
+void pd_dequant_i4(const lin_t *L, float *out, int threads) {
+    const int64_t n = L->n, k = L->k, g = L->group, ng = k / g;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *w = (const uint8_t *)L->w + r * (k / 2);
+        float *o = out + r * k;
+        for (int64_t c = 0; c < k; c += 2 * VW) {
+            const float s = L->s[r * ng + c / g], z = -L->zs[r * ng + c / g] * s;
+            for (int i = 0; i < VW; i++) {
+                const uint8_t b = w[c / 2 + i];
+                o[c + i] = fmaf((float)(b & 15), s, z);
+                o[c + VW + i] = fmaf((float)(b >> 4), s, z);
+            }
+        }
     }
 }
 

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
+from engine.memory import release_freed_memory
 from engine.models.native import NativeLayers, int4_weights as native_int4_weights, library as native_library
 from engine.quant.formats import interleave4
 
@@ -191,7 +192,12 @@ def _is_int8(lin: nn.Module) -> bool:
 
 
 def _is_int4(lin: nn.Module) -> bool:
-    return type(lin).__name__ == "Int4Linear" and getattr(lin, "kernel", "") == "int4pack"
+    return type(lin).__name__ == "Int4Linear" and getattr(lin, "kernel", "") in ("int4pack", "native")
+
+
+def _is_native_int4(lin: nn.Module) -> bool:
+    """An INT4 linear already in the native kernels' layout (its only copy: engine/quant/linear.py)."""
+    return _is_int4(lin) and lin.kernel == "native"
 
 
 def _is_fp32(lin: nn.Module) -> bool:
@@ -247,6 +253,8 @@ class SingleTokenDecoder:
             if _is_int8(mod):
                 zs = torch.zeros(n) if mod.symmetric else (mod.zero * mod.scale).float()
                 self.lin[name] = (weights[name], mod.scale.float(), zs, bias)
+            elif _is_native_int4(mod):  # read by the native kernels as the module holds it
+                self.lin[name] = (weights[name], mod.scale, mod.zero, bias, mod.group_size)
             elif _is_int4(mod):
                 self.lin[name] = (weights[name], mod._scales_zeros, mod.group_size, bias)
             else:
@@ -264,10 +272,11 @@ class SingleTokenDecoder:
                    for _, m in self._mods)
 
     def _native_lin(self, lanes: int) -> dict[str, tuple]:
-        """The linears as the native kernels read them: fp32 and INT8 as they are here; INT4 in
-        the kernels' own layout (a second copy of the INT4 weights, in huge pages: torch's
-        int4pack layout differs between ISAs and serves the batched steps)."""
-        mods = {n: m for n, m in self._mods if _is_int4(m)}
+        """The linears as the native kernels read them: fp32, INT8 and native INT4 as they are
+        here (one copy: engine/quant/linear.py's Int4Linear holds the kernels' layout); an INT4
+        module on torch's int4pack kernel (built while the native kernels were off) gets a copy
+        in their layout, in huge pages."""
+        mods = {n: m for n, m in self._mods if _is_int4(m) and not _is_native_int4(m)}
         if not mods:
             return self.lin
         qws = {n: m.quantized_weight() for n, m in mods.items()}
@@ -297,28 +306,46 @@ class SingleTokenDecoder:
         out: dict[str, torch.Tensor] = {}
 
         def weight(m: nn.Module) -> torch.Tensor:
+            if _is_native_int4(m):
+                return m.qweight
             return m.quantized_weight().q if _is_int8(m) else m._packed if _is_int4(m) else m.weight
 
-        ws = {n: weight(m) for n, m in mods}  # once each: an interleaved INT8 one is a copy
+        # shapes first, each weight fetched only when moved: holding them all until the end
+        # would keep every module's old copy alive too (the loading peak, not the steady state)
+        meta = {}
+        for n, m in mods:
+            w = weight(m)  # an interleaved INT8 one is a copy: once each
+            meta[n] = (w.dtype, w.shape, w.numel())
+            del w
         for dtype in (torch.float32, torch.int8, torch.uint8):
-            group = [(n, m, ws[n]) for n, m in mods if ws[n].dtype == dtype]
+            group = [(n, m) for n, m in mods if meta[n][0] == dtype]
             pad = lambda k: -(-k // 64) * 64  # 64-element aligned views (the int8 kernel wants it)
-            buf = hugepage_empty(sum(pad(w.numel()) for _, _, w in group), dtype)
+            buf = hugepage_empty(sum(pad(meta[n][2]) for n, _ in group), dtype)
             pos = 0
             with torch.no_grad():
-                for name, mod, w in group:
+                for name, mod in group:
+                    w = weight(mod)
                     view = buf[pos:pos + w.numel()].view(w.shape)
                     pos += pad(w.numel())
                     if _is_int8(mod):
                         view.copy_(interleave4(w))
                         mod.set_interleaved(view)
                         out[name] = view.view(torch.int32)
+                    elif _is_native_int4(mod):  # moved: the module and the kernels share it
+                        view.copy_(w)
+                        mod.set_native_weight(view)
+                        out[name] = view
                     elif _is_int4(mod):  # the kernel's own layout, shared with the module
                         view.copy_(w)
                         mod._packed = out[name] = view
                     else:
                         view.copy_(w)
+                        # the module reads this copy from now on: its own (which prepacking
+                        # replaces, while this object keeps the module) is freed, not a third copy
+                        mod.weight.data = view
                         out[name] = view
+                    del w
+                    release_freed_memory()  # the old copy, back to the OS before the next one
         return out
 
     @staticmethod

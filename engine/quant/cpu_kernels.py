@@ -132,7 +132,12 @@ def report(model: torch.nn.Module | None = None, single_token: str | None = None
             kinds["int8"] = f"{mod.kernel} {act}-act (batched){fast}"
         elif isinstance(mod, Int4Linear) and "int4" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
-            if native:
+            if mod.kernel == "native":  # one copy, in the native layout, for every path
+                from engine.quant.linear import DEQUANT_ROWS
+                small = f"native GEMV ({steps})" if native else "native GEMV"
+                kinds["int4"] = (f"{small}, batched < {DEQUANT_ROWS} rows the same GEMV, "
+                                 f"from {DEQUANT_ROWS} rows fp32 GEMM on the weight dequantized")
+            elif native:
                 kinds["int4"] = f"{mod.kernel} {act}-act (batched), native GEMV ({steps})"
             else:
                 fast = f" (batched; {steps}: inside the compiled graphs)" if single_token else ""

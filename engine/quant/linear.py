@@ -21,6 +21,8 @@ per layer shape and keeps the faster.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import warnings
 
@@ -150,11 +152,46 @@ class Int8Linear(QuantLinear):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+# Steps of at least this many rows dequantize an INT4 weight to fp32 and run one GEMM (the
+# dequantization is ~1 op per weight, the GEMM 2 per weight per row); fewer run the native GEMV
+# on the codes. Measured on a 2-core AVX-512 EPYC, 17920x1536: at 64 rows the GEMV took 21 ms
+# and the GEMM 80; at 512, 544 and 353 (+5 dequantizing).
+DEQUANT_ROWS = 128
+_scratch = threading.local()  # per thread: the dequantized weight of the linear running now
+
+
+def _dequant_buffer(numel: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        _scratch.buf = buf = torch.empty(numel)
+    return buf
+
+
+def _native_int4_library(group_size: int, in_features: int):
+    """The native kernels' library where they can serve this INT4 shape (groups of whole vector
+    pairs), else None. PDSERVE_NATIVE_DECODE=0 turns them off here as in the one-token path."""
+    if os.environ.get("PDSERVE_NATIVE_DECODE", "1") == "0":
+        return None
+    from engine.models.native import library  # engine.models imports engine.quant: here, not at the top
+    lib = library()
+    if lib is None:
+        return None
+    lanes = lib.pd_vector_width()
+    return lib if group_size % (2 * lanes) == 0 and in_features % group_size == 0 else None
+
+
 class Int4Linear(QuantLinear):
     """W [N, K] ~= (q - zero) * scale per group of ``group_size`` inputs; y = x W^T (+ bias).
 
-    The kernels' convention is ``w = (q - 8) * s + z'``; ours maps to it exactly with
-    ``z' = (8 - zero) * s``.
+    On a CPU with the native kernels (engine/models/native_decode.c) the module holds ONE copy of
+    its weight, in their layout (``kernel == "native"``): ``qweight`` the codes in blocks of
+    2 x vector-width columns, ``scale`` / ``zero`` as given (fp32), applied as
+    ``q * scale - zero * scale`` (one FMA). Every path reads it: the
+    one-token path's GEMV, batched steps through the same GEMV, prefill-sized steps through a
+    GEMM on the weight dequantized into a scratch buffer (fp32 activations throughout). The
+    state dict always holds the canonical (q, scale, zero). Elsewhere (no library, CUDA) the
+    canonical buffers stay and torch's int4pack kernel serves from its own packed copy, with
+    ``w = (q - 8) * s + z'``, ``z' = (8 - zero) * s``, s and z' rounded to bf16 as it stores them.
     """
 
     bits = 4
@@ -167,10 +204,25 @@ class Int4Linear(QuantLinear):
         self.register_buffer("qweight", pack_int4(qw.q).contiguous())  # canonical, [N, K/2]
         self.register_buffer("scale", qw.scale.float().contiguous())
         self.register_buffer("zero", qw.zero.float().contiguous())
+        self.native = 0  # vector width of the native layout the buffers hold, 0: canonical
         self._prepare()
 
     def _prepare(self) -> None:
         dev = self.qweight.device
+        lib = _native_int4_library(self.group_size, self.in_features) if dev.type == "cpu" else None
+        if lib is not None:
+            from engine.models.native import int4_weights
+            if not self.native:
+                n = self.out_features
+                lanes = lib.pd_vector_width()
+                w, _, _ = int4_weights(unpack_int4(self.qweight), self.scale.view(n, -1), self.zero.view(n, -1),
+                                       self.group_size, lanes, torch.empty_like(self.qweight))
+                self.qweight, self.native = w, lanes
+            self.kernel, self.act_dtype = "native", torch.float32
+            self._packed = self._scales_zeros = None
+            self._kernel = None  # built on first use: single_token may move qweight first
+            return
+        self._to_canonical()
         q = unpack_int4(self.qweight).to(torch.int32)
         if dev.type == "cuda":
             self.kernel = "int4pack-cuda"
@@ -182,33 +234,95 @@ class Int4Linear(QuantLinear):
         sz = torch.stack((self.scale, (8.0 - self.zero) * self.scale), -1)  # [N, G, 2]
         self._scales_zeros = sz.transpose(0, 1).contiguous().to(self.act_dtype)  # [G, N, 2]
 
+    def _canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K], scale, zero) in the canonical convention, whatever the buffers hold."""
+        if not self.native:
+            return unpack_int4(self.qweight), self.scale, self.zero
+        from engine.models.native import int4_codes
+        return int4_codes(self.qweight, self.native), self.scale, self.zero
+
+    def _to_canonical(self) -> None:
+        if self.native:
+            q, scale, zero = self._canonical()
+            self.qweight, self.scale, self.zero, self.native = pack_int4(q).contiguous(), scale, zero, 0
+            self._kernel = None
+
+    def set_native_weight(self, qweight: torch.Tensor) -> None:
+        """Hold ``qweight`` (a copy of this module's native-layout codes, e.g. in the one-token
+        path's huge-page buffer) instead of its own: one copy, read by every path."""
+        if not self.native or qweight.shape != self.qweight.shape or qweight.dtype != torch.uint8:
+            raise ValueError(f"native INT4 weight {tuple(qweight.shape)} {qweight.dtype} for a "
+                             f"{'native' if self.native else 'canonical'} {tuple(self.qweight.shape)} module")
+        self.qweight, self._kernel = qweight, None
+
+    def native_kernel(self):
+        """The :class:`engine.models.native.Int4Kernel` over this module's tensors (native only)."""
+        if self._kernel is None:
+            from engine.models.native import Int4Kernel, library
+            b = self.bias.detach().float().contiguous() if self.bias is not None else torch.zeros(self.out_features)
+            self._bias32 = b
+            n = self.out_features
+            self._kernel = Int4Kernel(library(), self.qweight, self.scale.view(n, -1), self.zero.view(n, -1), b,
+                                      self.group_size)
+        return self._kernel
+
+    # The state dict always holds the canonical (q, scale, zero), whatever this module reads.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.native:
+            q, scale, zero = self._canonical()
+            destination[prefix + "qweight"] = pack_int4(q)
+            destination[prefix + "scale"], destination[prefix + "zero"] = scale, zero
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._to_canonical()  # load into the canonical buffers, then convert again
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._prepare()
+
     def set_act_dtype(self, dtype: torch.dtype) -> None:
+        if self.native:  # the native kernels take fp32 activations only
+            return
         self.act_dtype = dtype
         self._scales_zeros = self._scales_zeros.to(dtype)
 
     def _apply(self, fn, recurse=True):
+        self._to_canonical()  # a move (to CUDA, say) starts from the layout every device reads
         out = super()._apply(fn, recurse)
         self._prepare()
         return out
 
     def quantized_weight(self) -> QuantizedWeight:
-        return QuantizedWeight(unpack_int4(self.qweight), self.scale, self.zero, 4, self.group_size,
-                               self.symmetric)
+        q, scale, zero = self._canonical()
+        return QuantizedWeight(q, scale, zero, 4, self.group_size, self.symmetric)
 
     def kernel_weight(self) -> torch.Tensor:
-        """The weight the kernel applies: scales and offsets rounded to bf16 as it stores them."""
+        """The weight the kernel applies: exactly (q - zero) * scale as one FMA (native), or with
+        scales and offsets rounded to bf16 as torch's int4pack kernel stores them."""
         n, k = self.out_features, self.in_features
+        if self.native:
+            return self.native_kernel().dequantize(torch.empty(n * k)).clone()
         q = unpack_int4(self.qweight).float().view(n, k // self.group_size, self.group_size)
         s = self.scale.to(torch.bfloat16).float()
         z = ((8.0 - self.zero) * self.scale).to(torch.bfloat16).float()
         return ((q - 8) * s[..., None] + z[..., None]).view(n, k)
 
     def weight_bytes(self) -> int:
+        if self.native:
+            return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero))
         return (self._packed.numel() * self._packed.element_size()
                 + self._scales_zeros.numel() * self._scales_zeros.element_size())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
+        if self.native:
+            x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+            kern = self.native_kernel()
+            if x2.shape[0] < DEQUANT_ROWS:
+                y = kern.linear(x2)  # bias included
+            else:
+                w = kern.dequantize(_dequant_buffer(self.out_features * self.in_features))
+                y = F.linear(x2, w, self._bias32)
+            return y.to(dtype).reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
         if self.kernel == "int4pack-cuda":
             y = torch.ops.aten._weight_int4pack_mm(x2, self._packed, self.group_size, self._scales_zeros)
