@@ -21,13 +21,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from router.auth import front_door, load_tokens
 from router.config import ClusterConfig
+from router.nodes import check_model
+from router.policy import load_policy
+from router.server import Router, start_server
 
 log = logging.getLogger("pdserve.router")
 
@@ -52,7 +57,7 @@ def local_ray_env() -> dict:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's children read it at start
     if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
         # ... and Ray reads it once, when first imported: in this process it may already be.
-        from ray._private import ray_constants
+        from ray._private import ray_constants  # (heavy: Ray, loaded when the cluster starts)
         ray_constants.ENABLE_RAY_CLUSTER = False
     return {"env_vars": {**ACTOR_ENV, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}}
 
@@ -63,7 +68,7 @@ def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | Non
     The local one (``local_ray_env``): every listener on loopback, dashboard off, no auth token
     file, its own temp dir, with the ``prefill``/``decode`` resources the pools are placed by.
     """
-    import ray
+    import ray  # (heavy: Ray, loaded when the cluster starts)
     if address is not None:
         ray.init(address=address, runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
         return
@@ -88,13 +93,9 @@ async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Call
         (router, grpc server, bound port); ``router.http`` is the HTTP server (or None) and
         ``router.http_port`` its bound port.
     """
-    from engine.models.loader import resolve_model_path
-    from router.auth import front_door
-    from router.server import Router, start_server
+    from engine.models.loader import resolve_model_path, weights_digest  # (heavy: torch, through the engine)
     door = door or front_door(cfg.security, host)  # a bad file or an open door stops the start here
     model_path = str(await asyncio.to_thread(resolve_model_path, cfg.model, True))
-    from engine.models.loader import weights_digest
-    from router.nodes import check_model
     # Each worker node resolves the model itself (its own cache, its own folder): all must hold
     # the head's weights, or serving does not start (one error naming each node that differs).
     nodes = await asyncio.to_thread(check_model, cfg.model, weights_digest(Path(model_path)))
@@ -105,7 +106,7 @@ async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Call
     server, bound = await start_server(router, host, port)
     http_port = cfg.router.http_port if http_port == -1 else http_port
     if http_port is not None:
-        from router.openai_http import start_http
+        from router.openai_http import start_http  # (optional: fastapi and uvicorn load only when it serves)
         try:
             router.http, router.http_port = await start_http(router, host, http_port, cfg.security)
         except BaseException:
@@ -140,8 +141,6 @@ async def stop_cluster(router, server, grace_s: float = 0.0, progress: Callable[
 def reload_security(router, sec, env: dict[str, str] | None = None) -> bool:
     """Read the tokens and the policy again (SIGHUP) and swap them in; False (and nothing
     changed) if either file is bad, or tokens would turn off. ``sec``: router.config.SecurityConfig."""
-    from router.auth import load_tokens
-    from router.policy import load_policy
     auth = router.door.auth
     try:
         tokens = load_tokens(sec.tokens_file, env)
@@ -162,7 +161,6 @@ def reload_security(router, sec, env: dict[str, str] | None = None) -> bool:
 
 def install_signals(loop: asyncio.AbstractEventLoop, router, sec, stop: asyncio.Event) -> None:
     """SIGINT and SIGTERM set ``stop``; SIGHUP reloads the tokens and the policy (``reload_security``)."""
-    import signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload_security, router, sec)
@@ -170,10 +168,7 @@ def install_signals(loop: asyncio.AbstractEventLoop, router, sec, stop: asyncio.
 
 def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
     """Foreground server until Ctrl-C (or SIGTERM); SIGHUP reloads tokens and policy."""
-    import signal
-
-    import ray
-    from router.auth import front_door
+    import ray  # (heavy: Ray, loaded when the cluster starts)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     door = front_door(cfg.security, host)  # before Ray starts: a bad file or an open door stops here
     init_ray(cfg, address)

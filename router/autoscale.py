@@ -16,11 +16,21 @@ shrinking: drain a worker, which takes no new requests and exits when it holds n
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+from router.cluster_view import LIVE_MIN_TOKENS, ClusterView
+from router.worker_state import Role, WorkerState
+
+__all__ = ["LIVE_MIN_TOKENS", "PoolController", "Recent", "Signals", "decide", "pool_signals", "pressure"]
+
+log = logging.getLogger("pdserve.autoscale")
 
 
 @dataclass(frozen=True)
@@ -131,16 +141,12 @@ def _change(state: PoolState, now: float, delta: int, why: str) -> tuple[int, st
     return delta, why
 
 
-LIVE_MIN_TOKENS = 16  # a running stream's pace counts in the signals from this many tokens
-
-
-def pool_signals(router, pool: str, now: float, window_s: float) -> Signals:
+def pool_signals(view: ClusterView, pool: str, now: float, window_s: float) -> Signals:
     """A snapshot of one pool ("prefill" or "decode": colocated workers count as decode) of
-    the router's ready workers, with TTFT p90 over requests finished in ``window_s`` and TPOT
-    p90 over those and the streams still running (``router.jobs``)."""
-    roles = ("prefill",) if pool == "prefill" else ("decode", "colocated")
-    ws = [w for w in router.pools.workers.values() if w.role in roles and w.state == "ready"]
-    recent = [x for x in router.recent if x[0] >= now - window_s]
+    the cluster's ready workers, with TTFT p90 over requests finished in ``window_s`` and TPOT
+    p90 over those and the streams still running (``ClusterView.paces``)."""
+    ws = view.ready(Role.PREFILL) if pool == "prefill" else view.ready(Role.DECODE, Role.COLOCATED)
+    recent = [x for x in view.recent if x[0] >= now - window_s]
     ttfts = sorted(x[1] for x in recent if x[1] is not None)
     # Streams still running count too, by their pace now (Job.pace, over their last batches):
     # a long answer runs for minutes (1,000 tokens at 100 ms), and finished requests alone
@@ -150,52 +156,50 @@ def pool_signals(router, pool: str, now: float, window_s: float) -> Signals:
     # the decode pool's TPOT p90 crossed 0.7x the target only ~60 s into that half, and the
     # switch came at ~85 s: docs/bench/adaptive_phase_trace.json). From LIVE_MIN_TOKENS
     # on, the first gap (which may hold the KV transfer's end) weighs at most 1/15.
-    live = [j.pace for j in router.jobs.values() if len(j.generated) >= LIVE_MIN_TOKENS and j.pace is not None]
-    tpots = sorted([x[2] for x in recent if x[2] is not None] + live)
+    tpots = sorted([x[2] for x in recent if x[2] is not None] + list(view.paces))
     reported = [w.status for w in ws if w.status is not None]
     used = sum(s.kv_blocks_used for s in reported) + sum(w.reserved_blocks for w in ws)
     total = sum(s.kv_blocks_total for s in reported)
     return Signals(workers=len(ws), queued_prompt_tokens=sum(s.queued_prompt_tokens for s in reported),
                    ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
-                   kv_utilization=used / total if total else 0.0, waiting_admission=router.queued,
+                   kv_utilization=used / total if total else 0.0, waiting_admission=view.queued,
                    tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None)
 
 
 class PoolController:
-    """Runs the policy every ``interval_s`` over the router's pools and carries it out.
+    """Runs the policy every ``interval_s`` over snapshots of the cluster; the pools carry it out.
 
     Args:
-        router: the router (its ``pools``, ``queued``, ``jobs`` and recent latencies).
         cfg: ``ClusterConfig.autoscale``.
+        pools: what grows and drains pools (router.pools.Pools: ``grow``, ``drain``).
+        view: the cluster now (router.cluster_view).
+        holds: whether a request of the router's runs on a worker (it may not retire yet).
+        colocated: one pool of colocated workers (else a prefill and a decode pool).
     """
 
-    def __init__(self, router, cfg) -> None:
-        import collections
-        self.router, self.cfg = router, cfg
+    def __init__(self, cfg: Any, pools: Any, view: Callable[[], ClusterView], holds: Callable[[Any], bool],
+                 colocated: bool = False) -> None:
+        self.cfg, self.pools, self.view, self.holds, self.colocated = cfg, pools, view, holds, colocated
         self.states = {"prefill": PoolState(), "decode": PoolState()}
         self.events: collections.deque[str] = collections.deque(maxlen=50)  # shown by `pdserve status`
 
     def signals(self, pool: str, now: float) -> Signals:
-        return pool_signals(self.router, pool, now, self.cfg.window_s)
+        return pool_signals(self.view(), pool, now, self.cfg.window_s)
 
     def step(self, now: float) -> list[str]:
         """One round of decisions; returns what was done."""
-        import logging
-        log = logging.getLogger("pdserve.autoscale")
-        done = []
-        colocated = self.router.colocated
-        for pool in (("decode",) if colocated else ("prefill", "decode")):
-            pools = self.router.pools
-            role = "colocated" if colocated else pool
-            if any(w.state == "starting" for w in pools.workers.values() if w.role == role):
+        done, view = [], self.view()
+        for pool in (("decode",) if self.colocated else ("prefill", "decode")):
+            role = "colocated" if self.colocated else pool
+            if view.any(WorkerState.STARTING, role):
                 continue  # one change at a time: wait for the new worker to come up
-            s = self.signals(pool, now)
+            s = pool_signals(view, pool, now, self.cfg.window_s)
             delta, why = decide(pool, now, s, getattr(self.cfg, pool), self.states[pool])
             if delta > 0:
-                w = pools.grow(role)
+                w = self.pools.grow(role)
                 msg = f"{pool} +1 ({w.worker_id}): {why}"
             elif delta < 0:
-                w = pools.drain(role, self.router.holds)
+                w = self.pools.drain(role, self.holds)
                 if w is None:
                     continue
                 msg = f"{pool} -1 (draining {w.worker_id}): {why}"
@@ -207,7 +211,6 @@ class PoolController:
         return done
 
     async def run(self) -> None:
-        import asyncio
         while True:
             await asyncio.sleep(self.cfg.interval_s)
             self.step(time.monotonic())

@@ -4,7 +4,7 @@ Unknown keys and bad values fail at start with a message naming the key (``decod
 never deep inside a worker. What the engine and the transfer layer own is not re-declared
 here: an engine setting's default is the engine config's (``_engine``), valid dtypes,
 speculative methods, transports and quantization names are their registries', and the lease
-default is kvtransfer's. ``router.pools.engine_configs`` maps the pools onto EngineConfig.
+default is kvtransfer's. ``engine_configs`` maps the pools onto EngineConfig.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from engine.config import DTYPES, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvtransfer.auth import INTEGRITY
@@ -281,7 +283,7 @@ _NULLABLE = {"metrics.port", "metrics.worker_port", "router.http_port"}
 
 
 def _quantization_ok(v: Any) -> bool:
-    from engine.quant import split_quantization
+    from engine.quant import split_quantization  # (heavy: torch, through the engine)
     try:
         split_quantization(v, "")
     except ValueError:
@@ -348,7 +350,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     Raises:
         ConfigError: unreadable file, unknown key or bad value (the message names it).
     """
-    import yaml
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -382,3 +383,29 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":
         raise ConfigError("kv_transfer.transport: inproc works only with mode: colocated")
     return cfg
+
+
+def _fixed_gb(kv_cache_gb: float | str) -> float:
+    """A pool's KV cache GiB; for ``auto`` the engine's default, which the worker replaces with
+    its node's figure when it starts (``WorkerOptions.kv_cache_auto``, worker.actor)."""
+    return CacheConfig().memory_gb if kv_cache_gb == "auto" else kv_cache_gb
+
+
+def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
+    """(prefill, decode) engine configs from the cluster config."""
+    p, d = cfg.prefill, cfg.decode
+    common = dict(model=model_path, dtype=cfg.dtype, dequantize=cfg.dequantize, device=cfg.device)
+    # A prefill worker never decodes: no compiled one-token path (its memory and compile time).
+    prefill = EngineConfig(**common, compile_decode=False,
+                           cache=CacheConfig(block_size=p.block_size, memory_gb=_fixed_gb(p.kv_cache_gb)),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=p.max_batched_tokens))
+    from engine.quant import split_quantization  # (heavy: torch, through the engine)
+    decode_model, quantization = split_quantization(d.quantization, model_path)  # a checkpoint replaces the model
+    decode = EngineConfig(**{**common, "model": decode_model}, quantization=quantization,
+                          compile_decode=d.compile_decode, compile_decode_rows=d.compile_decode_rows,
+                          cache=CacheConfig(block_size=d.block_size, memory_gb=_fixed_gb(d.kv_cache_gb)),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
+                                                    max_num_seqs=d.max_num_seqs,
+                                                    enable_chunked_prefill=d.chunked_prefill),
+                          speculative=d.speculative.to_engine())
+    return prefill, decode

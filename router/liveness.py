@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from router.worker_state import Role, Worker, WorkerState
 from worker.protocol import ModelInfo
 
 log = logging.getLogger("pdserve.router")
@@ -42,10 +43,10 @@ class Liveness:
     def _forget_address(self, w: Worker) -> None:
         """A decode (or adaptive) worker's KV receiver address is dead (lost, retired): every
         worker that sends KV forgets it, so their per-peer tables do not grow with restarts."""
-        if w.role == "colocated" or w.address is None:
+        if w.role is Role.COLOCATED or w.address is None:
             return
         for p in self.workers.values():
-            if p is not w and (p.role == "prefill" or p.adaptive) and p.state in ("ready", "draining"):
+            if p is not w and (p.role is Role.PREFILL or p.adaptive) and p.state.may_hold_blocks:
                 p.actor.disconnect.remote(w.address)
         w.address = None
 
@@ -56,14 +57,14 @@ class Liveness:
         its bring-up tries again. An error the call raised in the worker comes back as Ray's
         RayTaskError (which Ray also makes an instance of the error's own class, so a worker's
         TimeoutError is no stall)."""
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
         timeout_s = timeout_s or self.cfg.router.stall_s
         try:
             return await asyncio.wait_for(ref, timeout_s)
         except RayTaskError:
             raise
         except TimeoutError:
-            if w.state in ("ready", "draining"):
+            if w.state.may_hold_blocks:
                 self.stalled(w, f"a call did not answer in {timeout_s:g}s")
             else:
                 log.warning("worker %s did not answer while coming up; replacing its process", w.worker_id)
@@ -73,7 +74,7 @@ class Liveness:
     def stalled(self, w: Worker, why: str) -> None:
         """Alive to Ray but not answering (stopped, stuck in a kernel, swapping): its requests
         move now, and a fresh process replaces it (a SIGSTOPped one cannot exit by itself)."""
-        if w.state in ("ready", "draining"):
+        if w.state.may_hold_blocks:
             self.lost(w, f"stalled: {why}")
             self._spawn(asyncio.to_thread(_kill, w.actor), f"kill-{w.worker_id}")
 
@@ -81,13 +82,14 @@ class Liveness:
         """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background;
         a draining worker is not brought back (it is gone, and its retirement completes), but
         one switching roles is, in its new role."""
-        if w.state not in ("ready", "draining"):
+        if not w.state.may_hold_blocks:
             return
         log.warning("worker %s lost (%s); its requests move to other workers", w.worker_id, why)
-        back = w.state == "ready" or w.next_role is not None  # (switching roles: it comes back in the new one)
+        # (switching roles: it comes back in the new one)
+        back = w.state is WorkerState.READY or w.next_role is not None
         if w.next_role is not None:
             w.role, w.next_role = w.next_role, None
-        w.state = "dead" if back else "gone"
+        w.state = WorkerState.DEAD if back else WorkerState.GONE
         w.reported(None)
         w.restarts += 1
         self.on_lost(w)
@@ -97,6 +99,7 @@ class Liveness:
             self._spawn(self._bring_up(w), f"up-{w.worker_id}")
 
     async def _bring_up(self, w: Worker) -> None:
+        # (heavy: Ray, loaded when the cluster starts)
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
         while True:
             try:
@@ -133,16 +136,16 @@ class Liveness:
         if info.incarnation != w.incarnation:  # a new process: its reports count from 1
             w.seq = 0  # (the same one, back: never reset, or its earlier reports would replay)
         w.info, w.incarnation, w.last_seen, w.ray_restarts = info, info.incarnation, time.monotonic(), restarts
-        w.state = "ready"
+        w.state = WorkerState.READY
         self._notify()
 
     def _gone(self, w: Worker) -> None:
         """Ray cannot bring ``w`` back, or it cannot serve here (another model or weights): its
         process, if any, is ended, so that it holds no GPU, no pool resource and no memory."""
-        w.state = "gone"
+        w.state = WorkerState.GONE
         self._forget_address(w)
         self._spawn(asyncio.to_thread(_kill, w.actor, False), f"kill-{w.worker_id}")
-        gone = [x for x in self.workers.values() if x.state == "gone"]
+        gone = [x for x in self.workers.values() if x.state is WorkerState.GONE]
         for x in gone[:max(0, len(gone) - MAX_GONE)]:  # the oldest first (insertion order)
             del self.workers[x.worker_id]
         self._notify()
@@ -151,7 +154,7 @@ class Liveness:
         """Check the worker's model and wire its KV connections; returns its model info. A
         peer that does not connect (it died or restarts meanwhile) is skipped: when it comes
         back up, its own bring-up connects it to every ready worker of the other pool."""
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
         info = await self.call(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
         if self.model_info and info.fingerprint != self.model_info.fingerprint:
             raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
@@ -162,7 +165,7 @@ class Liveness:
             raise RuntimeError(f"{w.worker_id} loaded other weights than the other workers ({info.model}, "
                                f"digest {info.weights} vs {want}): its node's copy differs")
         self.model_info = self.model_info or info
-        if w.role != "prefill" or w.adaptive:  # (an adaptive worker may decode later)
+        if w.role is not Role.PREFILL or w.adaptive:  # (an adaptive worker may decode later)
             w.address = await self.call(w, w.actor.address.remote())
         await self._wire(w)
         w.reported(None)
@@ -172,10 +175,10 @@ class Liveness:
     async def _wire(self, w: Worker) -> None:
         """Connect ``w``'s KV for its role: every ready prefill worker to a decode worker, a
         prefill worker to every ready decode worker."""
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
         deadline = self.cfg.router.stall_s + HANDSHAKE_S  # a connect waits for a handshake
-        if w.role != "prefill":
-            prefills = [p for p in self.workers.values() if p.role == "prefill" and p.state == "ready"]
+        if w.role is not Role.PREFILL:
+            prefills = [p for p in self.workers.values() if p.ready_as((Role.PREFILL,))]
             answers = await asyncio.gather(*(asyncio.wait_for(p.actor.connect.remote(w.address), deadline)
                                              for p in prefills), return_exceptions=True)
             for p, a in zip(prefills, answers):
@@ -186,7 +189,7 @@ class Liveness:
         else:
             # One at a time (the worker takes them in turn anyway), each with its own deadline:
             # a stopped decode worker costs one handshake timeout, not this worker's bring-up.
-            for d in [d for d in self.workers.values() if d.role == "decode" and d.state == "ready"]:
+            for d in [d for d in self.workers.values() if d.ready_as((Role.DECODE,))]:
                 try:
                     await self.call(w, w.actor.connect.remote(d.address), deadline)
                 except RayTaskError as e:  # that decode worker went away meanwhile; back, it connects
@@ -198,7 +201,7 @@ class Liveness:
             await asyncio.sleep(HEALTH_PERIOD_S)
             now = time.monotonic()
             for w in list(self.workers.values()):
-                if w.state in ("ready", "draining") and now - w.last_seen > QUIET_S:
+                if w.state.may_hold_blocks and now - w.last_seen > QUIET_S:
                     if await self.check_restart(w):
                         continue
                     if now - w.last_seen > self.cfg.router.stall_s:
@@ -212,7 +215,7 @@ class Liveness:
         """Ask Ray whether ``w``'s actor restarted (RESTARTING, DEAD, or a restart count above
         the one before its bring-up); if so it is lost. Returns whether it was."""
         state, restarts = await asyncio.to_thread(self.actor_state, w.actor)
-        if w.state not in ("ready", "draining"):  # (lost meanwhile by another path)
+        if not w.state.may_hold_blocks:  # (lost meanwhile by another path)
             return False
         if state in ("RESTARTING", "DEAD"):
             self.lost(w, f"Ray reports it {state}")
@@ -230,7 +233,7 @@ class Liveness:
 
 def _kill(actor: Any, restart: bool = True) -> None:
     """Kill the actor's process; Ray restarts it (max_restarts=-1) unless ``restart`` is False."""
-    import ray
+    import ray  # (heavy: Ray, loaded when the cluster starts)
     try:
         ray.kill(actor, no_restart=not restart)
     except Exception as e:  # already gone: Ray restarts it or reports it dead either way
@@ -241,7 +244,7 @@ def _actor_state(actor: Any) -> tuple[str, int | None]:
     """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD...) and its restart count;
     ("UNKNOWN", None) if unavailable."""
     try:
-        from ray._private import state  # no public API answers this without the dashboard
+        from ray._private import state  # (heavy: Ray) no public API answers this without the dashboard
         info = state.actors(actor_id=actor._actor_id.hex())
         restarts = info.get("NumRestarts")
         return info.get("State", "UNKNOWN"), restarts if isinstance(restarts, int) else None

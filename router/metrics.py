@@ -10,8 +10,12 @@ file, never the token (``-`` with auth off).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.cluster_view import ClusterView
 from worker.metrics import serve_metrics, worker_families
 
 # Seconds; fine at the low end for TPOT/ITL, wide for TTFT/e2e of long prompts.
@@ -20,11 +24,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 
 
 class RouterMetrics:
-    """Counters and histograms the router updates, plus a collector over its pools."""
+    """Counters and histograms the router updates, plus a collector over snapshots of the
+    cluster (``view``) and of the per-token stats (``token_stats``: ``Admission.stats``)."""
 
-    def __init__(self, router: Any) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-        self.router = router
+    def __init__(self, view: Callable[[], ClusterView], token_stats: Callable[[], dict]) -> None:
+        self.view, self.token_stats = view, token_stats
         self.registry = reg = CollectorRegistry(auto_describe=False)
         self.requests = Counter("pdserve_requests", "Finished requests by outcome (stop, length, abort, "
                                 "or the gRPC status of a failed one)", ["status"], registry=reg)
@@ -69,30 +73,29 @@ class RouterMetrics:
 
     def collect(self):
         """Gauges read at scrape time (called by prometheus_client, from its HTTP thread)."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        r = self.router
+        v = self.view()
         yield GaugeMetricFamily("pdserve_admission_queue_requests", "Requests waiting for a decode worker",
-                                value=r.queued)
+                                value=v.queued)
         yield GaugeMetricFamily("pdserve_router_active_requests", "Requests the router is streaming",
-                                value=len(r.jobs))
+                                value=v.active)
         yield CounterMetricFamily("pdserve_router_bad_reports", "Messages on the report socket dropped: not a report, "
                                   "no valid MAC (not from this cluster's workers), or replayed",
-                                  value=r.pools.bad_reports)
-        workers = list(r.pools.workers.values())
+                                  value=v.bad_reports)
+        workers = v.workers
         pools = GaugeMetricFamily("pdserve_pool_workers", "Workers by role and state", labels=["role", "state"])
         counts: dict[tuple[str, str], int] = {}
         for w in workers:
-            counts[(w.role, w.state)] = counts.get((w.role, w.state), 0) + 1
+            key = (str(w.role), str(w.state))  # (the enums' values: the labels as always)
+            counts[key] = counts.get(key, 0) + 1
         for (role, state), n in sorted(counts.items()):
             pools.add_metric([role, state], n)
         yield pools
-        yield from token_families(r.admission.stats())
-        yield from worker_families(({"worker": w.worker_id, "role": w.role}, w.status, w.info) for w in workers)
+        yield from token_families(self.token_stats())
+        yield from worker_families(({"worker": w.worker_id, "role": str(w.role)}, w.status, w.info) for w in workers)
 
 
 def token_families(stats: dict) -> list:
     """Per-token families from ``Admission.stats()`` (name -> TokenStats), by token name."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     admitted = CounterMetricFamily("pdserve_token_requests_admitted", "Requests admitted, by token name",
                                    labels=["token"])
     refused = CounterMetricFamily("pdserve_token_requests_refused", "Requests refused by the token's policy "

@@ -39,9 +39,9 @@ class NodeModel:
 
 
 def _resolve_here(model: str | None) -> tuple[str, str | None, str | None, str]:
-    import ray
+    import ray  # (heavy: Ray, loaded when the cluster starts)
 
-    from engine.models.loader import resolve_model_path, weights_digest
+    from engine.models.loader import resolve_model_path, weights_digest  # (heavy: torch, through the engine)
     ip = ray.util.get_node_ip_address()
     try:
         path = resolve_model_path(model, progress=False)
@@ -52,7 +52,7 @@ def _resolve_here(model: str | None) -> tuple[str, str | None, str | None, str]:
 
 def worker_nodes() -> list[dict]:
     """Alive Ray nodes that advertise a worker resource (``prefill`` or ``decode``)."""
-    import ray
+    import ray  # (heavy: Ray, loaded when the cluster starts)
     return [n for n in ray.nodes() if n.get("Alive") and
             any(n.get("Resources", {}).get(r, 0) > 0 for r in ("prefill", "decode"))]
 
@@ -64,8 +64,8 @@ def check_model(model: str | None, head_digest: str) -> list[NodeModel]:
         ModelLoadError: a node lacks the model or holds other weights than ``head_digest``
             (the message names every such node and what it found).
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    import ray  # (heavy: Ray, loaded when the cluster starts)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # (heavy: Ray)
     nodes = worker_nodes()
     task = ray.remote(num_cpus=0, max_retries=0)(_resolve_here)
     refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(model)
@@ -89,7 +89,7 @@ def check_model(model: str | None, head_digest: str) -> list[NodeModel]:
 
 def _kind(model: str | None) -> str:
     """``bundled``, ``catalogue``, ``gguf`` (a file), ``folder`` or ``hub`` (a Hugging Face id)."""
-    from engine.models import catalog
+    from engine.models import catalog  # (heavy: torch, through the engine)
     if model is None:
         return "bundled"
     if catalog.lookup(model) is not None:

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -48,7 +49,7 @@ from router.http_conn import guarded
 from router.http_guard import Guard
 from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, Shaper, api_error,
                                check_logprob_budget, models_list, parse, requests_for)
-from router.server import Reject, retry_after
+from router.reject import Reject, retry_after
 
 log = logging.getLogger("pdserve.router")
 
@@ -68,7 +69,7 @@ async def _decode(router, ids) -> str:
     if len(ids) >= lim.context_length or any(not 0 <= t < lim.vocab_size for t in ids):
         raise ApiError(400, f"prompt: token ids must be in [0, {lim.vocab_size}) and fewer than "
                             f"{lim.context_length}", "prompt")
-    return await asyncio.get_running_loop().run_in_executor(router._tokenizing, router.tokenizer.decode, ids)
+    return await router.detokenize(ids)
 
 
 async def _disconnect(receive) -> None:
@@ -294,7 +295,6 @@ async def start_http(router, host: str, port: int, tls=None) -> tuple[Any, int]:
     """Serve the OpenAI API on ``host:port`` (0: a free port) on this event loop; returns
     (server, bound port). ``tls``: router.config.SecurityConfig paths (HTTPS, and client
     certificates with ``tls_client_ca``), as gRPC serves them."""
-    import ssl
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -36,6 +36,12 @@ instead of evicting each other on one). It reserves no new blocks for the part o
 that live requests there already hold (shared blocks); a prefix only cached, not in use,
 sits in blocks the worker counts as free, and taking it uses them up. Without a view
 (prefix-blind): as above.
+
+``plan`` puts these together for one try of one request: over a ``PoolView`` (the router's
+snapshot) and a ``Demand``, it answers ``Local`` (the decode or colocated worker prefills the
+prompt itself), ``Remote`` (a prefill worker prefills it and sends the KV to the decode worker)
+or ``Wait`` (no worker can take it now, or another waiting request goes first). The router
+carries the answer out (router.place).
 """
 
 from __future__ import annotations
@@ -178,3 +184,83 @@ def prefill_where(uncached_tokens: int, decode: WorkerLoad, local_tokens: int,
     if decode.queued_prompt_tokens + uncached_tokens > 2 * local_tokens:
         return "pool", "decode_busy"
     return "local", "short"
+
+
+@dataclass(frozen=True)
+class Demand:
+    """One request as placement sees it, for one try."""
+
+    prompt_tokens: int
+    max_tokens: int
+    prefer: tuple[str, str] = ("", "")  # (prefill, decode) worker ids that win if they can take it
+    missed: bool = False  # a decode worker did not hold the prefix the index said: the pool prefills it
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What placement reads for one try: the router's snapshot of its pools."""
+
+    colocated: bool
+    decode: Sequence[WorkerLoad]  # decode (or colocated) workers; colocated prefix-aware: prefix_view's queues
+    prefill: Sequence[WorkerLoad] = ()  # prefill workers (prefix-aware: prefix_view's queues)
+    # Colocated: the prompt's prefix view over ``decode``; disaggregated: what the decode workers
+    # cache (shared, not sent), None where they are not indexed
+    decode_prefix: PrefixView | None = None
+    prefill_prefix: PrefixView | None = None
+    pool_queued: int | None = None  # the least busy accepting prefill worker's reported queue (None: none)
+    no_prefill_pool: bool = False  # adaptive with no prefill worker: decode workers prefill their own prompts
+    turn: bool = True  # the fair order (router.admission) lets this request try now
+    reserve_fraction: float = 1.0
+    local_prefill_tokens: int = 0  # router.local_prefill_tokens (prefill_where)
+
+
+@dataclass(frozen=True)
+class Local:
+    """The decode (or colocated) worker prefills the prompt itself."""
+
+    decode: WorkerLoad
+    blocks: int  # KV blocks to reserve there
+    where: str  # "colocated" or "local"
+    why: str  # "" (colocated), a ``prefill_where`` reason, or "no_pool"
+    check: int | None = None  # local by a prefix believed cached there: the worker checks it holds it
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A prefill worker prefills the prompt and sends its KV to the decode worker."""
+
+    prefill: WorkerLoad
+    decode: WorkerLoad
+    blocks: int  # KV blocks to reserve on the decode worker
+    why: str  # a ``prefill_where`` reason, or "cache_miss"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """No worker can take the request now (or another waiting one goes first): wait for a change."""
+
+
+WAIT = Wait()
+
+
+def plan(view: PoolView, job: Demand) -> Local | Remote | Wait:
+    """Where one try of ``job`` goes (module docstring); pure."""
+    n = job.prompt_tokens
+    prefix = view.decode_prefix
+    d = pick_decode(view.decode, n, job.max_tokens, view.reserve_fraction,
+                    job.prefer[1] if view.colocated else None, prefix) if view.turn else None
+    if d is None:
+        return WAIT
+    blocks = d.blocks_for(admission_tokens(d, n, job.max_tokens, view.reserve_fraction, prefix))
+    if view.colocated:
+        return Local(d, blocks, "colocated", "")
+    # (from the prompt's part not cached on the decode worker)
+    cached = min(prefix.cached.get(d.worker_id, 0), n - 1) if prefix is not None else 0
+    where, why = ("local", "no_pool") if view.no_prefill_pool else ("pool", "cache_miss") if job.missed \
+        else prefill_where(n - cached, d, view.local_prefill_tokens, view.pool_queued)
+    if where == "local":
+        return Local(d, blocks, where, why, view.local_prefill_tokens if why == "short" and cached else None)
+    # No prefill worker has room now: the least loaded queues it in its own engine.
+    p = pick_prefill(view.prefill, n, job.prefer[0], view.prefill_prefix) or min(
+        (w for w in view.prefill if w.accepting), key=lambda w: w.queued_prompt_tokens, default=None)
+    return WAIT if p is None else Remote(p, d, blocks, why)

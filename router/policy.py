@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 PRIORITIES = ("high", "normal", "low")  # strict, first first
 FIELDS = ("max_concurrent", "tokens_per_minute", "priority", "weight")
 
@@ -120,7 +122,6 @@ def load_policy(path: str) -> Policy:
     """
     if not path:
         return Policy()
-    import yaml
     try:
         data = yaml.safe_load(Path(path).expanduser().read_text())
     except OSError as e:

@@ -1,14 +1,14 @@
 """Worker pools: the router's view of every prefill and decode actor, and their output stream.
 
-Lifecycle of a worker here (``Worker.state``)::
+Lifecycle of a worker here (``Worker.state``, a ``WorkerState``: router.worker_state)::
 
-    starting (actor created, model loading) ──up──► ready ──lost──► dead ──up again──► ready
+    STARTING (actor created, model loading) ──up──► READY ──lost──► DEAD ──up again──► READY
                                                       │      (Ray restarts the actor; a fresh incarnation)
-                                                      └──drain──► draining ──holds nothing──► retired (removed)
-                                                      └──switch─► draining ──holds nothing──► ready (adaptive: the
-                                                                  other role; lost meanwhile: dead, back in it)
+                                                      └──drain──► DRAINING ──holds nothing──► retired (removed)
+                                                      └──switch─► DRAINING ──holds nothing──► READY (adaptive: the
+                                                                  other role; lost meanwhile: DEAD, back in it)
     Ray cannot bring it back (restarts exhausted, node gone), it cannot serve here (another
-    model, other weights than the other workers), or lost while draining: gone (its process is
+    model, other weights than the other workers), or lost while draining: GONE (its process is
     ended; the last ``liveness.MAX_GONE`` gone workers stay listed for `pdserve status`).
 
 Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, which :class:`Pools` builds on.
@@ -38,17 +38,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+import zmq
+import zmq.asyncio
+
+from engine.errors import InvalidRequestError
 from kvtransfer.auth import new_secret
-from router.config import ClusterConfig
+from router.config import ClusterConfig, engine_configs  # (engine_configs: also imported from here)
 from router.liveness import HEALTH_PERIOD_S, QUIET_S, Liveness
 from router.placement import WorkerLoad
-from worker.protocol import (MAX_REPORT_BYTES, Failed, Key, ModelInfo, ProtocolError, Record, WorkerStatus,
+from router.worker_state import UNREACHABLE, Role, Unreachable, Worker, WorkerState
+from worker.protocol import (MAX_REPORT_BYTES, Failed, Key, ModelInfo, ProtocolError, Record, Reservation,
                              decode_report, join_pieces, report_key, report_origin)
-from worker.step_loop import RouterLink, WorkerOptions
+from worker.protocol import RouterLink, WorkerOptions
 
 log = logging.getLogger("pdserve.router")
 
@@ -56,64 +59,8 @@ REPORT_HWM = 64  # messages queued per worker connection on the report socket (m
 RESTART_CHECK_S = QUIET_S  # a worker's reports of another incarnation ask Ray at most this often
 
 
-@dataclass
-class Worker:
-    """One actor as the router sees it."""
-
-    worker_id: str
-    role: str  # prefill, decode or colocated; an adaptive worker's changes (router.roles)
-    actor: Any
-    state: str = "starting"  # starting, ready, draining, dead, gone (module docstring)
-    adaptive: bool = False  # an AdaptiveActor: answers both roles' calls
-    next_role: str | None = None  # draining to switch to this role (router.roles), not to retire
-    incarnation: str | None = None
-    address: str | None = None  # decode and colocated: the KV receiver's address
-    status: WorkerStatus | None = None  # its latest report's; None until one arrives
-    last_seen: float = field(default_factory=time.monotonic)
-    # Blocks the router promised this worker that its reports do not show yet: (the call's
-    # number, blocks, prompt tokens it will prefill). A report drops those its status has
-    # admitted (``WorkerStatus.admitted``): a report sent before the worker took a call must
-    # not erase that call's reservation.
-    pending: list[tuple[int, int, int]] = field(default_factory=list)
-    calls: int = 0  # admitting calls (reserve, submit) made to its current incarnation
-    restarts: int = 0
-    info: ModelInfo | None = None  # model_info() of its current incarnation
-    seq: int = 0  # the latest report's Report.seq from its current incarnation (older: a replay)
-    ray_restarts: int | None = None  # Ray's restart count of the actor before its bring-up (None: unknown)
-    checked_at: float = float("-inf")  # when a report of another incarnation last made the router ask Ray
-    # (incarnation, its report key): worker.protocol.report_key, derived once per incarnation
-    rkey: tuple[str, bytes] | None = field(default=None, repr=False)
-    pieces: dict[Key, list] = field(default_factory=dict, repr=False)  # worker.protocol.join_pieces
-
-    @property
-    def reserved_blocks(self) -> int:
-        return sum(b for _, b, _ in self.pending)
-
-    def reported(self, status: WorkerStatus | None) -> None:
-        """A new status (None: none yet, a new incarnation); reservations it shows are dropped."""
-        self.status = status
-        if status is not None and status.kv_address and self.address is not None:
-            self.address = status.kv_address  # the newest (a replaced UCX worker's); older ones still reach it a while
-        if status is None:
-            self.pending, self.calls = [], 0
-            self.pieces.clear()  # (records of a process whose requests moved elsewhere)
-        else:
-            self.calls = max(self.calls, status.admitted)
-            self.pending = [(n, b, t) for n, b, t in self.pending if n > status.admitted]
-
-    def load(self) -> WorkerLoad:
-        s = self.status
-        if s is None:
-            return WorkerLoad(self.worker_id, self.role, 0, 0, 16, 0, 0, accepting=False)
-        free = s.kv_blocks_free - self.reserved_blocks
-        queued = s.queued_prompt_tokens + sum(t for _, _, t in self.pending)
-        return WorkerLoad(self.worker_id, self.role, max(0, free), s.kv_blocks_total, s.block_size,
-                          queued, s.remaining_decode_tokens, accepting=self.state == "ready")
-
-
 def report_socket(ctx: Any, host: str) -> tuple[Any, str]:
     """The router's report socket on ``host`` (a zmq PULL, bounded: module docstring) and its address."""
-    import zmq
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, REPORT_HWM)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPORT_BYTES)
@@ -126,32 +73,6 @@ def _least_loaded(workers: Iterable[Worker]) -> Worker | None:
     to drain); None if there is none."""
     return min(workers, key=lambda w: (w.status.kv_blocks_used, w.status.running, w.worker_id) if w.status
                else (0, 0, w.worker_id), default=None)
-
-
-def _fixed_gb(kv_cache_gb: float | str) -> float:
-    """A pool's KV cache GiB; for ``auto`` the engine's default, which the worker replaces with
-    its node's figure when it starts (``WorkerOptions.kv_cache_auto``, worker.actor)."""
-    return CacheConfig().memory_gb if kv_cache_gb == "auto" else kv_cache_gb
-
-
-def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
-    """(prefill, decode) engine configs from the cluster config."""
-    p, d = cfg.prefill, cfg.decode
-    common = dict(model=model_path, dtype=cfg.dtype, dequantize=cfg.dequantize, device=cfg.device)
-    # A prefill worker never decodes: no compiled one-token path (its memory and compile time).
-    prefill = EngineConfig(**common, compile_decode=False,
-                           cache=CacheConfig(block_size=p.block_size, memory_gb=_fixed_gb(p.kv_cache_gb)),
-                           scheduler=SchedulerConfig(max_num_batched_tokens=p.max_batched_tokens))
-    from engine.quant import split_quantization
-    decode_model, quantization = split_quantization(d.quantization, model_path)  # a checkpoint replaces the model
-    decode = EngineConfig(**{**common, "model": decode_model}, quantization=quantization,
-                          compile_decode=d.compile_decode, compile_decode_rows=d.compile_decode_rows,
-                          cache=CacheConfig(block_size=d.block_size, memory_gb=_fixed_gb(d.kv_cache_gb)),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
-                                                    max_num_seqs=d.max_num_seqs,
-                                                    enable_chunked_prefill=d.chunked_prefill),
-                          speculative=d.speculative.to_engine())
-    return prefill, decode
 
 
 class Pools(Liveness):
@@ -181,13 +102,12 @@ class Pools(Liveness):
         self._changed = asyncio.Event()  # replaced on every notify: waiters wake once each
         self._tasks: set[asyncio.Task] = set()  # running background tasks (each removes itself)
         self._sock = None
-        self._next_index = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._next_index = dict.fromkeys(Role, 0)
 
     # ---- start / stop ------------------------------------------------------------------------
     async def start(self, progress: Callable[[str], None] = lambda s: None) -> None:
         """Create every actor and wait until all are ready (model loaded, connected)."""
-        import ray
-        import zmq.asyncio
+        import ray  # (heavy: Ray, loaded when the cluster starts)
         self._ctx = zmq.asyncio.Context()
         self._sock, address = report_socket(self._ctx, ray.util.get_node_ip_address())
         self._spawn(self._receive(), "pools-receive")
@@ -195,15 +115,15 @@ class Pools(Liveness):
         cfg = self.cfg
         colocated = cfg.mode == "colocated"
         for _ in range(0 if colocated else cfg.prefill.replicas):  # (adaptive: the workers that begin as prefill)
-            self._create("prefill")
+            self._create(Role.PREFILL)
         for _ in range(cfg.decode.replicas):
-            self._create("colocated" if colocated else "decode")
+            self._create(Role.COLOCATED if colocated else Role.DECODE)
         progress(f"starting {len(self.workers)} workers ({cfg.mode}) ...")
         # Decode workers first: a prefill worker coming up connects to every ready decode worker.
-        decode = [w for w in self.workers.values() if w.role != "prefill"]
+        decode = [w for w in self.workers.values() if w.role is not Role.PREFILL]
         await asyncio.gather(*(self._bring_up(w) for w in decode))
-        await asyncio.gather(*(self._bring_up(w) for w in self.workers.values() if w.role == "prefill"))
-        bad = [w.worker_id for w in self.workers.values() if w.state != "ready"]
+        await asyncio.gather(*(self._bring_up(w) for w in self.workers.values() if w.role is Role.PREFILL))
+        bad = [w.worker_id for w in self.workers.values() if not w.state.accepting]
         if bad:
             raise RuntimeError(f"workers failed to start: {', '.join(bad)}")
         progress(f"{len(self.workers)} workers ready")
@@ -212,31 +132,32 @@ class Pools(Liveness):
     def _create(self, role: str) -> Worker:
         """Create one worker actor (not yet up). Ray places it by its resources; on a cluster
         with an autoscaler a pending actor makes it add a node of the right type."""
+        # (heavy: torch, the engines: only the pools' owner creates actors)
         from adaptive_worker.actor import AdaptiveActor
         from decode_worker.actor import DecodeActor
         from prefill_worker.actor import PrefillActor
-        cfg, kt = self.cfg, self.cfg.kv_transfer
-        adaptive = cfg.mode == "adaptive"
+        cfg, kt, role = self.cfg, self.cfg.kv_transfer, Role(role)
+        adaptive, prefill = cfg.mode == "adaptive", role is Role.PREFILL
         prefill_cfg, decode_cfg = engine_configs(cfg, self.model_path)
-        pool = cfg.prefill if role == "prefill" else cfg.decode
+        pool = cfg.prefill if prefill else cfg.decode
         # (an adaptive worker's role changes: its name says the pool it began in, its index is unique)
-        wid = f"{'prefill' if role == 'prefill' else 'decode'}-{self._next_index[role]}"
+        wid = f"{role.pool}-{self._next_index[role]}"
         self._next_index[role] += 1
         metrics = None if cfg.metrics.worker_port is None else ("", cfg.metrics.worker_port)
         # An adaptive worker runs the decode pool's engine in both roles: one engine, one cache.
         cls, engine_cfg = (AdaptiveActor, decode_cfg) if adaptive else \
-            (PrefillActor, prefill_cfg) if role == "prefill" else (DecodeActor, decode_cfg)
+            (PrefillActor, prefill_cfg) if prefill else (DecodeActor, decode_cfg)
         opts = WorkerOptions(kt.transport, kt.lease_s, pool.threads, RouterLink(self._address, wid), metrics,
-                             role == "colocated", key=self.key, kv_integrity=kt.integrity,
+                             role is Role.COLOCATED, key=self.key, kv_integrity=kt.integrity,
                              faults=kt.fault_injection,
-                             transfer_cpus=cfg.prefill.transfer_cpus if role == "prefill" else (),
+                             transfer_cpus=cfg.prefill.transfer_cpus if prefill else (),
                              # (a decode pool's quantized checkpoint is its own folder: as given)
                              resolve_model=engine_cfg.model == self.model_path, model=cfg.model,
                              # (an adaptive worker runs the decode pool's engine)
-                             kv_cache_auto=(cfg.prefill if role == "prefill" and not adaptive else cfg.decode
+                             kv_cache_auto=(cfg.prefill if prefill and not adaptive else cfg.decode
                                             ).kv_cache_gb == "auto")
-        cpus = pool.threads + (len(cfg.prefill.transfer_cpus) if role == "prefill" else 0)  # (the transfer's own)
-        actor = cls.options(resources={"prefill" if role == "prefill" else "decode": 1}, num_cpus=cpus,
+        cpus = pool.threads + (len(cfg.prefill.transfer_cpus) if prefill else 0)  # (the transfer's own)
+        actor = cls.options(resources={role.pool: 1}, num_cpus=cpus,
                             max_restarts=-1, max_task_retries=0,
                             **({"num_gpus": 1} if cfg.device == "cuda" else {})).remote(engine_cfg, opts)
         w = self.workers[wid] = Worker(wid, role, actor, adaptive=adaptive)
@@ -252,10 +173,10 @@ class Pools(Liveness):
         """Stop placing on one worker of the pool (the least loaded) and retire it once it
         holds nothing: no request of the router's (``holds``), nothing running or waiting, no
         KV block (so its transfers ended). None if the pool has no ready worker."""
-        w = _least_loaded(w for w in self.workers.values() if w.role == role and w.state == "ready")
+        w = _least_loaded(w for w in self.workers.values() if w.ready_as((role,)))
         if w is None:
             return None
-        w.state = "draining"
+        w.state = WorkerState.DRAINING
         self._spawn(self._retire(w, holds), f"retire-{w.worker_id}")
         return w
 
@@ -265,27 +186,27 @@ class Pools(Liveness):
         or the least loaded ready one. It takes no new work at once (draining), and joins the
         other pool, the same process, once it holds nothing (as for retiring). None: no such
         worker."""
-        w = _least_loaded(w for w in self.workers.values() if w.adaptive and w.role == old and w.state == "ready"
+        w = _least_loaded(w for w in self.workers.values() if w.adaptive and w.ready_as((old,))
                           and worker_id in (None, w.worker_id))
         if w is None:
             return None
-        w.state, w.next_role = "draining", new
+        w.state, w.next_role = WorkerState.DRAINING, Role(new)
         self._spawn(self._switch(w, holds), f"switch-{w.worker_id}")
         return w
 
     async def _switch(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
         await self._drained(w, holds)
-        if w.state != "draining":  # lost meanwhile: it comes back in its new role (``lost``)
+        if w.state is not WorkerState.DRAINING:  # lost meanwhile: it comes back in its new role (``lost``)
             return
         w.role = w.next_role  # (``next_role`` stays until wired: lost meanwhile, it comes back in it)
         try:
             await self._wire(w)
         except Exception as e:  # it died or stalled while connecting: replaced, back in the new role
-            if w.state == "draining":
+            if w.state is WorkerState.DRAINING:
                 self.lost(w, f"connecting in its new role failed: {e!r}")
             return
-        if w.state == "draining":  # (not lost while it was wired)
-            w.state, w.next_role = "ready", None
+        if w.state is WorkerState.DRAINING:  # (not lost while it was wired)
+            w.state, w.next_role = WorkerState.READY, None
             log.info("worker %s is a %s worker now", w.worker_id, w.role)
         self._notify()
 
@@ -294,7 +215,7 @@ class Pools(Liveness):
         unreported, nothing running or waiting, no KV block (so its transfers ended); or it is
         no longer draining."""
         since = time.monotonic()
-        while w.state == "draining":
+        while w.state is WorkerState.DRAINING:
             s = w.status
             # A heartbeat after draining began shows what it still holds.
             # (``pending``: a call that admits a request there is in flight, or not yet reported)
@@ -304,7 +225,7 @@ class Pools(Liveness):
             await asyncio.sleep(HEALTH_PERIOD_S)
 
     async def _retire(self, w: Worker, holds: Callable[[Worker], bool]) -> None:
-        import ray
+        import ray  # (heavy: Ray, loaded when the cluster starts)
         await self._drained(w, holds)
         log.info("worker %s drained; retiring it", w.worker_id)
         try:
@@ -328,7 +249,7 @@ class Pools(Liveness):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        import ray
+        import ray  # (heavy: Ray, loaded when the cluster starts)
         for w in self.workers.values():
             try:
                 await asyncio.wait_for(w.actor.shutdown.remote(), 10)
@@ -343,6 +264,84 @@ class Pools(Liveness):
     def loads(self, *roles: str) -> list[WorkerLoad]:
         return [w.load() for w in self.workers.values() if w.role in roles]
 
+    def still_ready(self, w: Worker | None, roles: tuple[str, ...]) -> bool:
+        """``w`` still takes requests in one of ``roles`` (after a call's round trip: it may
+        have been lost, retired, or begun to drain or switch roles meanwhile)."""
+        return w is not None and w.ready_as(roles)
+
+    def worker(self, worker_id: str) -> Worker:
+        return self.workers[worker_id]
+
+    def get(self, worker_id: str) -> Worker | None:
+        """The worker, or None if it was retired (or forgotten, gone)."""
+        return self.workers.get(worker_id)
+
+    def staffed(self, role: str) -> bool:
+        """Some worker of ``role`` is in its pool: serving or coming (back) up, not leaving."""
+        return any(w.role == role and w.state.in_pool for w in self.workers.values())
+
+    # ---- calls to workers: each Ray call the router makes to place, free or sweep a request ---
+    async def submit(self, w: Worker, key: Key, ids: list[int], params: Any, time_left: float | None,
+                     check: int | None) -> bool | Unreachable:
+        """``w`` prefills and decodes the request itself (colocated, or a local prefill). False:
+        ``check`` was given and it does not cache that much of the prompt (it took nothing)."""
+        return await self._admitting(w, key, "submit",
+                                     lambda: w.actor.submit.remote(key, ids, params, time_left, check))
+
+    async def reserve(self, w: Worker, key: Key, ids: list[int], params: Any, time_left: float | None
+                      ) -> Reservation | None | Unreachable:
+        """``w`` reserves the request's KV; returns what to send there (the transfer's secret, the
+        first prompt position it lacks), or None: it is full (not now)."""
+        return await self._admitting(w, key, "reserve",
+                                     lambda: w.actor.reserve.remote(key, ids, params, time_left))
+
+    async def _admitting(self, w: Worker, key: Key, what: str, make: Callable[[], Any]) -> Any:
+        """Await an admitting call with the stall deadline (``call``), mapping Ray's errors: a
+        lost or stalled worker is ``UNREACHABLE`` (try the others), bad input the worker found
+        is its InvalidRequestError, any other error a bug (raised)."""
+        from ray.exceptions import RayActorError, RayTaskError  # (heavy: Ray, loaded once the router serves)
+        try:
+            return await self.call(w, make())
+        except asyncio.CancelledError:
+            # The client gave up while the worker takes the call: it would hold the blocks (for
+            # the lease, or a whole generation) with nobody left to free them. The abort queues
+            # behind the call on the worker (calls run in order).
+            self.abort(w, key)
+            raise
+        except RayActorError as e:
+            self.lost(w, f"{what} failed: {e}")
+            return UNREACHABLE
+        except RayTaskError as e:  # (before TimeoutError: Ray makes it one if the cause was)
+            if isinstance(e.cause, InvalidRequestError):
+                raise e.cause from None
+            raise
+        except TimeoutError:  # stalled (``call``): it is being replaced; try the others
+            return UNREACHABLE
+
+    def prefill(self, w: Worker, key: Key, ids: list[int], params: Any, decode_address: str | None,
+                reservation: Reservation, time_left: float | None) -> None:
+        """``w`` prefills the prompt and sends its KV to the decode worker that reserved it."""
+        w.actor.prefill.remote(key, ids, params, decode_address, reservation, time_left)
+
+    def abort(self, w: Worker, key: Key) -> None:
+        """Free ``key``'s blocks on ``w`` if its process may hold any (idempotent there)."""
+        if w.state.may_hold_blocks:
+            w.actor.abort.remote(key)
+
+    async def held(self, timeout_s: float = 10.0) -> list[tuple[Worker, dict[str, int]]] | None:
+        """Per worker whose process may hold blocks, the requests holding KV blocks there
+        (engine id → blocks); None if one did not answer within ``timeout_s``."""
+        ready = [w for w in self.workers.values() if w.state.may_hold_blocks]
+        try:
+            held = await asyncio.wait_for(asyncio.gather(*(w.actor.held.remote() for w in ready)), timeout_s)
+        except Exception:  # a worker died or stalled meanwhile: no verdict this time
+            return None
+        return list(zip(ready, held))
+
+    async def release(self, w: Worker, engine_ids: list[str]) -> int:
+        """Free these requests' blocks on ``w``; returns the blocks freed."""
+        return await self.call(w, w.actor.release.remote(engine_ids))
+
     def reserved(self, worker_id: str, blocks: int, new_call: bool = True, prompt_tokens: int = 0) -> None:
         """The router is about to make an admitting call (reserve, a submit that prefills there)
         for ``blocks`` there (``new_call=False``: more blocks for the call just made), and
@@ -354,7 +353,7 @@ class Pools(Liveness):
 
     def any_alive(self, *roles: str) -> bool:
         """Some worker of these roles is ready or coming back (a request may wait for it)."""
-        return any(w.state != "gone" for w in self.workers.values() if w.role in roles)
+        return any(w.state.alive for w in self.workers.values() if w.role in roles)
 
     def _notify(self) -> None:
         """Capacity may have grown (a request ended, a worker came or went): wake admission."""
@@ -416,7 +415,7 @@ class Pools(Liveness):
         the actor restarted; a starting (or dead) worker's new process reports before its
         bring-up adopts it, which is expected."""
         self.stale_reports += 1
-        if w is None or w.state not in ("ready", "draining") or self.clock() - w.checked_at < RESTART_CHECK_S:
+        if w is None or not w.state.may_hold_blocks or self.clock() - w.checked_at < RESTART_CHECK_S:
             return
         try:
             decode_report(msg, self.key)

@@ -6,6 +6,7 @@ the door with a message the client can act on, and the cluster never sees it.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -34,7 +35,6 @@ def request_id(req, limits: Limits) -> str:
     Raises:
         InvalidRequestError: too long, or a character outside printable ASCII (33..126).
     """
-    import uuid
     rid, most = req.request_id, limits.input.request_id_chars
     if not rid:
         return uuid.uuid4().hex

@@ -30,14 +30,19 @@ its weights, compiled graphs and prefix cache.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.autoscale import DecodeTargets, PrefillTargets, Signals, pool_signals, pressure
+from router.cluster_view import ClusterView
+from router.worker_state import Role, WorkerState
 
 log = logging.getLogger("pdserve.roles")
 
@@ -99,16 +104,22 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
 
 
 class RoleController:
-    """Runs :func:`decide` every ``interval_s`` over the router's pools and carries it out.
+    """Runs :func:`decide` every ``interval_s`` over snapshots of the cluster; the pools switch
+    the workers.
 
     Args:
-        router: the router (its ``pools``, ``queued``, ``recent`` latencies, ``holds``).
         cfg: ``ClusterConfig.roles``.
         autoscale: ``ClusterConfig.autoscale`` (the targets, and the latency window).
+        pools: what switches a worker's role (router.pools.Pools: ``switch``).
+        view: the cluster now (router.cluster_view).
+        holds: whether a request of the router's runs on a worker (it may not switch yet).
+        switched: counts a switch by the role switched to (``RouterMetrics.role_switches``).
     """
 
-    def __init__(self, router, cfg: RolesConfig, autoscale) -> None:
-        self.router, self.cfg, self.autoscale = router, cfg, autoscale
+    def __init__(self, cfg: RolesConfig, autoscale: Any, pools: Any, view: Callable[[], ClusterView],
+                 holds: Callable[[Any], bool], switched: Any) -> None:
+        self.cfg, self.autoscale, self.pools, self.view = cfg, autoscale, pools, view
+        self.holds, self.switched = holds, switched
         self.state = RoleState()
         self.events: collections.deque[str] = collections.deque(maxlen=50)  # shown by `pdserve status`
         self.switches: list[tuple[float, str, str, str, str]] = []  # (unix time, worker, from, to, why), the last 1000
@@ -119,18 +130,18 @@ class RoleController:
 
     def step(self, now: float) -> str | None:
         """One decision; returns what was done."""
-        pools = self.router.pools
-        if any(w.state == "draining" for w in pools.workers.values()):
+        view = self.view()
+        if view.any(WorkerState.DRAINING):
             return None  # one switch at a time: the last one is still draining its old role
         window = self.autoscale.window_s
-        s_p, s_d = pool_signals(self.router, "prefill", now, window), pool_signals(self.router, "decode", now, window)
+        s_p, s_d = pool_signals(view, "prefill", now, window), pool_signals(view, "decode", now, window)
         # The prompt backlog: what waits at the prefill pool, or with no prefill worker left,
         # at the decode workers (their local prefills are then all of it). With one, a decode
         # worker's local prefills are prompts placement keeps there (short ones, or a long one
         # it took while the pool had a queue itself): no backlog for the pool (measured: a
         # chat's 78-token local prefill, queued for a step, broke an idle pool's want twice).
-        queued = sum(w.load().queued_prompt_tokens for w in pools.workers.values() if w.state == "ready"
-                     and (w.role == "prefill" or not s_p.workers))
+        queued = sum(w.queued_prompt_tokens for w in view.workers if w.state.accepting
+                     and (w.role is Role.PREFILL or not s_p.workers))
         s_p = dataclasses.replace(s_p, queued_prompt_tokens=queued)
         want, why = decide(now, s_p, s_d, self.autoscale.prefill, self.autoscale.decode, self.cfg, self.state)
         self.trace.append((time.time(), s_p, s_d, want or self.state.want))
@@ -141,18 +152,17 @@ class RoleController:
     def switch(self, old: str, new: str, why: str, worker_id: str | None = None) -> str | None:
         """Move one worker (``worker_id``, or the least loaded ready one of role ``old``) to
         role ``new``; returns what was done (None: no such worker)."""
-        w = self.router.pools.switch(old, new, self.router.holds, worker_id)
+        w = self.pools.switch(old, new, self.holds, worker_id)
         if w is None:
             return None
         msg = f"{w.worker_id} {old} -> {new}: {why}"
         log.info("role switch %s", msg)
-        self.router.metrics.role_switches.labels(new).inc()
+        self.switched.labels(new).inc()
         self.events.append(f"{time.strftime('%H:%M:%S')} {msg}")
         self.switches = (self.switches + [(time.time(), w.worker_id, old, new, why)])[-1000:]
         return msg
 
     async def run(self) -> None:
-        import asyncio
         while True:
             await asyncio.sleep(self.cfg.interval_s)
             self.step(time.monotonic())

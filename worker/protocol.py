@@ -40,6 +40,7 @@ the status a map. Ray pickles the same structs for actor calls.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -50,6 +51,43 @@ from kvtransfer.base import TransferStats
 # None while the request goes on; "prefilled": the prefill side's part is done (first token
 # out, decode goes on elsewhere); the rest end the request.
 Finish = Literal["stop", "length", "abort", "prefilled"]
+
+
+# ---- how the router starts a worker (Ray actor arguments, not wire messages) --------------------
+@dataclass(frozen=True)
+class RouterLink:
+    """Where a worker pushes its reports, and the id the router knows it by."""
+
+    address: str  # the router's zmq PULL socket
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a worker actor runs, besides its engine config."""
+
+    transport: str = "ucx"  # KV transport by name (kvtransfer.base.get_transport)
+    lease_s: float | None = None  # KV transfer lease, the same on both sides; None: kvtransfer's LEASE_S
+    threads: int = 1  # torch threads: several workers share a node's cores
+    router: RouterLink | None = None  # None: records wait for poll()
+    metrics: tuple[str, int] | None = None  # serve /metrics on (host, port; 0 = a free port)
+    colocated: bool = False  # decode workers only: also prefill (mode: colocated)
+    # prefill workers only: cores for the KV transfer thread and the UCX progress thread; the
+    # forward runs on the process's other cores (prefill_worker/kv_stream.py). Empty: inline.
+    transfer_cpus: tuple[int, ...] = ()
+    # The cluster key (the router's; at least 16 bytes): MACs reports and every KV message
+    # (kvtransfer.auth). None: trust the network (tests in one process). Never in a repr.
+    key: bytes | None = field(default=None, repr=False)
+    kv_integrity: str = "header"  # what a KV data frame's MAC covers: header | full (kvtransfer.auth)
+    faults: bool = False  # chaos testing only: accept inject() (kv_transfer.fault_injection)
+    # Resolve the config's ``model:`` (None: the bundled one) on this node and load that, not
+    # the router's path: the bundled model sits in each node's own cache, and ``~`` is each
+    # node's own HOME (router.nodes checks that every node holds the same weights).
+    resolve_model: bool = False
+    model: str | None = None
+    # kv_cache_gb: auto: size the engine's KV cache from what this node has left, this worker's
+    # share by role (engine/kv_budget.py), instead of the config's cache.memory_gb
+    kv_cache_auto: bool = False
 
 
 class ProtocolError(ValueError):
@@ -167,7 +205,7 @@ class WorkerStatus(msgspec.Struct):
     admitted: int = 0  # admitting calls (reserve, submit) taken since start: the router's reservations
     metrics_address: str | None = None
     # Its KV receiver's address now (decode, adaptive): a UCX receiver's changes when it
-    # replaces its UCX worker (kvtransfer/ucx_generation.py); the router publishes the newest.
+    # replaces its UCX worker (kvtransfer/ucx/generation.py); the router publishes the newest.
     kv_address: str | None = None
     kv_transfer: TransferStats | None = None  # sender's (prefill), receiver's (decode) or both added (adaptive)
     # engine.spec.decoder.SpecDecoder.stats(): alpha, tokens per verify, draft vs verify time

@@ -22,15 +22,15 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.llm_engine import RequestOutput
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
+# (RouterLink, WorkerOptions: the router↔worker contract, in the protocol; still importable from here)
 from worker.protocol import (MAX_REPORT_BYTES, REPORT_TARGET_BYTES, Failed, Key, Memory, ModelInfo, Record, Report,
-                             Tokens, WorkerStatus, encode_report, split_records)
+                             RouterLink, Tokens, WorkerOptions, WorkerStatus, encode_report, split_records)
 
 log = logging.getLogger("pdserve.worker")
 
@@ -79,42 +79,6 @@ def load_memory(engine: Any) -> Memory | None:
     proc = process_memory()
     return Memory(weights_gb=gb["weights"], packed_copies_gb=gb["packed_copies"], kv_cache_gb=gb["kv_cache"],
                   other_gb=gb["other"], rss_gb=proc["rss_gb"], pss_gb=proc["pss_gb"], peak_rss_gb=proc["peak_rss_gb"])
-
-
-@dataclass(frozen=True)
-class RouterLink:
-    """Where a worker pushes its reports, and the id the router knows it by."""
-
-    address: str  # the router's zmq PULL socket
-    worker_id: str
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """How a worker actor runs, besides its engine config."""
-
-    transport: str = "ucx"  # KV transport by name (kvtransfer.base.get_transport)
-    lease_s: float | None = None  # KV transfer lease, the same on both sides; None: kvtransfer's LEASE_S
-    threads: int = 1  # torch threads: several workers share a node's cores
-    router: RouterLink | None = None  # None: records wait for poll()
-    metrics: tuple[str, int] | None = None  # serve /metrics on (host, port; 0 = a free port)
-    colocated: bool = False  # decode workers only: also prefill (mode: colocated)
-    # prefill workers only: cores for the KV transfer thread and the UCX progress thread; the
-    # forward runs on the process's other cores (prefill_worker/kv_stream.py). Empty: inline.
-    transfer_cpus: tuple[int, ...] = ()
-    # The cluster key (the router's; at least 16 bytes): MACs reports and every KV message
-    # (kvtransfer.auth). None: trust the network (tests in one process). Never in a repr.
-    key: bytes | None = field(default=None, repr=False)
-    kv_integrity: str = "header"  # what a KV data frame's MAC covers: header | full (kvtransfer.auth)
-    faults: bool = False  # chaos testing only: accept inject() (kv_transfer.fault_injection)
-    # Resolve the config's ``model:`` (None: the bundled one) on this node and load that, not
-    # the router's path: the bundled model sits in each node's own cache, and ``~`` is each
-    # node's own HOME (router.nodes checks that every node holds the same weights).
-    resolve_model: bool = False
-    model: str | None = None
-    # kv_cache_gb: auto: size the engine's KV cache from what this node has left, this worker's
-    # share by role (engine/kv_budget.py), instead of the config's cache.memory_gb
-    kv_cache_auto: bool = False
 
 
 class StepLoop:

@@ -37,10 +37,12 @@ class FakeRouter(pb_grpc.GenerationServicer):
         self.pools = SimpleNamespace(any_alive=lambda role: True)
         self.jobs: dict = {}
         self.token_text = str
-        self._tokenizing = None
         self.http, self.http_port = None, None
         self.hold: asyncio.Event | None = None  # None: answer at once
         self.finished = 0
+
+    async def detokenize(self, ids):  # as Router.detokenize
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.decode, ids)
 
     def job(self, owner, request_id):  # as Router.job: no job runs here
         return self.jobs.get(request_id)

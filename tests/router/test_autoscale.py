@@ -62,6 +62,7 @@ def test_controller_grows_and_drains_through_the_pools():
     from types import SimpleNamespace
 
     from router.autoscale import PoolController
+    from router.cluster_view import ClusterView, WorkerView
     from router.config import load_config
     from worker.protocol import WorkerStatus
     cfg = load_config(None, {"autoscale.enabled": True, "autoscale.prefill.up_delay_s": 1.0,
@@ -85,7 +86,11 @@ def test_controller_grows_and_drains_through_the_pools():
             w = self.workers.pop(f"{role}-new")
             return w
     router = SimpleNamespace(pools=Pools(), recent=[], queued=0, jobs={}, colocated=False, holds=lambda w: False)
-    ctl = PoolController(router, cfg)
+
+    def view():  # (its workers as the router's snapshot shows them)
+        return ClusterView(tuple(WorkerView(w.worker_id, w.role, w.state, w.status, reserved_blocks=w.reserved_blocks)
+                                 for w in router.pools.workers.values()), queued=router.queued)
+    ctl = PoolController(cfg, router.pools, view, router.holds, router.colocated)
     router.pools.workers["prefill-0"].status.queued_prompt_tokens = 5000
     assert ctl.step(0.0) == [] and ctl.step(0.5) == []
     assert ctl.step(1.0) == ["prefill +1 (prefill-new): queued prompt tokens 5000/worker > 100"]
@@ -109,7 +114,7 @@ def test_recent_latencies_keep_only_the_window():
     assert len(burst) == 100
     from types import SimpleNamespace
     router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=r, queued=0, jobs={})
-    assert pool_signals(router, "prefill", now=99.0, window_s=10.0).ttft_p90_s == 0.5 + 98  # (89..99: p90 is 98)
+    assert pool_signals(_view(router), "prefill", now=99.0, window_s=10.0).ttft_p90_s == 0.5 + 98  # (89..99: p90 is 98)
 
 
 def test_running_streams_count_in_tpot_before_they_finish():
@@ -131,13 +136,13 @@ def test_running_streams_count_in_tpot_before_they_finish():
         j.marks.extend((10.0 + tpot * i, i + 1) for i in range(n))  # one token per batch
         return j
     router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=r, queued=0, jobs={})
-    assert pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
+    assert pool_signals(_view(router), "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
     slow = [running(LIVE_MIN_TOKENS, 0.2) for _ in range(5)]
     router.jobs = {j.request_id + str(i): j for i, j in enumerate(slow)}
     # 10 finished at 50 ms and 5 running at 200 ms: the p90 (index int(0.9 * 14) = 12) is 200 ms
-    assert abs(pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s - 0.2) < 1e-9
+    assert abs(pool_signals(_view(router), "decode", now=99.0, window_s=30.0).tpot_p90_s - 0.2) < 1e-9
     router.jobs = {str(i): running(LIVE_MIN_TOKENS - 1, 0.2) for i in range(5)}
-    assert pool_signals(router, "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
+    assert pool_signals(_view(router), "decode", now=99.0, window_s=30.0).tpot_p90_s == 0.05
 
 
 def test_a_running_stream_counts_by_its_pace_now_not_its_average_so_far():
@@ -156,7 +161,13 @@ def test_a_running_stream_counts_by_its_pace_now_not_its_average_so_far():
     j.generated, j.first_token_time, j.last_token_time = list(range(220)), 0.05, t
     assert abs(j.tpot - (199 * 0.05 + 20 * 0.2) / 219) < 1e-9 and abs(j.pace - 0.2) < 1e-9
     router = SimpleNamespace(pools=SimpleNamespace(workers={}), recent=Recent(30.0), queued=0, jobs={"r": j})
-    assert abs(pool_signals(router, "decode", now=t, window_s=30.0).tpot_p90_s - 0.2) < 1e-9
+    assert abs(pool_signals(_view(router), "decode", now=t, window_s=30.0).tpot_p90_s - 0.2) < 1e-9
     j.marks.clear()
     j.marks.extend((0.3 * b, 3 * b) for b in range(PACE_BATCHES + 1))  # 3 tokens per 0.3 s batch
     assert abs(j.pace - 0.1) < 1e-9
+
+
+def _view(router):
+    """The snapshot the router hands pool_signals (router.cluster_view), of a made-up router."""
+    from router.cluster_view import cluster_view
+    return cluster_view(router.pools.workers.values(), router.jobs.values(), router.recent, router.queued)

@@ -89,7 +89,8 @@ def test_scoped_ids_never_meet():
 def test_cluster_status_needs_an_admin_token(monkeypatch):
     r = _router(monkeypatch)
     r.pools = SimpleNamespace(workers={})
-    r.cfg, r.metrics, r.queued = SimpleNamespace(mode="colocated"), SimpleNamespace(address=None), 0
+    r.cfg, r.metrics = SimpleNamespace(mode="colocated"), SimpleNamespace(address=None)
+    r.placer = SimpleNamespace(queued=0)
     r.autoscaler = r.roles_controller = None
 
     async def call(token):

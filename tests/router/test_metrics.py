@@ -30,9 +30,10 @@ INFO = ModelInfo(model="m", fingerprint="f", incarnation="i", context_length=204
 
 def exported(workers) -> dict[str, list]:
     from router.admission import Admission
-    router = SimpleNamespace(queued=1, jobs={}, pools=SimpleNamespace(workers=workers, bad_reports=3),
-                             admission=Admission())
-    m = RouterMetrics(router)
+    from router.cluster_view import ClusterView, WorkerView
+    view = ClusterView(tuple(WorkerView(w.worker_id, w.role, w.state, w.status, w.info) for w in workers.values()),
+                       queued=1, bad_reports=3)
+    m = RouterMetrics(lambda: view, Admission().stats)
     m.requests.labels("stop").inc()
     for h in (m.ttft, m.tpot, m.itl, m.e2e):
         h.observe(0.1)

@@ -90,6 +90,7 @@ def test_the_controller_traces_each_decision_with_the_signals_it_read():
     (what bench/serving.py reports, to tell which signal held a switch back)."""
     from types import SimpleNamespace
 
+    from router.cluster_view import cluster_view
     from router.roles import RoleController
     cfg = load_config(None, {"mode": "adaptive", "roles.min_prefill": 0})  # (else the one prefill worker stays)
     pools = _pools()
@@ -97,8 +98,9 @@ def test_the_controller_traces_each_decision_with_the_signals_it_read():
     d = pools.workers["decode-0"] = Worker("decode-0", "decode", None, state="ready", adaptive=True)
     _report(p)
     _report(d, used=60)  # 60 of 64 blocks: over kv_high, and no prompt backlog anywhere
-    router = SimpleNamespace(pools=pools, recent=[], jobs={}, queued=0, holds=lambda w: False)
-    ctl = RoleController(router, cfg.roles, cfg.autoscale)
+    switched = SimpleNamespace(labels=lambda role: SimpleNamespace(inc=lambda: None))
+    ctl = RoleController(cfg.roles, cfg.autoscale, pools, lambda: cluster_view(pools.workers.values(), []),
+                         lambda w: False, switched)
     assert ctl.step(0.0) is None  # the want must hold switch_delay_s first
     _, s_p, s_d, want = ctl.trace[-1]
     assert want == ("prefill", "decode") and s_d.kv_utilization == 60 / 64 and s_p.queued_prompt_tokens == 0

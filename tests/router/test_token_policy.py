@@ -25,10 +25,13 @@ from router.admission import Admission
 from router.app import install_signals, reload_security
 from router.auth import Auth, FrontDoor, load_tokens
 from router.config import load_config
+from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
+from router.place import Placer
 from router.policy import load_policy
 from router.requests import Limits
 from router.server import Router
+from router.worker_state import Worker
 from tests.router.front_door_fakes import COMPLETION, until
 
 ALICE, BOB, CAROL = "alice-" + "a" * 26, "bob-" + "b" * 28, "carol-" + "c" * 26
@@ -44,7 +47,7 @@ def _router(monkeypatch, cfg, door: FrontDoor) -> Router:
     monkeypatch.setattr(server, "prompt_ids", lambda req, tok, limits: [1, 2, 3])
     r = object.__new__(Router)
     r.cfg, r.door, r.tokenizer, r._tokenizing = cfg, door, None, None
-    r.jobs, r.queued = {}, 0
+    r.jobs, r.placer = {}, SimpleNamespace(queued=0)
     r.admission = Admission(door.policy)
     r.limits = Limits(context_length=128, vocab_size=1000, default_max_tokens=8, input=cfg.limits)
     r.metrics = SimpleNamespace(prompt_tokens=SimpleNamespace(inc=lambda n: None))
@@ -185,7 +188,8 @@ def test_metrics_name_tokens_never_show_them(served):
     for _ in range(3):
         served.post(BOB)
     from prometheus_client import generate_latest
-    text = generate_latest(RouterMetrics(served.router).registry).decode()  # the router's /metrics
+    # the router's /metrics (its per-token families: no worker here)
+    text = generate_latest(RouterMetrics(ClusterView, served.router.admission.stats).registry).decode()
     assert 'pdserve_token_requests_admitted_total{token="carol"} 1.0' in text
     assert 'pdserve_token_requests_admitted_total{token="bob"} 2.0' in text
     assert 'pdserve_token_requests_refused_total{limit="tokens_per_minute",token="bob"} 1.0' in text
@@ -257,12 +261,18 @@ class OneSlotPools:
         self.free, self.slots = slots, slots
         self._changed = asyncio.Event()
 
-        async def submit(*args):
-            return True
-        self.workers = {"w": SimpleNamespace(worker_id="w", state="ready", role="colocated",
-                                             actor=SimpleNamespace(submit=SimpleNamespace(remote=submit)))}
+        self.workers = {"w": Worker("w", "colocated", actor=None, state="ready")}
 
     def any_alive(self, *roles) -> bool:
+        return True
+
+    def worker(self, worker_id):
+        return self.workers[worker_id]
+
+    def still_ready(self, w, roles) -> bool:
+        return w.ready_as(roles)
+
+    async def submit(self, w, key, ids, params, time_left, check):
         return True
 
     def loads(self, *roles):
@@ -271,9 +281,6 @@ class OneSlotPools:
 
     def reserved(self, worker_id, blocks, new_call=True, prompt_tokens=0) -> None:
         self.free -= blocks
-
-    async def call(self, w, coro):
-        return await coro
 
     def give_back(self) -> None:
         self.free += 1
@@ -288,7 +295,7 @@ class OneSlotPools:
 
 
 def test_the_routers_placement_queue_shares_3_to_1_by_weight_and_puts_high_priority_first():
-    """Through the real Router._place: one slot, three tokens' requests waiting for it."""
+    """Through the real placement (router.place): one slot, three tokens' requests waiting for it."""
     from engine.request import SamplingParams
     from router.jobs import Job, JobState
     from router.policy import Policy, TokenPolicy
@@ -296,19 +303,18 @@ def test_the_routers_placement_queue_shares_3_to_1_by_weight_and_puts_high_prior
     async def main():
         r = object.__new__(Router)
         r.cfg = load_config(None, {"mode": "colocated", "router.queue_timeout_s": 600.0})
-        r.colocated, r.roles_controller, r.prefix, r.queued = True, None, None, 0
         r.pools = OneSlotPools(1)
         r.admission = Admission(Policy({"a": TokenPolicy(weight=3), "b": TokenPolicy(weight=1),
                                         "vip": TokenPolicy(priority="high")}))
-        r._turn_changed = asyncio.Event()
         r.metrics = SimpleNamespace(prefix_hit_tokens=SimpleNamespace(inc=lambda n: None))
+        r.placer = Placer(r.cfg, r.pools, r.admission, {}, r.metrics)  # (prefix-blind, colocated)
         jobs = []
         for i in range(60):
             for name in ("a", "b"):
                 job = Job(f"{name}-{i}", [1, 2, 3], SamplingParams(max_tokens=4), owner=name)
                 job.lease = r.admission.admit(name, 3)
                 jobs.append(job)
-        tasks = [asyncio.create_task(r._place(j)) for j in jobs]
+        tasks = [asyncio.create_task(r.placer.place(j)) for j in jobs]
         placed: list[str] = []
 
         async def next_placed():
@@ -326,7 +332,7 @@ def test_the_routers_placement_queue_shares_3_to_1_by_weight_and_puts_high_prior
                 vip = Job("vip", [1, 2, 3], SamplingParams(max_tokens=4), owner="vip")
                 vip.lease = r.admission.admit("vip", 3)
                 jobs.append(vip)
-                tasks.append(asyncio.create_task(r._place(vip)))
+                tasks.append(asyncio.create_task(r.placer.place(vip)))
                 await asyncio.sleep(0.01)
             r.pools.give_back()
             owners.append(await next_placed())

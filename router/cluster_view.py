@@ -1,0 +1,70 @@
+"""``ClusterView``: a frozen snapshot of the cluster that the router hands its controllers
+(router.autoscale, router.roles) and its metrics, instead of itself. They read it and decide;
+what they decide is carried out by the pools (``Pools.grow``, ``drain``, ``switch``).
+
+It holds what they read and no more: each worker's role, state, latest status and the blocks
+and prompt tokens promised to it; the requests waiting for a decode worker and those running;
+the recent requests' latencies and the running streams' paces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from router.worker_state import Role, Worker, WorkerState
+from worker.protocol import ModelInfo, WorkerStatus
+
+LIVE_MIN_TOKENS = 16  # a running stream's pace counts in the signals from this many tokens
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker, as of the snapshot."""
+
+    worker_id: str
+    role: Role
+    state: WorkerState
+    status: WorkerStatus | None = None
+    info: ModelInfo | None = None
+    adaptive: bool = False
+    reserved_blocks: int = 0  # promised by calls its reports do not show yet
+    queued_prompt_tokens: int = 0  # its reported queue plus the prompts of those calls
+
+    def __post_init__(self) -> None:  # (the enums, also when made of plain names: tests)
+        object.__setattr__(self, "role", Role(self.role))
+        object.__setattr__(self, "state", WorkerState(self.state))
+
+    @classmethod
+    def of(cls, w: Worker) -> WorkerView:
+        return cls(w.worker_id, w.role, w.state, w.status, w.info, w.adaptive, w.reserved_blocks,
+                   w.load().queued_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The cluster as of one moment (module docstring)."""
+
+    workers: tuple[WorkerView, ...] = ()
+    queued: int = 0  # requests waiting for a decode worker
+    active: int = 0  # requests the router streams
+    recent: tuple[tuple[float, float | None, float | None], ...] = ()  # (finished at, TTFT, TPOT)
+    paces: tuple[float, ...] = ()  # running streams' pace now (those of LIVE_MIN_TOKENS tokens or more)
+    bad_reports: int = 0  # messages dropped on the report socket (router.pools)
+
+    def ready(self, *roles: str) -> list[WorkerView]:
+        """The workers of these roles that take requests now."""
+        return [w for w in self.workers if w.role in roles and w.state.accepting]
+
+    def any(self, state: WorkerState, *roles: str) -> bool:
+        """Some worker (of these roles; none given: of any) is in ``state``."""
+        return any(w.state is state and (not roles or w.role in roles) for w in self.workers)
+
+
+def cluster_view(workers: Iterable[Worker], jobs: Iterable, recent: Iterable = (), queued: int = 0,
+                 bad_reports: int = 0) -> ClusterView:
+    """The snapshot of these workers and live jobs (router.jobs.Job), with the recent latencies."""
+    jobs = list(jobs)
+    paces = tuple(j.pace for j in jobs if len(j.generated) >= LIVE_MIN_TOKENS and j.pace is not None)
+    return ClusterView(tuple(WorkerView.of(w) for w in list(workers)), queued, len(jobs), tuple(recent), paces,
+                       bad_reports)

@@ -1,0 +1,267 @@
+"""Placing one job: wait for room in fair order, then reserve and submit (router.server's PLACING).
+
+Each try takes a snapshot of the pools (``placement.PoolView``), asks the pure
+``placement.plan`` where the job goes, and carries the answer out through the pools' calls
+(router.pools: each Ray call, its deadline and the mapping of its errors live there)::
+
+    while True:
+        no worker left ─► UNAVAILABLE
+        plan(view, demand):
+          Wait   ─► queue (router.max_queue: else RESOURCE_EXHAUSTED), wait for a change
+                    (router.queue_timeout_s: else RESOURCE_EXHAUSTED)
+          Local  ─► submit to the decode (or colocated) worker; not holding the prefix it was
+                    sent for ─► the pool prefills it (``missed``), try again
+          Remote ─► reserve on the decode worker (full ─► try again), then the prefill worker
+                    prefills and sends the KV there
+        a worker lost, stalled, draining or switched roles meanwhile ─► free what it holds, try again
+
+The fair order (router.admission) decides whose turn it is; a job that found room is
+``trying`` and holds no one behind it during its calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from router.admission import Admission, Entry
+from router.config import ClusterConfig
+from router.jobs import Job, JobState
+from router.placement import Demand, Local, PoolView, PrefixView, Remote, Wait, WorkerLoad, plan
+from router.prefix_index import PrefixIndex, block_hashes, expect_prefix, prefix_view
+from router.reject import Reject
+from router.worker_state import Role, Unreachable, WorkerState
+
+log = logging.getLogger("pdserve.router")
+
+RETRY_WAIT_S = 0.1  # admission re-checks at least this often, besides every load change
+
+
+class Tried(enum.Enum):
+    PLACED = "placed"
+    RETRY = "retry"  # a worker was lost, full, or left its role meanwhile: plan again
+    MISSED = "missed"  # the decode worker lacked the prefix it was chosen for: the pool prefills it
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What placement reads of one attempt's prompt (computed once per attempt)."""
+
+    ids: list[int]
+    params: Any  # engine.request.SamplingParams
+    block_size: int  # of the prefilling pool (prefix-aware placement hashes blocks of this size)
+    hashes: list[int]  # its full blocks' hashes ([]: prefix-blind)
+    decode_view: bool  # disaggregated, and the decode workers' caches are indexed too
+
+
+class Placer:
+    """Places jobs on the pools (module docstring).
+
+    Args:
+        cfg: the cluster config.
+        pools: router.pools.Pools, or a fake with the same methods (tests).
+        admission: the per-token fair order.
+        jobs: the router's live jobs (prefix-aware placement reads what they hold).
+        metrics: router.metrics.RouterMetrics (its prefix and placement counters).
+        prefix: the prefix index (None: prefix-blind).
+        adaptive: workers switch roles (router.roles).
+    """
+
+    def __init__(self, cfg: ClusterConfig, pools: Any, admission: Admission, jobs: Mapping[str, Job],
+                 metrics: Any, prefix: PrefixIndex | None = None, adaptive: bool = False) -> None:
+        self.cfg, self.pools, self.admission, self.jobs, self.metrics = cfg, pools, admission, jobs, metrics
+        self.prefix, self.adaptive = prefix, adaptive
+        self.colocated = cfg.mode == "colocated"
+        self.decode_roles = (Role.COLOCATED,) if self.colocated else (Role.DECODE,)
+        self.queued = 0  # jobs waiting for a decode worker
+        self._turn_changed = asyncio.Event()  # replaced when a waiting job leaves the order or tries
+
+    async def place(self, job: Job) -> None:
+        """Reserve on a decode worker and submit to a prefill worker (or one colocated worker).
+
+        Raises:
+            Reject: RESOURCE_EXHAUSTED (admission queue full, or no capacity for
+                ``router.queue_timeout_s``), UNAVAILABLE (no worker left), INVALID_ARGUMENT
+                (a worker found the input bad).
+        """
+        prompt = self._prompt(job)
+        demand = Demand(len(prompt.ids), prompt.params.max_tokens, job.prefer or ("", ""))
+        entry = self.admission.enqueue(job.lease, demand.prompt_tokens + demand.max_tokens)
+        queued, since = False, time.monotonic()
+        try:
+            while True:
+                self._check_alive()
+                step = plan(self._view(prompt, entry), demand)
+                if isinstance(step, Wait):
+                    queued = queued or self._enter_queue()
+                    self._check_waited(since)
+                    await self._wait_change()
+                    continue
+                self.admission.trying(entry)  # the next in order may try meanwhile
+                self._turn_moved()
+                try:
+                    tried = await (self._local(job, step, prompt) if isinstance(step, Local)
+                                   else self._remote(job, step, prompt))
+                except InvalidRequestError as e:
+                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                if tried is Tried.PLACED:
+                    return
+                if tried is Tried.MISSED:
+                    demand = dataclasses.replace(demand, missed=True)
+        finally:
+            self.admission.leave(entry, placed=job.state is JobState.RUNNING)
+            self._turn_moved()
+            if queued:
+                self.queued -= 1
+
+    def _prompt(self, job: Job) -> Prompt:
+        ids, params = job.inputs()
+        # The prompt's full blocks in the prefilling pool's block size (prefix-aware placement)
+        # (an adaptive worker runs the decode pool's engine in both roles)
+        bs = (self.cfg.decode if self.colocated or self.adaptive else self.cfg.prefill).block_size
+        hashes = block_hashes(ids, bs) if self.prefix is not None else []
+        # Disaggregated: what the decode workers cache, too (their prefix is shared, not sent
+        # again), when both pools name blocks alike (the same block size: the default)
+        decode_view = not self.colocated and self.prefix is not None and self.cfg.decode.block_size == bs
+        return Prompt(ids, params, bs, hashes, decode_view)
+
+    def _check_alive(self) -> None:
+        # (adaptive: with no prefill worker, decode workers prefill their own prompts; with no
+        # decode worker, one of the others will switch to decode)
+        if self.adaptive:
+            alive = self.pools.any_alive(Role.PREFILL, Role.DECODE)
+        else:
+            alive = self.pools.any_alive(*self.decode_roles) and (self.colocated or self.pools.any_alive(Role.PREFILL))
+        if not alive:
+            raise Reject(grpc.StatusCode.UNAVAILABLE, "no worker is left to serve the request")
+
+    def _view(self, prompt: Prompt, entry: Entry) -> PoolView:
+        """The pools now, as ``plan`` reads them (a decode worker receives a prompt's whole KV:
+        only a colocated one shares it, so only its queues are prefix_view's)."""
+        # Fair share and priority (router.admission): while another waiting job goes first,
+        # this one waits as if no decode worker had room
+        if not self.admission.turn(entry):
+            return PoolView(self.colocated, [], turn=False)
+        loads, prefix = self.pools.loads(*self.decode_roles), None
+        if self.colocated:
+            loads, prefix = self._prefix_view(loads, prompt)
+        elif prompt.decode_view:  # (the reported queues stay: prefill_where reads them)
+            prefix = self._prefix_view(loads, prompt)[1]
+        prefill, prefill_prefix, pool_queued = [], None, None
+        if not self.colocated:
+            raw = self.pools.loads(Role.PREFILL)
+            pool_queued = min((w.queued_prompt_tokens for w in raw if w.accepting), default=None)
+            prefill, prefill_prefix = self._prefix_view(raw, prompt)
+        return PoolView(self.colocated, loads, prefill, prefix, prefill_prefix, pool_queued,
+                        no_prefill_pool=self.adaptive and not self.pools.staffed(Role.PREFILL),
+                        reserve_fraction=self.cfg.decode.reserve_fraction,
+                        local_prefill_tokens=self.cfg.router.local_prefill_tokens)
+
+    def _prefix_view(self, loads: list[WorkerLoad], prompt: Prompt) -> tuple[list[WorkerLoad], PrefixView | None]:
+        """(loads, view) for prefix-aware placement (``prefix_index.prefix_view``); prefix-blind:
+        (loads as reported, None)."""
+        if self.prefix is None:
+            return loads, None
+        self.prefix.prune(set(self.pools.workers))  # retired workers leave the table
+        return prefix_view(self.prefix, self.jobs.values(), loads, prompt.hashes, len(prompt.ids),
+                           prompt.block_size)
+
+    def _expect_prefix(self, job: Job, w: WorkerLoad, prompt: Prompt) -> int:
+        """The job's prompt goes to ``w`` to prefill; returns the tokens it likely finds cached
+        (known before the call's round trip, so placements meanwhile see the prefix there)."""
+        return 0 if self.prefix is None else expect_prefix(self.prefix, job, w, prompt.hashes, len(prompt.ids),
+                                                           prompt.block_size)
+
+    async def _local(self, job: Job, step: Local, prompt: Prompt) -> Tried:
+        """The decode (or colocated) worker prefills the prompt itself."""
+        dw = self.pools.worker(step.decode.worker_id)
+        # (a local prefill where decode workers are not indexed counts as a miss)
+        hit = self._expect_prefix(job, step.decode, prompt) if step.where == "colocated" or prompt.decode_view else 0
+        self.pools.reserved(dw.worker_id, step.blocks, prompt_tokens=len(prompt.ids) - hit)
+        # Local because of a prefix the index believes cached there: only if it is (``check``)
+        taken = await self.pools.submit(dw, job.key, prompt.ids, prompt.params, job.time_left(), step.check)
+        if isinstance(taken, Unreachable):
+            return Tried.RETRY
+        if taken is False:
+            return Tried.MISSED
+        if not self.pools.still_ready(dw, self.decode_roles):
+            # Lost while it answered (no Lost reaches this job), or began to drain (retire,
+            # switch roles): the request must not stay there.
+            if dw.state is WorkerState.DRAINING:
+                self.pools.abort(dw, job.key)
+            return Tried.RETRY
+        job.placed(dw, dw, step.where if self.colocated else f"{step.where}:{step.why}")
+        self._placed(step.where, step.why, hit)
+        return Tried.PLACED
+
+    async def _remote(self, job: Job, step: Remote, prompt: Prompt) -> Tried:
+        """Reserve on the decode worker, then the prefill worker prefills and sends the KV there."""
+        d = step.decode
+        dw = self.pools.worker(d.worker_id)
+        hit = self._expect_prefix(job, step.prefill, prompt)
+        self.pools.reserved(dw.worker_id, step.blocks)
+        got = await self.pools.reserve(dw, job.key, prompt.ids, prompt.params, job.time_left())
+        if isinstance(got, Unreachable):
+            return Tried.RETRY
+        if got is None:
+            self.pools.reserved(dw.worker_id, d.free_blocks, new_call=False)  # full until it reports
+            return Tried.RETRY
+        pw = self.pools.get(step.prefill.worker_id)
+        if not (self.pools.still_ready(dw, self.decode_roles) and self.pools.still_ready(pw, (Role.PREFILL,))):
+            # Either was lost (or drained, or switched roles) while decode answered: the loss
+            # reached no job of ours yet, so nothing would re-run this one. Free the
+            # reservation, again.
+            self.pools.abort(dw, job.key)
+            return Tried.RETRY
+        job.placed(pw, dw, f"pool:{step.why}")
+        self._placed("pool", step.why, hit)
+        log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
+                  pw.worker_id, dw.worker_id, len(prompt.ids))
+        self.metrics.decode_prefix_tokens.inc(got.token_start)
+        if prompt.decode_view:  # it holds the prompt's blocks now
+            self.prefix.record(dw.worker_id, prompt.hashes, d.total_blocks)
+        self.pools.prefill(pw, job.key, prompt.ids, prompt.params, dw.address, got, job.time_left())
+        return Tried.PLACED
+
+    def _placed(self, where: str, why: str, hit: int) -> None:
+        self.metrics.prefix_hit_tokens.inc(hit)
+        if where != "colocated":
+            self.metrics.prefill_placements.labels(where, why).inc()
+
+    # ---- waiting -------------------------------------------------------------------------------
+    def _enter_queue(self) -> bool:
+        """The job starts waiting for a decode worker (router.max_queue bounds them)."""
+        if self.queued >= self.cfg.router.max_queue:
+            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"all decode workers are full and {self.queued} requests are already waiting; retry later")
+        self.queued += 1
+        return True
+
+    def _check_waited(self, since: float) -> None:
+        if time.monotonic() - since > self.cfg.router.queue_timeout_s:
+            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"no KV capacity for {self.cfg.router.queue_timeout_s:g}s (router.queue_timeout_s); "
+                         "retry later")
+
+    def _turn_moved(self) -> None:
+        ev, self._turn_changed = self._turn_changed, asyncio.Event()
+        ev.set()
+
+    async def _wait_change(self) -> None:
+        """Until capacity may have grown (router.pools), the admission order moved, or RETRY_WAIT_S."""
+        waits = {asyncio.ensure_future(self.pools.wait_change(RETRY_WAIT_S)),
+                 asyncio.ensure_future(self._turn_changed.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
