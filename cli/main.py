@@ -460,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(sub)  # quantize, eval-ppl
     from cli.pull import add_commands as add_pull_commands
     add_pull_commands(sub)  # pull, models
+    from cli.plan import add_commands as add_plan_commands
+    add_plan_commands(sub)  # plan (bench/simulate.py)
     return p
 
 

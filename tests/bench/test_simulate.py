@@ -1,0 +1,171 @@
+"""The cluster simulator (bench/simulate.py, bench/sim/): deterministic, conserving, driven by
+the router's real policy functions, and exact on scenarios small enough to work out by hand.
+Every test uses the fixed cost model beside this file (round numbers, no timing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import bench.sim.policy as policy
+from bench.sim.cluster import MODES, Cluster, ClusterSpec
+from bench.sim.costs import from_json, load
+from bench.sim.report import summarize
+from bench.sim.traces import SLO, Spec, make_trace
+from bench.simulate import main as sim_main
+from router.placement import Wait
+from router.prefix_index import block_hashes
+
+COST = load(Path(__file__).with_name("sim_cost_fixed.json"))
+
+
+def _spec(mode: str, n: int = 4, p: int = 1, **kw) -> ClusterSpec:
+    return ClusterSpec(mode, n, prefill=0 if mode.startswith("colocated") else p, **kw)
+
+
+def _run(mode: str, workload: str = "mix", rate: float = 1.5, duration: float = 120.0, seed: int = 3, **kw):
+    c = Cluster(_spec(mode, **kw), COST)
+    jobs = c.run(make_trace(workload, rate, duration, seed))
+    return c, jobs
+
+
+@pytest.mark.parametrize("mode", ["disaggregated-local", "adaptive"])
+def test_same_seed_same_result(mode):
+    a = summarize(_run(mode, "bursty")[1], SLO, 120.0)
+    b = summarize(_run(mode, "bursty")[1], SLO, 120.0)
+    assert a == b
+    assert summarize(_run(mode, "bursty", seed=4)[1], SLO, 120.0) != a
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("workload", ["mix", "agentic"])
+def test_every_request_ends_and_every_block_is_freed(mode, workload):
+    # rate high enough that some wait in the router's queue (and, disaggregated 1:3, time out)
+    c, jobs = _run(mode, workload, rate=3.0)
+    assert jobs and all((j.finish is not None) != bool(j.refused) for j in jobs)
+    for j in jobs:
+        if not j.refused:
+            assert j.spec.arrival <= j.placed_at <= j.first_token <= j.finish
+            assert j.dblocks == 0 and j.pblocks == 0
+    assert not c.queue and not c.live
+    for w in c.workers.values():  # (KV below zero asserts inside SimWorker.free)
+        assert w.used == 0 and w.overflow == 0 and not (w.waiting or w.ready or w.running or w.outgoing)
+        assert w.max_used <= w.total
+
+
+def test_the_real_functions_decide(monkeypatch):
+    """Every placement is the answer of router.placement.plan (spied, not replaced)."""
+    answers = []
+    real = policy.plan
+
+    def spy(view, demand):
+        step = real(view, demand)
+        answers.append(step)
+        return step
+
+    monkeypatch.setattr(policy, "plan", spy)
+    c, jobs = _run("disaggregated-local", "agentic", rate=1.0)
+    placed = [j for j in jobs if not j.refused]
+    got = {(s.decode.worker_id, getattr(getattr(s, "prefill", None), "worker_id", s.decode.worker_id))
+           for s in answers if not isinstance(s, Wait)}
+    assert {(j.decode_id, j.prefill_id) for j in placed} <= got
+    assert {j.placement.split(":")[0] for j in placed} == {"local", "pool"}
+    for name in ("plan", "prefix_view", "expect_prefix"):
+        assert c.calls.get(name, 0) > 0, name
+    c2, _ = _run("adaptive", "mix", rate=3.0)
+    assert c2.calls["roles.decide"] > 0 and c2.switches  # the real roles.decide switched workers
+
+
+def test_a_cached_prefix_draws_its_prompt_to_the_worker_the_index_names():
+    bs = COST.block_size
+    shared = list(range(5000, 5000 + 20 * bs))
+    trace = [Spec(0, 0.0, "chat", shared + [1, 2, 3], 4)]
+    trace += [Spec(i, 0.001 * i, "chat", list(range(10000 * i, 10000 * i + 300)), 200) for i in (1, 2, 3)]
+    trace.append(Spec(4, 30.0, "chat", shared + list(range(9000, 9040)), 4))
+    c = Cluster(_spec("colocated+chunked"), COST)
+    jobs = c.run(trace)
+    hashes = block_hashes(trace[4].prompt, bs)
+    # (the index after the run: the later prompt was recorded where it went, too)
+    named = [w for w in c.workers if c.index.hit_blocks(w, hashes) >= 20]
+    assert named == [jobs[0].decode_id] == [jobs[4].decode_id]
+    assert jobs[4].shared == 20  # the worker's own cache held it: only the rest was computed
+
+
+def test_lone_request_ttft_is_prefill_plus_transfer_exactly():
+    n, m = 100, 11
+    c = Cluster(_spec("disaggregated", n=2, p=1), COST)
+    (job,) = c.run([Spec(0, 1.0, "chat", list(range(1000, 1000 + n)), m)])
+    prefill_ms = 20.0 + 1.0 * n  # base + per prompt token (fixed costs)
+    transfer_ms = 1.0 + n * 1e6 / 1e9 * 1e3  # latency + n tokens' KV at 1 GB/s
+    assert job.first_token - 1.0 == pytest.approx((prefill_ms + transfer_ms) / 1e3, abs=1e-9)
+    # then m - 1 decode steps of one row over contexts n .. n + m - 2
+    decode_ms = sum(20.0 + 1.0 + 0.5 * (n + i) / 1e3 for i in range(m - 1))
+    assert job.finish - job.first_token == pytest.approx(decode_ms / 1e3, abs=1e-9)
+    assert (job.prefill_id, job.decode_id) == ("w000", "w001")
+
+
+def test_colocated_queue_order_by_hand():
+    """One colocated worker, unchunked: the second prompt waits for the first's step, and the
+    first's decode waits for the second's prefill (prefill steps go first)."""
+    c = Cluster(_spec("colocated", n=1), COST)
+    a, b = c.run([Spec(0, 0.0, "chat", list(range(100, 200)), 3), Spec(1, 0.01, "chat", list(range(300, 350)), 3)])
+    assert a.first_token == pytest.approx(0.120)
+    assert b.first_token == pytest.approx(0.120 + 0.070)  # 20 + 50 tokens
+    # then two decode steps of the batch of both (contexts 100 + 50, then 102)
+    assert a.finish == pytest.approx(0.190 + (22 + 0.5 * 0.150) / 1e3 + (22 + 0.5 * 0.152) / 1e3)
+
+
+def test_prefix_view_over_the_jobs_that_matter_equals_over_all():
+    trace = make_trace("agentic", 2.0, 120.0, 5)
+    fast = Cluster(_spec("disaggregated-local", n=4, p=2), COST).run(trace)
+    exact = Cluster(_spec("disaggregated-local", n=4, p=2), COST, exact_prefix_view=True).run(trace)
+    assert [(j.decode_id, j.prefill_id, j.first_token, j.finish) for j in fast] == \
+        [(j.decode_id, j.prefill_id, j.first_token, j.finish) for j in exact]
+
+
+def test_decode_run_closed_form_matches_steps():
+    for b, ctx in ((1, 100), (7, 5000), (64, 60000)):
+        steps = [COST.step_ms(b, ctx + i * b) for i in range(50)]
+        assert COST.decode_run_ms(b, ctx, 50) == pytest.approx(sum(steps))
+        for k in (0, 1, 17, 49):
+            assert COST.decode_steps_within(b, ctx, sum(steps[:k]) + 1e-6) == k
+
+
+def test_cost_model_errors_name_the_field():
+    d = json.loads(Path(__file__).with_name("sim_cost_fixed.json").read_text())
+    with pytest.raises(ValueError, match="format"):
+        from_json({**d, "format": "x"})
+    with pytest.raises(ValueError, match="'step'"):
+        from_json({k: v for k, v in d.items() if k != "step"})
+    with pytest.raises(ValueError, match="base_ms"):
+        from_json({**d, "step": {**d["step"], "base_ms": -1}})
+    with pytest.raises(ValueError, match="unknown mode"):
+        ClusterSpec("round-robin", 4)
+    with pytest.raises(ValueError, match="known: chat"):
+        make_trace("sharegpt", 1.0, 10.0)
+
+
+def test_simulate_run_prints_table_and_json(capsys):
+    cost = str(Path(__file__).with_name("sim_cost_fixed.json"))
+    assert sim_main(["run", "--cost", cost, "--workers", "2,4", "--duration", "30", "--rate", "0.5",
+                     "--splits", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])["rows"]
+    assert {(r["workers"], r["mode"]) for r in rows} == {(n, m) for n in (2, 4) for m in MODES}
+    assert "TTFT p50" in out[0]
+
+
+def test_pdserve_plan(capsys):
+    from cli.main import build_parser, main
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--help"])
+    assert "--tpot-slo" in capsys.readouterr().out
+    cost = str(Path(__file__).with_name("sim_cost_fixed.json"))
+    assert main(["plan", "--cost", cost, "--workload", "chat", "--workers", "2", "--duration", "30",
+                 "--ttft-slo", "2", "--tpot-slo", "0.2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    modes = {got["recommended"]["mode"]} | {r["mode"] for r in got["alternatives"]}
+    assert modes == set(MODES) and got["slo"]["chat"] == [2.0, 0.2]
+    assert got["recommended"]["goodput_per_worker"] >= max(r["goodput_per_worker"] for r in got["alternatives"])
