@@ -23,11 +23,11 @@ In order, each answered in OpenAI's error JSON:
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
+from router.auth import is_loopback
 from router.drain import RETRY_AFTER_S, Gate
 from router.openai_api import ApiError
 
@@ -49,15 +49,6 @@ def split_host(host: str) -> tuple[str, int | None] | None:
     return (name, int(port)) if port else (name, None)
 
 
-def is_loopback_name(name: str) -> bool:
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
 def host_ok(host: str | None, loopback: bool, allowed: Iterable[str]) -> bool:
     """Whether a request's Host header may reach this server (``loopback``: it listens on a
     loopback address) with ``allowed`` extra names (``name`` or ``name:port``)."""
@@ -68,7 +59,7 @@ def host_ok(host: str | None, loopback: bool, allowed: Iterable[str]) -> bool:
     if parts is None:
         return False
     name, _ = parts
-    return host.strip().lower() in allowed or name in allowed or is_loopback_name(name)
+    return host.strip().lower() in allowed or name in allowed or is_loopback(name)
 
 
 def origin_ok(origin: str | None, host: str | None, allowed: Iterable[str]) -> bool:
