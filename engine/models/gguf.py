@@ -275,6 +275,9 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
         module, _, leaf = ours.rpartition(".")
         is_linear = leaf == "weight" and module.rpartition(".")[2] in _LINEARS
         fmt = _linear_format([t.tensor_type.name for t, _ in parts], precision) if is_linear else "float"
+        if ours == "embed_tokens.weight" and precision in ("as-shipped", "int4") and len(parts) == 1 \
+                and codes.precision_class(parts[0][0].tensor_type.name) == "int4":
+            fmt = "int4"  # the file's own codes, exactly: rows dequantized at lookup (QuantEmbedding)
         try:
             ws = [_one(t, hf, fmt, arch, n_head, n_kv) for t, hf in parts]
         except NotImplementedError as e:

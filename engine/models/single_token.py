@@ -216,7 +216,8 @@ class SingleTokenDecoder:
         cfg = model.config
         self.model = model
         self.eps, self.nq, self.nkv = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads
-        self.tied = model.lm_head.weight is model.embed_tokens.weight if _is_fp32(model.lm_head) else False
+        self.tied = (model.lm_head.weight is getattr(model.embed_tokens, "weight", None)) if _is_fp32(model.lm_head) \
+            else False
         mods: list[tuple[str, nn.Module]] = []
         for i, layer in enumerate(model.layers):
             a, m = layer.self_attn, layer.mlp
@@ -355,8 +356,10 @@ class SingleTokenDecoder:
         are that layer structure: other families run their eager forward)."""
         if model.config.family != "llama":
             return False
-        p = model.embed_tokens.weight
-        if p.dtype != torch.float32 or p.device.type != "cpu" or not hasattr(model, "layers"):
+        p = getattr(model.embed_tokens, "weight", None)  # none: an INT4 table (QuantEmbedding), fp32 rows
+        if p is not None and (p.dtype != torch.float32 or p.device.type != "cpu"):
+            return False
+        if not hasattr(model, "layers"):
             return False
         if sys.byteorder != "little":  # INT8 bytes are read out of int32 words by position
             return False
@@ -400,7 +403,7 @@ class SingleTokenDecoder:
         """One dummy token through every native entry point but attention: a library that
         loads but cannot run here fails now, not on the first request."""
         nat, m = self.native, self.model
-        h, o = torch.zeros(1, m.embed_tokens.weight.shape[1]), torch.zeros(1, self.nq * nat.head_dim)
+        h, o = torch.zeros(1, m.config.hidden_size), torch.zeros(1, self.nq * nat.head_dim)
         cos, sin = m.rotary.cos[:1].contiguous(), m.rotary.sin[:1].contiguous()
         nat.pre(h, cos, sin)
         if len(m.layers) > 1:
@@ -417,7 +420,7 @@ class SingleTokenDecoder:
                 # inputs made as forward makes them (same strides: no recompile when serving)
                 pos = torch.zeros(rows, dtype=torch.long)
                 cos, sin = m.rotary.cos[pos][:, None], m.rotary.sin[pos][:, None]
-                h = m.embed_tokens.weight[pos]
+                h = m.embed_tokens(pos)
                 # every (fp32 | int8) combination of the layers present gets its graphs now
                 seen = set()
                 for i in range(len(m.layers)):
@@ -446,7 +449,7 @@ class SingleTokenDecoder:
         if self.native is not None:
             return self._forward_native(input_ids, positions, meta, kv_caches, layer_done)
         cos, sin = m.rotary.cos[positions][:, None], m.rotary.sin[positions][:, None]
-        h = m.embed_tokens.weight[input_ids]
+        h = m.embed_tokens(input_ids)
         pre, post_pre, post = _compiled("_pre"), _compiled("_post_pre"), _compiled("_post")
         q, k, v = pre(h, self.ln1[0], lin["0.qkv"], cos, sin, self.eps, self.nq, self.nkv)
         last = len(m.layers) - 1
@@ -467,7 +470,7 @@ class SingleTokenDecoder:
         nat.set_threads(torch.get_num_threads())
         rows, nq, nkv = input_ids.shape[0], self.nq, self.nkv
         cos, sin = m.rotary.cos[positions].contiguous(), m.rotary.sin[positions].contiguous()
-        h = m.embed_tokens.weight[input_ids].contiguous()  # a fresh tensor: updated in place below
+        h = m.embed_tokens(input_ids).contiguous()  # a fresh tensor: updated in place below
         qkv = nat.pre(h, cos, sin)
         last = len(m.layers) - 1
         a0 = m.layers[0].self_attn

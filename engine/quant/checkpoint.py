@@ -164,6 +164,12 @@ def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLine
     elif cfg.tie_word_embeddings:  # the config ties it, but the checkpoint has a head of its own
         model.lm_head.weight = nn.Parameter(torch.empty_like(model.embed_tokens.weight))
     modules = dict(model.named_modules())
+    qmods = dict(qmods)
+    embedding = qmods.pop("embed_tokens", None)  # an INT4 table (engine/models/gguf.py): not a linear
+    if embedding is not None and (embedding.out_features, embedding.in_features) != tuple(
+            model.embed_tokens.weight.shape):
+        raise ModelLoadError(f"embed_tokens: quantized table [{embedding.out_features}, {embedding.in_features}] "
+                             f"in {str(path)!r} does not fit the model {tuple(model.embed_tokens.weight.shape)}")
     for name, mod in qmods.items():
         lin = modules.get(name)
         if not isinstance(lin, nn.Linear) or (lin.out_features, lin.in_features) != (mod.out_features, mod.in_features):
@@ -172,6 +178,8 @@ def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLine
                                  f"does not fit the model ({want})")
     params = dict(model.named_parameters())
     expected = {n for n in params if n.rpartition(".")[0] not in qmods}
+    if embedding is not None:
+        expected.discard("embed_tokens.weight")
     if tied:
         expected.discard("lm_head.weight")
     missing, unexpected = expected - sd.keys(), sd.keys() - expected
@@ -189,6 +197,9 @@ def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLine
                 params[name].copy_(w)
     for name in qmods:  # drop the placeholder fp weights before casting
         set_module(model, name, nn.Identity())
+    if embedding is not None:
+        from engine.quant.linear import QuantEmbedding
+        model.embed_tokens = QuantEmbedding(embedding)
     model = model.to(device=device, dtype=dtype)
     for name, mod in qmods.items():
         set_module(model, name, mod.to(device))

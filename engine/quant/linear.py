@@ -312,6 +312,22 @@ class Int4Linear(QuantLinear):
         return (self._packed.numel() * self._packed.element_size()
                 + self._scales_zeros.numel() * self._scales_zeros.element_size())
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``ids`` as fp32 [*ids.shape, K], dequantized (an embedding lookup reads a
+        handful of rows of a table it holds in INT4: :class:`QuantEmbedding`)."""
+        q, scale, zero = self._canonical() if not self.native else (None, self.scale, self.zero)
+        flat = ids.reshape(-1)
+        n, k, g = flat.numel(), self.in_features, self.group_size
+        if self.native:
+            from engine.models.native import int4_codes
+            q = int4_codes(self.qweight[flat], self.native)
+        else:
+            q = q[flat]
+        s = scale.view(self.out_features, -1)[flat]
+        z = zero.view(self.out_features, -1)[flat]
+        w = torch.addcmul(-(z * s)[..., None], q.view(n, k // g, g).float(), s[..., None])  # (q - zero) * s
+        return w.view(*ids.shape, k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         if self.native:
@@ -332,6 +348,23 @@ class Int4Linear(QuantLinear):
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in INT4 as the file shipped it (an :class:`Int4Linear` of
+    [vocab, hidden]): a lookup dequantizes only the rows it reads. Qwen2.5-Coder-1.5B's Q4_K
+    table is 0.18 GB this way against 0.93 GB in fp32."""
+
+    def __init__(self, table: Int4Linear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int4 g{self.table.group_size}"
 
 
 class W8A8Linear(QuantLinear):

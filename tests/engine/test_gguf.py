@@ -143,6 +143,28 @@ def test_four_bit_blocks_keep_their_codes(name):
                               atol=1e-5 * gguf_codes.dequantized(t).abs().max().item())
 
 
+def test_four_bit_embedding_is_served_from_its_codes():
+    """Qwen2.5-Coder-1.5B ships its embedding in Q4_K: served as the file's INT4 codes (0.18 GB
+    rather than 0.93 GB of fp32), a lookup dequantizing only its rows. Against gguf-py's values
+    (d*sc*q - dmin*m in fp32): ours is (q - zero)*s, both a few fp32 roundings of terms no larger
+    than max|w|, so 4 ulps of max|w| bound the difference."""
+    import gguf as gguf_py
+
+    from engine.quant.linear import Int4Linear, QuantEmbedding
+    reader = gguf_py.GGUFReader(str(_gguf("qwen2.5-coder-1.5b")))
+    t = next(x for x in reader.tensors if x.name == "token_embd.weight")
+    assert gguf_codes.precision_class(t.tensor_type.name) == "int4"
+    emb = QuantEmbedding(Int4Linear(gguf_codes.as_int4(t)))
+    ids = torch.tensor([[0, 198], [151643, 9707]])
+    want = torch.stack([gguf_codes.dequantized(t, slice(i, i + 1))[0] for i in ids.flatten().tolist()])
+    got = emb(ids)
+    assert got.shape == (2, 2, 1536) and got.dtype == torch.float32
+    tol = 4 * torch.finfo(torch.float32).eps * want.abs().max()
+    assert (got.view(4, -1) - want).abs().max() <= tol
+    table_bytes = emb.table.weight_bytes()
+    assert table_bytes <= 151936 * 1536 * (0.5 + 2 * 4 / 32)  # codes + fp32 scale and zero per 32
+
+
 def test_as_shipped_model_serves_the_files_codes():
     """As shipped, a fused linear whose parts are all 4-bit is an Int4Linear holding exactly
     their codes and scales; wider parts make it INT8; embeddings stay float."""
