@@ -105,6 +105,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        from engine.grammar import GrammarCompiler
+        self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self._text: dict[str, TextStream] = {}
         # which kernel each format runs on this CPU class (they differ in speed and, for W8A8,
@@ -174,7 +176,10 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids)
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids)
+        if params.guided is not None:
+            req.grammar = self.grammars.state(params.guided)
+        return req
 
     def _track(self, req: Request) -> None:
         self._text[req.request_id] = TextStream(self.tokenizer, req.sampling_params.stop)

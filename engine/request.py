@@ -13,6 +13,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -34,6 +35,20 @@ class RequestStatus(enum.Enum):
 
 
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class Guided:
+    """A constraint on the output (structured outputs; engine.grammar applies it). vLLM's names:
+
+    ``json_schema``: ``spec`` is a JSON schema (JSON text); ``json_object``: any JSON object
+    (``spec`` unused); ``regex``: ``spec`` is a regular expression; ``choice``: ``spec`` is a
+    JSON list of strings, the output is one of them; ``grammar``: ``spec`` is a Lark grammar or
+    a GBNF (llama.cpp EBNF) one. Frozen and hashable: it is the compiled-grammar cache's key.
+    """
+
+    kind: str
+    spec: str = ""
 
 
 @dataclass
@@ -70,6 +85,9 @@ class SamplingParams:
     # penalties) and the seed's draws go on after them, so a seeded request re-run mid-stream
     # gives the tokens it would have given undisturbed.
     resumed: int = 0
+    # Structured output: every token is one the constraint allows (engine.grammar). Travels with
+    # the request to prefill and decode workers and into re-runs.
+    guided: Guided | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +142,12 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.guided is not None:
+            g = self.guided
+            if not isinstance(g, Guided) or not isinstance(g.kind, str) or not isinstance(g.spec, str):
+                bad(f"guided must be a Guided(kind, spec) of strings, got {g!r}")
+            from engine.grammar import check
+            check(g)  # cached per constraint: a schema seen before costs a dict lookup
 
 
 @dataclass
@@ -153,6 +177,8 @@ class Request:
     spec_k: int = 0
     # SamplingParams.prompt_logprobs: per prompt token from the second on, as computed so far
     prompt_logprobs: list = field(default_factory=list)
+    # SamplingParams.guided: this request's matcher (engine.grammar.GrammarState), or None
+    grammar: Any = None
 
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -35,6 +35,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
+        self.grammars = None  # engine.grammar.GrammarCompiler: set by the engine (structured outputs)
         self._generators: dict[str, torch.Generator | None] = {}
 
     def forget(self, request_id: str) -> None:
@@ -84,7 +85,8 @@ class ModelRunner:
             vrows = [i for s in verified for i in range(s.first_row, s.first_row + s.num_new_tokens)]
             logits = self.model.compute_logits(hidden[torch.tensor(vrows + sample_rows, device=self.device)])
             from engine.spec.verify import verify
-            result.sampled.update(verify(logits[:len(vrows)], verified, self.generator))
+            masks = self.grammars.draft_masks(verified) if self.grammars is not None else None
+            result.sampled.update(verify(logits[:len(vrows)], verified, self.generator, masks))
             logits = logits[len(vrows):]
         else:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -92,7 +94,8 @@ class ModelRunner:
             return result
         params = [r.sampling_params for r in sample_reqs]
         prompts, outputs = [r.prompt_token_ids for r in sample_reqs], [r.output_token_ids for r in sample_reqs]
-        tokens = self.sampler(logits, params, prompts, outputs, [self._generator(r) for r in sample_reqs])
+        masks = self.grammars.masks(sample_reqs) if self.grammars is not None else None
+        tokens = self.sampler(logits, params, prompts, outputs, [self._generator(r) for r in sample_reqs], masks)
         for r, t in zip(sample_reqs, tokens):
             result.sampled[r.request_id] = [t]
         if any(p.logprobs is not None for p in params):

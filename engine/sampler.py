@@ -8,6 +8,9 @@ One step over a batch of rows (one row per request, each row with its own Sampli
                        temperature -> top-k -> top-p -> min-p -> renormalized softmax
     sample_from_probs  argmax of probs / Exp(1) noise, the noise from the row's own generator
 
+A structured-output row (SamplingParams.guided) has its grammar's mask applied after the
+penalties: forbidden tokens at -inf, so greedy, sampling and every filter see only allowed ones.
+
 ``logits_to_probs`` is pure, so speculative decoding builds its draft and target distributions
 with it and gets them filtered identically. All maths runs in float32 whatever the input dtype.
 """
@@ -15,6 +18,7 @@ with it and gets them filtered identically. All maths runs in float32 whatever t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -298,7 +302,8 @@ class Sampler:
 
     def __call__(self, logits: Tensor, params: Sequence[SamplingParams],
                  prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
-                 generators: Sequence[torch.Generator | None]) -> list[int]:
+                 generators: Sequence[torch.Generator | None],
+                 masks: tuple[Sequence[int], Any] | None = None) -> list[int]:
         """Sample the next token of every row.
 
         Args:
@@ -307,6 +312,8 @@ class Sampler:
             prompt_ids: per row, the prompt token ids (for the repetition penalty).
             output_ids: per row, the tokens generated so far (for all penalties).
             generators: per row, the request's generator (see make_generator) or None.
+            masks: (rows, bitmask) from engine.grammar.GrammarCompiler.masks: the constrained
+                rows and their allowed tokens, one bit each; None when no row is constrained.
 
         Returns:
             B token ids.
@@ -314,6 +321,9 @@ class Sampler:
         if len(generators) != logits.shape[0]:
             raise ValueError(f"expected {logits.shape[0]} generators, got {len(generators)}")
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
+        if masks is not None:
+            from engine.grammar import apply_bitmask
+            logits = apply_bitmask(logits, *masks)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return logits.argmax(dim=-1).tolist()  # fast path: no softmax, no noise

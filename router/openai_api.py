@@ -2,10 +2,18 @@
 
 Pure (no server: router.openai_http serves it). Fields are those of OpenAI's API reference for
 ``/v1/completions`` and ``/v1/chat/completions``, plus the extensions vLLM users pass
-(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``). A field
-OpenAI defines that changes the output and that pdserve does not implement (tools, a JSON
-response format, logit bias, ...) is refused with a 400 naming it, never silently ignored; an
-unknown field is ignored, as OpenAI's own server does, so that newer clients still work.
+(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, and the
+structured outputs ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``). A
+field OpenAI defines that changes the output and that pdserve does not implement (logit bias,
+...) is refused with a 400 naming it, never silently ignored; an unknown field is ignored, as
+OpenAI's own server does, so that newer clients still work.
+
+Structured outputs: ``response_format`` ``{"type": "json_object"}`` or ``{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}`` (always enforced, strict or not),
+on both endpoints; limits in engine/grammar.py (64 KiB, nesting 32), a bad schema is a 400.
+Chat ``tools`` + ``tool_choice`` (router/tools.py): calls parsed into ``tool_calls`` with
+``finish_reason: "tool_calls"``; while streaming with tools, a choice's text is held back and
+sent whole with its finish (calls as one ``tool_calls`` delta).
 
 Defaults are OpenAI's, not the gRPC API's: ``temperature`` 1 (sampling), and a completion's
 ``max_tokens`` 16; a chat's is the router's ``default_max_tokens`` (what fits in the context).
@@ -31,6 +39,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.v1 import pdserve_pb2 as pb
+from router.tools import parse_calls
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -105,20 +114,55 @@ class _Sampling(BaseModel):
     stop_token_ids: list[TokenId] | None = None
 
     # fields OpenAI defines that would change the output and that pdserve does not do
-    _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix",
-                    "prediction", "audio", "modalities", "web_search_options", "guided_json", "guided_regex",
-                    "guided_choice", "guided_grammar", "use_beam_search")
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    _UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix",
+                    "prediction", "audio", "modalities", "web_search_options", "use_beam_search")
 
     def refuse_unsupported(self) -> None:
         for name in self._UNSUPPORTED:
             value = (self.model_extra or {}).get(name)
             if value not in (None, {}, [], False, "none", "auto"):
                 raise ApiError(400, f"{name} is not supported by this server", name)
-        fmt = (self.model_extra or {}).get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise ApiError(400, "response_format other than {\"type\": \"text\"} is not supported", "response_format")
+        self._guided = self.guided()
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+    def guided(self) -> pb.Guided | None:
+        """The one output constraint asked for (response_format or a guided_* field), or None."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                asked.append(pb.Guided(json_object=True))
+            elif kind == "json_schema":
+                js = fmt.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, (dict, bool)):
+                    raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                                   "response_format")
+                asked.append(pb.Guided(json_schema=json.dumps(schema)))
+            elif kind != "text":
+                raise ApiError(400, "response_format.type must be text, json_object or json_schema; got "
+                                    f"{kind!r}", "response_format")
+        if self.guided_json is not None:
+            g = self.guided_json
+            asked.append(pb.Guided(json_schema=g if isinstance(g, str) else json.dumps(g)))
+        if self.guided_regex is not None:
+            asked.append(pb.Guided(regex=self.guided_regex))
+        if self.guided_choice is not None:
+            asked.append(pb.Guided(choice=pb.Choices(values=self.guided_choice)))
+        if self.guided_grammar is not None:
+            asked.append(pb.Guided(grammar=self.guided_grammar))
+        if len(asked) > 1:
+            raise ApiError(400, "give at most one of response_format, guided_json, guided_regex, guided_choice, "
+                                "guided_grammar", "response_format")
+        return asked[0] if asked else None
 
     def sampling(self, max_tokens: int | None, seed_offset: int) -> pb.SamplingParams:
         s = pb.SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
@@ -131,6 +175,8 @@ class _Sampling(BaseModel):
         for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if (v := getattr(self, name)) is not None:
                 setattr(s, name, v)
+        if getattr(self, "_guided", None) is not None:
+            s.guided.CopyFrom(self._guided)
         return s
 
 
@@ -160,6 +206,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self, i: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -177,11 +225,38 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def tool_choice_parts(self) -> tuple[str, str]:
+        """(tool_choice, forced function name) as pdserve.v1.ChatMessages carries them."""
+        c = self.tool_choice
+        if c is None:
+            return ("auto" if self.tools else "none"), ""
+        if isinstance(c, str):
+            if c not in ("auto", "none", "required"):
+                raise ApiError(400, f"tool_choice must be auto, none, required or a function; got {c!r}", "tool_choice")
+            return c, ""
+        name = (c.get("function") or {}).get("name") if c.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise ApiError(400, 'tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice")
+        return "", name
+
+    @property
+    def tools_offered(self) -> bool:
+        return bool(self.tools) and self.tool_choice_parts()[0] != "none"
 
     def prompts(self) -> list[pb.GenerateRequest]:
         roles = {"developer": "system"}  # OpenAI's newer name for the system role
-        msgs = [pb.ChatMessage(role=roles.get(m.role, m.role), content=m.text(i)) for i, m in enumerate(self.messages)]
-        return [pb.GenerateRequest(messages=pb.ChatMessages(messages=msgs))]
+        msgs = [pb.ChatMessage(role=roles.get(m.role, m.role), content=m.text(i), name=m.name or "",
+                               tool_calls_json=json.dumps(m.tool_calls) if m.tool_calls else "",
+                               tool_call_id=m.tool_call_id or "") for i, m in enumerate(self.messages)]
+        choice, function = self.tool_choice_parts()
+        if (choice == "required" or function) and not self.tools:
+            raise ApiError(400, "tool_choice requires tools", "tool_choice")
+        chat = pb.ChatMessages(messages=msgs, tools_json=json.dumps(self.tools) if self.tools else "",
+                               tool_choice=choice, tool_choice_function=function)
+        return [pb.GenerateRequest(messages=chat)]
 
 
 def parse(kind: type[_Sampling], body: Any, most_choices: int | None = None) -> _Sampling:
@@ -308,8 +383,10 @@ class Shaper:
     ``echo``; its logprobs then start with the prompt's, the first token's being null)."""
 
     def __init__(self, chat: bool, rid: str, model: str, choices: int, token_text=None,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, tools: bool = False) -> None:
         self.chat, self.rid, self.model, self.echo = chat, rid, model, echo
+        self.tools = tools  # chat with tools offered: parse calls out of the text (router.tools)
+        self._held = [""] * choices  # streaming with tools: a choice's text until its finish
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.token_text = token_text or str
@@ -363,6 +440,15 @@ class Shaper:
         lps = self._logprobs(index, entries)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}  # the first chunk names the role
+            if self.tools:  # held until the finish: only then is it known whether it holds calls
+                self._held[index] += text
+                text = ""
+                if reason:
+                    content, calls = parse_calls(self._held[index])
+                    text = content or ""
+                    if calls:
+                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                        reason = _tool_finish(reason)
             if text or not reason:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
@@ -389,11 +475,22 @@ class Shaper:
         for i, (t, f) in enumerate(zip(self.texts, self.finishes)):
             lps = self._logprobs(i, self.logprobs[i])
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lps,
-                                "finish_reason": FINISH.get(f)})
+                message: dict[str, Any] = {"role": "assistant", "content": t}
+                reason = FINISH.get(f)
+                if self.tools:
+                    content, calls = parse_calls(t)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        reason = _tool_finish(reason)
+                choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": reason})
             else:
                 choices.append({"index": i, "text": t, "logprobs": lps, "finish_reason": FINISH.get(f)})
         return {**self._head(False), "choices": choices, "usage": self.usage(n)}
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """OpenAI's finish for an answer that made calls: tool_calls, unless it was cut short."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def models_list(name: str, context_length: int, created: int) -> dict[str, Any]:

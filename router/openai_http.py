@@ -152,7 +152,8 @@ def build_app(router):
         if not chat and req.echo:  # the prompt's text before each choice's completion
             echo = [g.prompt if g.WhichOneof("input") == "prompt" else await _decode(router, g.token_ids.ids)
                     for g in reqs]
-        shaper = Shaper(chat, rid, router.served_model_name, len(reqs), router.token_text, echo)
+        shaper = Shaper(chat, rid, router.served_model_name, len(reqs), router.token_text, echo,
+                        tools=chat and req.tools_offered)
         events = _merged(router, reqs, owner, req.n)
         try:
             if not req.stream:

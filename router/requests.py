@@ -6,14 +6,17 @@ the door with a message the client can act on, and the cluster never sees it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
-from engine.request import SamplingParams
+from engine.request import Guided, SamplingParams
 from router.config import InputLimits
+from router.tools import call_grammar, chat_messages, check_tools
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,58 @@ def sampling_params(msg, limits: Limits, prompt_len: int) -> SamplingParams:
         return getattr(msg, name) if msg.HasField(name) else default
 
     return SamplingParams(
+        guided=guided(msg.guided) if msg.HasField("guided") else None,
         max_tokens=max_tokens, temperature=opt("temperature", 0.0), top_p=opt("top_p", 1.0),
         top_k=opt("top_k", 0), min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
         presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
         seed=opt("seed", None), stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, logprobs=opt("logprobs", None), prompt_logprobs=opt("prompt_logprobs", None))
+
+
+def guided(msg) -> Guided | None:
+    """A ``pdserve.v1.Guided`` as the engine's constraint (validated when SamplingParams is built)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return Guided("json_object") if msg.json_object else None
+    if kind == "choice":
+        return Guided("choice", json.dumps(list(msg.choice.values)))
+    return Guided(kind, getattr(msg, kind))
+
+
+def _tools(req) -> list | None:
+    """The request's tools when they are offered (chat, tools set, tool_choice not none)."""
+    if req.WhichOneof("input") != "messages" or not req.messages.tools_json or req.messages.tool_choice == "none":
+        return None
+    try:
+        return check_tools(json.loads(req.messages.tools_json))
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"tools: not valid JSON ({e})") from None
+
+
+def with_tool_choice(req, params: SamplingParams, tokenizer) -> SamplingParams:
+    """``params`` with the grammar that forces a tool call when tool_choice is ``required`` or
+    names a function (router.tools.call_grammar); unchanged otherwise.
+
+    Raises:
+        InvalidRequestError: a bad tool_choice, or a forced call together with another constraint.
+    """
+    if req.WhichOneof("input") != "messages":
+        return params
+    m = req.messages
+    if m.tool_choice not in ("", "auto", "none", "required"):
+        raise InvalidRequestError(f"tool_choice must be auto, none, required or a function; got {m.tool_choice!r}")
+    if m.tool_choice != "required" and not m.tool_choice_function:
+        return params
+    tools = _tools(req)
+    if tools is None:
+        raise InvalidRequestError("tool_choice requires tools")
+    if params.guided is not None:
+        raise InvalidRequestError("tool_choice: a forced tool call cannot be combined with response_format")
+    special = "<tool_call>" in tokenizer.get_added_vocab()
+    g = call_grammar(tools, m.tool_choice_function or None, special)
+    return dataclasses.replace(params, guided=g)
 
 
 def prompt_ids(req, tokenizer, limits: Limits) -> list[int]:
@@ -111,7 +161,7 @@ def prompt_ids(req, tokenizer, limits: Limits) -> list[int]:
         _at_most("messages", len(req.messages.messages), lim.messages, "messages")
         _at_most("messages", sum(len(m.content.encode()) for m in req.messages.messages), lim.prompt_bytes,
                  "bytes of content")
-        msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+        msgs = chat_messages(req.messages.messages)
         if not msgs:
             raise InvalidRequestError("messages is empty")
         roles = sorted({m["role"] for m in msgs} - set(CHAT_ROLES))
@@ -120,7 +170,10 @@ def prompt_ids(req, tokenizer, limits: Limits) -> list[int]:
         if getattr(tokenizer, "chat_template", None) is None:  # transformers' own error would be a 500
             raise InvalidRequestError("messages: this model has no chat template (a base model, not "
                                       "instruction-tuned): send a prompt (/v1/completions) instead")
-        ids = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+        tools = _tools(req)
+        if tools is not None and "tools" not in tokenizer.chat_template:
+            raise InvalidRequestError("tools: this model's chat template does not render tools")
+        ids = list(tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
                                                  return_dict=False))
     if not ids:
         raise InvalidRequestError("the prompt is empty: at least one token is needed")

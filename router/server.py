@@ -58,7 +58,7 @@ from router.place import Placer
 from router.pools import Pools
 from router.prefix_index import PrefixIndex
 from router.reject import Reject, retry_after
-from router.requests import Limits, prompt_ids, request_id, sampling_params
+from router.requests import Limits, prompt_ids, request_id, sampling_params, with_tool_choice
 from router.roles import RoleController
 from router.status import cluster_status, model_info
 from router.sweep import Sweeper
@@ -210,7 +210,8 @@ class Router(pb_grpc.GenerationServicer):
             # streams every other request (one thread: the tokenizer is not shared across threads).
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizing, prompt_ids, request, self.tokenizer, self.limits)
-            params = sampling_params(request.sampling, self.limits, len(ids))
+            params = with_tool_choice(request, sampling_params(request.sampling, self.limits, len(ids)),
+                                      self.tokenizer)
         except InvalidRequestError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if jid in self.jobs:  # the same id again while this one was tokenized

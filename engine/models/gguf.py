@@ -262,6 +262,10 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
             continue
         ours, idx, n = our_name(name)
         groups.setdefault(ours, [None] * n)[idx or 0] = (t, name)
+    # The metadata (the vocabulary: a numpy view per token, 0.5 GB of objects for a 151k-token
+    # file) is read once by prepare(); here only tensors are: freed before the weights convert,
+    # it would otherwise sit on top of the loading peak.
+    reader.fields.clear()
     tied = "lm_head.weight" not in groups
     if tied and precision != "float":  # the LM head as its own quantized copy of the embedding
         groups["lm_head.weight"] = groups.get("embed_tokens.weight")

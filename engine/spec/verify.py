@@ -8,6 +8,7 @@ drafts before it count as output tokens), then :func:`accept_draft` decides.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,13 +23,21 @@ GeneratorFn = Callable[[Request, int, int], torch.Generator | None]
 VERIFY_STREAM = 1  # verify draws use their own random stream, apart from the draft's
 
 
-def verify(logits: Tensor, items: Sequence[ScheduledRequest], generator: GeneratorFn) -> dict[str, list[int]]:
+def verify(logits: Tensor, items: Sequence[ScheduledRequest], generator: GeneratorFn,
+           masks: tuple[Sequence[int], Any] | None = None) -> dict[str, list[int]]:
     """Accepted tokens per request.
+
+    A structured-output request's rows carry its grammar's mask at each position (the state
+    after the drafts before it; engine.grammar): a draft the grammar refuses has zero target
+    probability (sampled) or is not the masked argmax (greedy), so it is rejected and the token
+    drawn in its place, from the masked distribution, is one the grammar allows. The rejection
+    rule stays exact for the masked target whatever the draft proposed.
 
     Args:
         logits: [sum(1 + k_i), V] target logits, item i's 1+k_i rows together, in item order.
         items: the verified requests, each with its drafts (``spec_token_ids``, maybe none).
         generator: the per-request, per-position generator.
+        masks: (logit rows, bitmask) from engine.grammar.GrammarCompiler.draft_masks, or None.
 
     Returns:
         request id -> accepted drafts + one target token.
@@ -41,6 +50,9 @@ def verify(logits: Tensor, items: Sequence[ScheduledRequest], generator: Generat
             prompts.append(r.prompt_token_ids)
             outputs.append(r.output_token_ids + d[:j])
     logits = apply_penalties(logits, params, prompts, outputs)
+    if masks is not None:
+        from engine.grammar import apply_bitmask
+        logits = apply_bitmask(logits, *masks)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     probs = logits_to_probs(logits[sampled_rows], [params[i] for i in sampled_rows]) if sampled_rows else None
     prob_row = {row: i for i, row in enumerate(sampled_rows)}
