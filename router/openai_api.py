@@ -36,10 +36,11 @@ import uuid
 from typing import Annotated, Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pdserve.v1 import pdserve_pb2 as pb
-from router.tools import parse_calls
+from engine.errors import InvalidRequestError
+from router.tools import check_tools, parse_calls
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -114,6 +115,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[TokenId] | None = None
 
     # fields OpenAI defines that would change the output and that pdserve does not do
+    _guided: Any = PrivateAttr(None)  # the constraint, built once by refuse_unsupported
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -175,7 +177,7 @@ class _Sampling(BaseModel):
         for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if (v := getattr(self, name)) is not None:
                 setattr(s, name, v)
-        if getattr(self, "_guided", None) is not None:
+        if self._guided is not None:
             s.guided.CopyFrom(self._guided)
         return s
 
@@ -241,6 +243,15 @@ class ChatCompletionRequest(_Sampling):
         if not isinstance(name, str):
             raise ApiError(400, 'tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice")
         return "", name
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            try:
+                check_tools(self.tools)
+            except InvalidRequestError as e:
+                raise ApiError(400, str(e), "tools") from None
+        self.tool_choice_parts()
 
     @property
     def tools_offered(self) -> bool:

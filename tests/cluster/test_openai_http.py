@@ -243,3 +243,22 @@ def test_n_choices_share_one_prefill_of_their_prompt(client, model, stub, cluste
     assert [finals[k].cached_prompt_tokens for k in (1, 2)] == [full_blocks] * 2
     assert len({(u.prefill_worker, u.decode_worker) for u in finals.values()}) == 1
     wait_idle(stub, cluster)
+
+
+def test_response_format_json_schema_survives_the_pd_hop(client, model, stub, cluster, wait_idle):
+    """The constraint travels with the request: the first token is sampled on the prefill worker,
+    the rest on the decode worker, each under the same grammar (issue 45)."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    for temperature in (0, 0.9):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A person as JSON."}],
+                                           max_tokens=48, temperature=temperature, seed=3, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model=model, prompt="The answer:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no")
+    wait_idle(stub, cluster)

@@ -86,7 +86,16 @@ def test_a_chat_maps_messages_text_parts_and_max_completion_tokens():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                             "response_format": {"type": "json_object"}}, "response_format"),
+                             "response_format": {"type": "xml"}}, "response_format"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                             "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes",
+                             "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    (CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     "response_format"),
 ])
 def test_bad_or_unsupported_input_is_a_400_naming_the_parameter(kind, body, param):
     assert _refused(kind, body).param == param
