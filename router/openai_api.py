@@ -75,7 +75,9 @@ _PARAM_OF = {"token_ids": "prompt", "prompt": "prompt", "messages": "messages", 
              "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature",
              "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
              "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-             "frequency_penalty": "frequency_penalty", "unknown chat role": "messages", "the prompt": "prompt"}
+             "frequency_penalty": "frequency_penalty", "unknown chat role": "messages", "the prompt": "prompt",
+             "tools": "tools", "tool_choice": "tool_choice", "json_schema": "response_format",
+             "guided": "response_format", "grammar": "guided_grammar", "choice": "guided_choice"}
 
 
 def api_error(code: grpc.StatusCode, message: str) -> ApiError:
