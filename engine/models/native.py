@@ -107,6 +107,12 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def enabled_library() -> ctypes.CDLL | None:
+    """:func:`library`, unless ``PDSERVE_NATIVE_DECODE=0`` turns the native kernels off (every
+    user of them asks here, so one switch turns them all off)."""
+    return library() if os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0" else None
+
+
 class Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("zs", ctypes.c_void_p), ("b", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64), ("group", ctypes.c_int64)]

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata
 from engine.memory import release_freed_memory
-from engine.models.native import NativeLayers, int4_weights as native_int4_weights, library as native_library
+from engine.models.native import NativeLayers, int4_weights as native_int4_weights, enabled_library as native_library
 from engine.quant.formats import interleave4
 
 log = logging.getLogger(__name__)
@@ -229,7 +228,7 @@ class SingleTokenDecoder:
         self.ln2 = [l.post_attention_layernorm.weight for l in model.layers]
         self.native: NativeLayers | None = None  # set by warm_up where the native kernels serve
         self.sync()
-        lib = native_library() if os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0" else None
+        lib = native_library()
         self._lib = lib if lib is not None and self._native_reads_all(lib.pd_vector_width()) else None
         # Steps of 1..max_rows tokens run here (at least min_rows: a 1+K verify step; at most
         # 32). None: NATIVE_ROWS with the native kernels, which compile nothing per row count

@@ -21,7 +21,6 @@ per layer shape and keeps the faster.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -170,10 +169,8 @@ def _dequant_buffer(numel: int) -> torch.Tensor:
 def _native_int4_library(group_size: int, in_features: int):
     """The native kernels' library where they can serve this INT4 shape (groups of whole vector
     pairs), else None. PDSERVE_NATIVE_DECODE=0 turns them off here as in the one-token path."""
-    if os.environ.get("PDSERVE_NATIVE_DECODE", "1") == "0":
-        return None
-    from engine.models.native import library  # engine.models imports engine.quant: here, not at the top
-    lib = library()
+    from engine.models.native import enabled_library  # engine.models imports engine.quant: here, not at the top
+    lib = enabled_library()
     if lib is None:
         return None
     lanes = lib.pd_vector_width()
@@ -315,16 +312,15 @@ class Int4Linear(QuantLinear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Weight rows ``ids`` as fp32 [*ids.shape, K], dequantized (an embedding lookup reads a
         handful of rows of a table it holds in INT4: :class:`QuantEmbedding`)."""
-        q, scale, zero = self._canonical() if not self.native else (None, self.scale, self.zero)
         flat = ids.reshape(-1)
         n, k, g = flat.numel(), self.in_features, self.group_size
         if self.native:
             from engine.models.native import int4_codes
             q = int4_codes(self.qweight[flat], self.native)
-        else:
-            q = q[flat]
-        s = scale.view(self.out_features, -1)[flat]
-        z = zero.view(self.out_features, -1)[flat]
+        else:  # only the rows asked for are unpacked, never the whole table
+            q = unpack_int4(self.qweight[flat])
+        s = self.scale.view(self.out_features, -1)[flat]
+        z = self.zero.view(self.out_features, -1)[flat]
         w = torch.addcmul(-(z * s)[..., None], q.view(n, k // g, g).float(), s[..., None])  # (q - zero) * s
         return w.view(*ids.shape, k)
 
