@@ -8,6 +8,11 @@ windows of ``--window`` tokens advancing by ``--stride``):
     shipped  as shipped: 4-bit blocks INT4 g32 with the file's codes, 5-8 bit INT8
     int8     quantization="int8": every linear INT8
     int4     quantization="int4": every linear INT4
+    shipped-a8  as shipped, activations="int8" (EngineConfig): every INT4/INT8 linear multiplies
+             activations quantized per group of 32, as decode steps do in that mode. Scored with
+             every linear call on that GEMV whatever its row count (a served prefill of 128+
+             rows keeps fp32 activations, so this is the decode arithmetic throughout: a bound
+             on what the mode costs, not less)
 
 Prints a table and, as the last stdout line, one JSON object with ``ppl_<choice>_<tag>`` and
 ``ppl_increase_<choice>_<tag>`` (ppl / ppl of float - 1; not for float itself), with the model's
@@ -30,8 +35,10 @@ import torch
 
 from bench.vs_llamacpp import MODELS, model_tag, served_as_shipped
 
-# choice -> (quantization, dequantize)
-CHOICES = {"float": (None, True), "shipped": (None, False), "int8": ("int8", False), "int4": ("int4", False)}
+# choice -> (quantization, dequantize, activations)
+CHOICES = {"float": (None, True, "float32"), "shipped": (None, False, "float32"), "int8": ("int8", False, "float32"),
+           "int4": ("int4", False, "float32"), "shipped-a8": (None, False, "int8")}
+DEFAULT_CHOICES = ("float", "shipped", "int8", "int4")
 
 
 def log(msg: str) -> None:
@@ -43,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, choices=sorted(MODELS), help="a catalogue model (pulled)")
     p.add_argument("--text", default=None,
                    help="text file to score (default: engine/quant/data/heldout_prose.txt)")
-    p.add_argument("--choices", default=",".join(CHOICES), help=f"which precisions (default {','.join(CHOICES)})")
+    p.add_argument("--choices", default=",".join(DEFAULT_CHOICES),
+                   help=f"which of {','.join(CHOICES)} (default {','.join(DEFAULT_CHOICES)})")
     p.add_argument("--window", type=int, default=512, help="tokens per forward (default 512)")
     p.add_argument("--stride", type=int, default=256, help="new tokens scored per window (default 256)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens (default all)")
@@ -82,12 +90,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{args.model}: {n} tokens of {text_path}, windows of {args.window} by {args.stride}")
     ppl: dict[str, float] = {}
     secs: dict[str, float] = {}
+    from engine.quant import linear
     for c in choices:
-        quant, deq = CHOICES[c]
+        quant, deq, act = CHOICES[c]
         t0 = time.perf_counter()
-        model = load_model(folder, get_attention_backend("sdpa"), torch.float32, quantization=quant, dequantize=deq)
+        model = load_model(folder, get_attention_backend("sdpa"), torch.float32, quantization=quant, dequantize=deq,
+                           activations=act)
         t1 = time.perf_counter()
-        ppl[c] = perplexity(model, ids, args.window, args.stride, args.max_tokens)
+        rows = linear.DEQUANT_ROWS
+        if act == "int8":  # every call on the INT8-activation GEMV, as a decode step runs it
+            linear.DEQUANT_ROWS = 1 << 30
+        try:
+            ppl[c] = perplexity(model, ids, args.window, args.stride, args.max_tokens)
+        finally:
+            linear.DEQUANT_ROWS = rows
         secs[c] = time.perf_counter() - t1
         log(f"{c}: perplexity {ppl[c]:.4f} (load {t1 - t0:.0f}s, score {secs[c]:.0f}s)")
         del model

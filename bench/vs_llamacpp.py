@@ -19,6 +19,14 @@ gemma3-270m) measures three workloads on two pairs:
     int8      pdserve quantization="int8" on that file (``--int8-from q8_0``: the Q8_0 file
               itself, quantization unset)                      llama.cpp on its Q8_0 requant
 
+    shipped-a8, int8-a8   the same two with ``activations="int8"`` (EngineConfig): pdserve's
+              INT4/INT8 GEMVs multiply activations quantized per group of 32, as llama.cpp does
+              with its K-quants (Q8_K/Q8_0 activations); a separately labelled row, since it
+              is not token-identical to HF as the default is. Opt-in: ``--formats
+              shipped,shipped-a8``. The llama.cpp side is the same peer, measured again in
+              the same round; keys get ``a8_`` in front (``a8_decode_ratio_vs_llamacpp_q4km_1p5b``,
+              ``a8_int8_decode_...``), the peer's rounds ``..._pair_a8_<tag>``.
+
 The Q8_0 requant (every tensor dequantized, re-quantized to Q8_0; shared/peers/gguf_requant.py)
 is written once next to the model: ``<models dir>/<file stem>.q8_0.gguf``. Decode tok/s on both
 sides is the steady rate (tokens after every request has its first token / time since), each
@@ -75,7 +83,8 @@ RATIO_KEYS = {"fp32": "fp32_ratio_vs_llamacpp", "int8": "int8_ratio_vs_llamacpp_
 # catalogue name -> (JSON key suffix, the shipped file's llama.cpp type in keys)
 MODELS = {"qwen2.5-coder-1.5b": ("1p5b", "q4km"), "qwen2.5-coder-0.5b": ("0p5b", "q4km"),
           "gemma3-270m": ("gemma3_270m", "q4km"), "smollm2-135m": ("smollm2", "q4_1")}
-FORMATS = ("shipped", "int8")
+FORMATS = ("shipped", "int8", "shipped-a8", "int8-a8")
+DEFAULT_FORMATS = ("shipped", "int8")
 WORKLOADS = ("decode", "prefill", "batch8")
 PEER_TYPE_NAMES = {"q4km": "Q4_K_M", "q4_1": "Q4_1", "q8_0": "Q8_0"}
 
@@ -98,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("with --model")
     g.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill workload")
     g.add_argument("--batch", type=int, default=8, help="concurrent requests of the batch workload (default 8)")
-    g.add_argument("--formats", default=",".join(FORMATS), help="shipped,int8 (default both)")
+    g.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help="of shipped,int8,shipped-a8,int8-a8 (default shipped,int8; -a8: INT8 activations)")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="decode,prefill,batch8 (default all)")
     g.add_argument("--int8-from", choices=["shipped", "q8_0"], default="shipped",
                    help="pdserve's INT8: quantization=int8 on the shipped file (default), or the Q8_0 "
@@ -117,9 +127,20 @@ def model_tag(name: str) -> str:
     return MODELS[name][0]
 
 
+def base_format(fmt: str) -> str:
+    """"shipped" or "int8": the weights of pair ``fmt`` (an ``-a8`` pair: the same, INT8 activations)."""
+    return fmt.removesuffix("-a8")
+
+
 def peer_type(name: str, fmt: str) -> str:
     """The llama.cpp side of pair ``fmt`` as it appears in keys: "q4km", "q4_1" or "q8_0"."""
-    return "q8_0" if fmt == "int8" else MODELS[name][1]
+    return "q8_0" if base_format(fmt) == "int8" else MODELS[name][1]
+
+
+def peer_key(name: str, fmt: str, workload: str, what: str) -> str:
+    """e.g. ``llamacpp_q4km_decode_tok_s_1p5b``; the peer measured beside an -a8 pair: ``..._pair_a8_1p5b``."""
+    pair = "_pair_a8" if fmt.endswith("-a8") else ""
+    return f"llamacpp_{peer_type(name, fmt)}_{workload}_{what}{pair}_{model_tag(name)}"
 
 
 def workload_name(workload: str, batch: int) -> str:
@@ -127,8 +148,10 @@ def workload_name(workload: str, batch: int) -> str:
 
 
 def ratio_key(name: str, fmt: str, workload: str) -> str:
-    """e.g. ``decode_ratio_vs_llamacpp_q4km_1p5b``, ``int8_decode_ratio_vs_llamacpp_q8_0_1p5b``."""
-    return f"{'int8_' if fmt == 'int8' else ''}{workload}_ratio_vs_llamacpp_{peer_type(name, fmt)}_{model_tag(name)}"
+    """e.g. ``decode_ratio_vs_llamacpp_q4km_1p5b``, ``int8_decode_ratio_vs_llamacpp_q8_0_1p5b``,
+    ``a8_decode_ratio_vs_llamacpp_q4km_1p5b``."""
+    prefix = ("a8_" if fmt.endswith("-a8") else "") + ("int8_" if base_format(fmt) == "int8" else "")
+    return f"{prefix}{workload}_ratio_vs_llamacpp_{peer_type(name, fmt)}_{model_tag(name)}"
 
 
 def model_results(name: str, ours: dict[tuple[str, str], list[float]], peer: dict[tuple[str, str], list[float]],
@@ -141,10 +164,11 @@ def model_results(name: str, ours: dict[tuple[str, str], list[float]], peer: dic
         b_runs, w = peer[(fmt, wl)], workload_name(wl, batch)
         a, b = statistics.median(a_runs), statistics.median(b_runs)
         out[ratio_key(name, fmt, w)] = round(a / b, 3)
-        out[f"pdserve_{fmt}_{w}_tok_s_{tag}"] = round(a, 2)
-        out[f"llamacpp_{peer_type(name, fmt)}_{w}_tok_s_{tag}"] = round(b, 2)
-        out[f"pdserve_{fmt}_{w}_rounds_{tag}"] = [round(v, 2) for v in a_runs]
-        out[f"llamacpp_{peer_type(name, fmt)}_{w}_rounds_{tag}"] = [round(v, 2) for v in b_runs]
+        key = fmt.replace("-", "_")
+        out[f"pdserve_{key}_{w}_tok_s_{tag}"] = round(a, 2)
+        out[peer_key(name, fmt, w, "tok_s")] = round(b, 2)
+        out[f"pdserve_{key}_{w}_rounds_{tag}"] = [round(v, 2) for v in a_runs]
+        out[peer_key(name, fmt, w, "rounds")] = [round(v, 2) for v in b_runs]
     out[f"read_bandwidth_gb_s_{tag}"] = round(statistics.median(read_bw), 2)
     out[f"read_bandwidth_rounds_{tag}"] = [round(v, 2) for v in read_bw]
     return out
@@ -170,15 +194,16 @@ def model_table(name: str, res: dict, meta: dict) -> str:
              f"{'':<34}{'pdserve tok/s':>22}{'llama.cpp tok/s':>22}{'ratio':>9}"]
     for fmt in FORMATS:
         ptype = peer_type(name, fmt)
-        ours_label = "as shipped" if fmt == "shipped" else (
+        ours_label = "as shipped" if base_format(fmt) == "shipped" else (
             "int8 (Q8_0 file)" if meta["int8_from"] == "q8_0" else "int8")
+        ours_label += ", INT8 activations" if fmt.endswith("-a8") else ""
         head = f"pdserve {ours_label} / llama.cpp {PEER_TYPE_NAMES[ptype]}"
         body = []
         for w, label in rows.items():
-            a = res.get(f"pdserve_{fmt}_{w}_rounds_{tag}")
+            a = res.get(f"pdserve_{fmt.replace('-', '_')}_{w}_rounds_{tag}")
             if a is None:
                 continue
-            b = res[f"llamacpp_{ptype}_{w}_rounds_{tag}"]
+            b = res[peer_key(name, fmt, w, "rounds")]
             body.append(f"  {label:<32}{cell(a):>22}{cell(b):>22}{res[ratio_key(name, fmt, w)]:>8.2f}x")
         if body:
             lines += [head, *body]
@@ -194,10 +219,11 @@ def csv(value: str, valid: Sequence[str], what: str) -> list[str]:
 
 
 # ---- pdserve -------------------------------------------------------------------------------------
-def load_engine(model: str | None, quantization: str | None, threads: int, num_blocks: int = 64):
+def load_engine(model: str | None, quantization: str | None, threads: int, num_blocks: int = 64,
+                activations: str = "float32"):
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(model=model, quantization=quantization, num_threads=threads,
+    return LLMEngine(EngineConfig(model=model, quantization=quantization, num_threads=threads, activations=activations,
                                   cache=CacheConfig(num_blocks=num_blocks, block_size=16)), progress=False)
 
 
@@ -228,7 +254,8 @@ def run_model(args: argparse.Namespace, script: Path) -> dict:
     formats = csv(args.formats, FORMATS, "format")
     workloads = csv(args.workloads, WORKLOADS, "workload")
     src = catalog.resolve(name)  # raises: not pulled yet (`pdserve pull NAME`)
-    q8 = requant(src, catalog.models_dir() / f"{src.stem}.q8_0.gguf", "Q8_0") if "int8" in formats else None
+    q8 = (requant(src, catalog.models_dir() / f"{src.stem}.q8_0.gguf", "Q8_0")
+          if any(base_format(f) == "int8" for f in formats) else None)
     peer_files = {"shipped": src, "int8": q8}
     ours_cfg = {"shipped": (served_as_shipped(name), None),
                 "int8": (str(q8), None) if args.int8_from == "q8_0" else (served_as_shipped(name), "int8")}
@@ -237,11 +264,13 @@ def run_model(args: argparse.Namespace, script: Path) -> dict:
     engines, peers = {}, {}
     try:
         for fmt in formats:
-            model, quant = ours_cfg[fmt]
-            log(f"loading pdserve {fmt} ({Path(model).name}, quantization={quant}) ...")
-            engines[fmt] = load_engine(model, quant, args.threads, blocks)
-            log(f"starting llama.cpp on {peer_files[fmt].name} ...")
-            peers[fmt] = LlamaCppPeer(script, peer_files[fmt], args.threads)
+            base, act = base_format(fmt), "int8" if fmt.endswith("-a8") else "float32"
+            model, quant = ours_cfg[base]
+            log(f"loading pdserve {fmt} ({Path(model).name}, quantization={quant}, activations={act}) ...")
+            engines[fmt] = load_engine(model, quant, args.threads, blocks, act)
+            if base not in peers:  # one peer per file: an -a8 pair measures the same one again
+                log(f"starting llama.cpp on {peer_files[base].name} ...")
+                peers[base] = LlamaCppPeer(script, peer_files[base], args.threads)
         prompts = Prompts(engines[formats[0]].model_config.vocab_size)
         ours: dict[tuple[str, str], list[float]] = {(f, w): [] for w in workloads for f in formats}
         peer: dict[tuple[str, str], list[float]] = {(f, w): [] for w in workloads for f in formats}
@@ -252,7 +281,7 @@ def run_model(args: argparse.Namespace, script: Path) -> dict:
             log(f"round {r + 1}/{args.rounds}: memory read {read_bw[-1]:.1f} GB/s")
             for wl in workloads:
                 for fmt in formats:
-                    eng, pr, seed = engines[fmt], peers[fmt], r
+                    eng, pr, seed = engines[fmt], peers[base_format(fmt)], r
                     if wl == "decode":
                         a = engine_decode(eng, prompts, 1, args.new_tokens, reps=1)["decode_tok_s"]
                         b = pr.decode(PROMPT_LEN, args.new_tokens, seed)

@@ -46,6 +46,10 @@ def _engine_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
                    help="weight and activation dtype (default float32, fastest on AVX2 CPUs); given with a GGUF "
                         "model, its weights are dequantized to it instead of served as shipped"
                         + (" (a cluster: overrides `dtype` and sets `dequantize`)" if cluster else ""))
+    g.add_argument("--activations", default=None, choices=["float32", "int8"],
+                   help="int8: INT4/INT8 weights multiply activations quantized per group of 32 on the fly "
+                        "(llama.cpp's arithmetic on its K-quants): faster decode, not token-identical to HF; "
+                        "default float32 (exact)" + (" (a cluster: overrides `activations`)" if cluster else ""))
     only = " (--local only; a cluster sets them per pool: --set decode.kv_cache_gb=2 ...)" if cluster else ""
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)" + only)
     g.add_argument("--kv-cache-gb", type=_kv_cache_gb, default=None, metavar="GIB|auto",
@@ -117,6 +121,7 @@ def _build_engine(args: argparse.Namespace, chat: bool = False):
         print(budget.describe(), file=sys.stderr, flush=True)
         kv_gb = budget.kv_cache_gib
     cfg = EngineConfig(model=str(path), dtype=dtype, num_threads=args.threads, dequantize=args.dtype is not None,
+                       activations=args.activations or "float32",
                        cache=CacheConfig(memory_gb=kv_gb),
                        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens or 2048))
     print(f"loading {args.model or 'bundled SmolLM2-135M-Instruct'} ({_precision(path, args.dtype)}) ...",
@@ -292,6 +297,7 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("model", args.model), ("dtype", args.dtype),
                                    # an explicit dtype: a GGUF model's weights dequantized to it
                                    ("dequantize", True if args.dtype is not None else None),
+                                   ("activations", args.activations),
                                    ("router.host", args.host), ("router.port", args.port),
                                    ("router.http_port", args.http_port),
                                    ("metrics.port", args.metrics_port), ("security.tls_cert", args.tls_cert),

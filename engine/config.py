@@ -21,6 +21,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "gemma3_text": "Gemma3ForCausalLM"}
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types
 DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("float32", "int8")
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,11 @@ class EngineConfig:
     # a GGUF model's weights dequantized to `dtype` instead of served in their precision class
     # as shipped (engine/models/gguf.py); no effect on other models
     dequantize: bool = False
+    # "int8": INT4/INT8 linears' small steps (native kernels, < 128 rows) quantize their inputs
+    # per group of 32 and multiply bytes, llama.cpp's arithmetic on its K-quants: faster, not
+    # token-identical to HF (engine/quant/linear.py set_int8_activations; README says what it
+    # costs in perplexity). "float32": fp32 activations, exact against the reference
+    activations: str = "float32"
     # small decode steps (one request, a small batch, a verify step) through the fast path over
     # plain weights in huge pages (engine/models/single_token.py): native kernels built at load
     # (engine/models/native_decode.c), or torch.compile'd graphs where those do not build; fp32,
@@ -318,6 +324,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
         if self.compile_decode_rows is not None and not 1 <= self.compile_decode_rows <= 32:
             raise ValueError(f"compile_decode_rows must be in 1..32, got {self.compile_decode_rows}")
         if self.max_model_len is not None and self.max_model_len < 1:

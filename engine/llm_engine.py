@@ -79,7 +79,7 @@ class LLMEngine:
         self.model = load_model(self.model_path, backend, self.dtype, config.device,
                                 quantization=config.quantization, single_token=config.compile_decode,
                                 compile_rows=config.compile_decode_rows, min_rows=config.verify_rows,
-                                dequantize=config.dequantize)
+                                dequantize=config.dequantize, activations=config.activations)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
 

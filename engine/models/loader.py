@@ -146,7 +146,7 @@ def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                device: str = "cpu", quantization=None, prepack: bool = True,
                single_token: bool = False, compile_rows: int | None = 1, min_rows: int = 1,
-               dequantize: bool = False) -> LlamaForCausalLM:
+               dequantize: bool = False, activations: str = "float32") -> LlamaForCausalLM:
     """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
 
     A GGUF folder (engine/models/gguf.py) loads its file's weights in their precision class as
@@ -159,7 +159,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     remaining fp32 linears are prepacked (``prepack=False``
     keeps plain ``nn.Linear``, e.g. for offline quantization). ``single_token`` adds the fast
     decode path (engine/models/single_token.py) for steps of up to ``compile_rows`` tokens (None:
-    its default; at least ``min_rows``) where the model supports it, built here.
+    its default; at least ``min_rows``) where the model supports it, built here. ``activations``
+    "int8": the INT4/INT8 linears' native GEMVs quantize their inputs (EngineConfig.activations).
 
     Raises:
         ModelLoadError: unsupported config, or weights that do not match it.
@@ -169,7 +170,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
         if quantization is not None:
             raise ValueError(f"{str(path)!r} is already a quantized checkpoint: leave quantization unset")
         return _with_single_token(load_quantized(path, backend, dtype, device, prepack=False),
-                                  single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows)
+                                  single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows,
+                              activations)
     from engine.models import gguf
     if gguf.source(path) is not None:
         precision = "float" if dequantize else {None: "as-shipped", "none": "as-shipped", "int8": "int8",
@@ -180,7 +182,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
         if precision == "float" and quantization not in (None, "none"):
             from engine.quant import quantize
             quantize(model, quantization, _load_calibration(path, quantization))
-        return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows)
+        return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows,
+                              activations)
     cfg = ModelConfig.from_hf(path)
     model = build_model(cfg, backend, device)  # the config's family, tied head, rotary tables
 
@@ -202,7 +205,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     if quantization is not None:
         from engine.quant import quantize
         quantize(model, quantization, _load_calibration(path, quantization))
-    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows)
+    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows,
+                              activations)
 
 
 LOAD_CALIB_TOKENS = 2048  # SmoothQuant at load: ~2 s on SmolLM2-135M, 2 CPU cores
@@ -224,8 +228,12 @@ def _load_calibration(path: Path, quantization) -> list[list[int]] | None:
 
 
 def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool,
-                       compile_rows: int | None = 1, min_rows: int = 1) -> LlamaForCausalLM:
+                       compile_rows: int | None = 1, min_rows: int = 1,
+                       activations: str = "float32") -> LlamaForCausalLM:
     """Attach the fast decode path (if asked for and supported), prepack, build it."""
+    if activations == "int8":  # before the one-token path builds its kernels: they read the flag
+        from engine.quant.linear import set_int8_activations
+        set_int8_activations(model)
     from engine.memory import release_freed_memory
     release_freed_memory()  # the conversion's temporaries, before the layouts below are built
     if single_token and SingleTokenDecoder.supports(model):

@@ -34,6 +34,18 @@ SOURCE = Path(__file__).with_name("native_decode.c")
 # the AVX-512 subset every AVX-512 CPU of this project's kind has (F, BW, VL, DQ).
 ISA_FLAGS = {"AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
              "AVX2": ("-mavx2", "-mfma")}
+# Added on an AVX-512 CPU that has VNNI (only the INT8-activation kernels use it: vpdpbusd, one
+# instruction for what vpmaddubsw + vpmaddwd do otherwise, with the same integer result);
+# PDSERVE_NATIVE_VNNI=0 builds without it, as a CPU without VNNI runs.
+VNNI_FLAG = "-mavx512vnni"
+
+
+def cpu_has_vnni() -> bool:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_vnni" in flags.split()
 W_F32, W_I8, W_I4 = 0, 1, 2
 
 
@@ -73,10 +85,23 @@ def library() -> ctypes.CDLL | None:
     ``CC`` picks the compiler (default gcc): it must link GNU OpenMP (libgomp), the runtime
     torch ships, or its threads would be a second pool competing with torch's."""
     cap = torch.backends.cpu.get_cpu_capability()
+    vnni = cap == "AVX512" and cpu_has_vnni() and os.environ.get("PDSERVE_NATIVE_VNNI", "1") != "0"
+    return _load(cap, vnni)
+
+
+@functools.cache
+def build_library(cap: str, vnni: bool = False) -> ctypes.CDLL | None:
+    """The library built for torch dispatch level ``cap`` ("AVX512", "AVX2"), with VNNI or not
+    (tests build each variant this CPU can run), or None (logged) where there is none."""
+    return _load(cap, vnni)
+
+
+def _load(cap: str, vnni: bool) -> ctypes.CDLL | None:
     flags = ISA_FLAGS.get(cap)
     if flags is None or platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("native decode kernels: none for %s/%s, using the compiled graphs", platform.machine(), cap)
         return None
+    flags = (*flags, VNNI_FLAG) if vnni else flags
     try:
         cc = shlex.split(os.environ.get("CC") or "gcc")
         cmd = [*cc, *BASE_FLAGS, *flags, str(SOURCE), "-o", "{out}", "-lm"]
@@ -84,7 +109,7 @@ def library() -> ctypes.CDLL | None:
         # any of them builds anew instead of loading a stale library
         version = subprocess.run([*cc, "-dumpfullversion"], capture_output=True, text=True, timeout=60).stdout
         key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((*cmd, version.strip())).encode()).hexdigest()[:16]
-        so = cache_dir() / f"native_decode_{cap.lower()}_{key}.so"
+        so = cache_dir() / f"native_decode_{cap.lower()}{'_vnni' if vnni else ''}_{key}.so"
         if not so.exists():
             _build(cmd, so)
         lib = ctypes.CDLL(str(so))
@@ -101,9 +126,9 @@ def library() -> ctypes.CDLL | None:
     for f in (lib.pd_pre, lib.pd_post, lib.pd_post_pre, lib.pd_logits, lib.pd_layer):
         f.restype = None
     lib.pd_vector_width.restype = i
-    lib.pd_linear_i4.argtypes = [p, i, p, p, i]
+    lib.pd_linear.argtypes = [p, i, p, p, i]
     lib.pd_dequant_i4.argtypes = [p, p, i]
-    lib.pd_linear_i4.restype = lib.pd_dequant_i4.restype = None
+    lib.pd_linear.restype = lib.pd_dequant_i4.restype = None
     return lib
 
 
@@ -115,7 +140,8 @@ def enabled_library() -> ctypes.CDLL | None:
 
 class Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("zs", ctypes.c_void_p), ("b", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64), ("group", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("aq", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):
@@ -153,26 +179,39 @@ def int4_codes(w: torch.Tensor, lanes: int) -> torch.Tensor:
     return torch.cat((blocks & 15, blocks >> 4), 2).view(n, 2 * half)
 
 
+def int8_activations_fit(kind: int, k: int, group: int, lanes: int) -> bool:
+    """Whether the INT8-activation kernel serves a linear of this kind with k inputs: INT4 in
+    whole chunks of 8 x ``lanes`` inputs and weight groups that are whole activation groups of
+    32; INT8 in whole 64-byte chunks. fp32 linears keep fp32 activations."""
+    if kind == W_I4:
+        return k % (8 * lanes) == 0 and group % 32 == 0
+    return kind == W_I8 and k % 64 == 0
+
+
 class Int4Kernel:
     """One INT4 linear served by this library from its weights in :func:`int4_weights`' layout
     (the only copy the process holds): any number of rows through the GEMV, or the weights
     dequantized for a GEMM. The tensors must outlive this object (their owner holds both)."""
 
     def __init__(self, lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
-                 group: int) -> None:
+                 group: int, int8_activations: bool = False) -> None:
         if not (w.is_contiguous() and s.is_contiguous() and z.is_contiguous() and b.is_contiguous()):
             raise ValueError("INT4 kernel tensors must be contiguous")
         if s.dtype != torch.float32 or z.dtype != torch.float32 or w.dtype != torch.uint8:
             raise ValueError(f"INT4 kernel reads uint8 codes and fp32 scales/zeros, got {w.dtype} {s.dtype} {z.dtype}")
         n, half = w.shape
+        if int8_activations and not int8_activations_fit(W_I4, 2 * half, group, lib.pd_vector_width()):
+            raise ValueError(f"INT8 activations need inputs in chunks of {8 * lib.pd_vector_width()} and groups of "
+                             f"a multiple of 32, got {2 * half} inputs in groups of {group}")
         self.lib, self.n, self.k = lib, n, 2 * half
-        self.lin = Lin(w.data_ptr(), s.data_ptr(), z.data_ptr(), b.data_ptr(), n, 2 * half, W_I4, group)
+        self.lin = Lin(w.data_ptr(), s.data_ptr(), z.data_ptr(), b.data_ptr(), n, 2 * half, W_I4, group,
+                       int(int8_activations))
         self.ptr = ctypes.addressof(self.lin)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] fp32 contiguous -> x W^T + b [R, N]."""
         y = torch.empty(x.shape[0], self.n)
-        self.lib.pd_linear_i4(self.ptr, x.shape[0], x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        self.lib.pd_linear(self.ptr, x.shape[0], x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
@@ -182,6 +221,31 @@ class Int4Kernel:
         return w
 
 
+class Int8Kernel:
+    """One INT8 linear with INT8 activations (the only INT8 use outside the one-token layers):
+    w int8 [N, K] in interleave4 order, s [N] scales, zs [N] = zero * scale (0 when symmetric).
+    The tensors must outlive this object (their owner holds both)."""
+
+    def __init__(self, lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, zs: torch.Tensor, b: torch.Tensor) -> None:
+        n, k = w.shape
+        if not int8_activations_fit(W_I8, k, 0, lib.pd_vector_width()):
+            raise ValueError(f"INT8 activations need inputs in chunks of 64, got {k}")
+        for t in (w, s, zs, b):
+            if not t.is_contiguous():
+                raise ValueError("INT8 kernel tensors must be contiguous")
+        if w.dtype != torch.int8 or s.dtype != torch.float32 or zs.dtype != torch.float32:
+            raise ValueError(f"INT8 kernel reads int8 weights and fp32 scales, got {w.dtype} {s.dtype} {zs.dtype}")
+        self.lib, self.n, self.k = lib, n, k
+        self.lin = Lin(w.data_ptr(), s.data_ptr(), zs.data_ptr(), b.data_ptr(), n, k, W_I8, 0, 1)
+        self.ptr = ctypes.addressof(self.lin)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] fp32 contiguous (natural column order: quantizing it reorders) -> x W^T + b [R, N]."""
+        y = torch.empty(x.shape[0], self.n)
+        self.lib.pd_linear(self.ptr, x.shape[0], x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
+
 class NativeLayers:
     """One model's structs and buffers. ``lin``: the linears by name ("{i}.qkv", "{i}.o",
     "{i}.gu", "{i}.d", "head"), each fp32 or INT8 words as single_token.py holds them (w, s,
@@ -189,8 +253,10 @@ class NativeLayers:
     ``norm``: norm weights."""
 
     def __init__(self, lib: ctypes.CDLL, lin: dict[str, tuple], ln1: list[torch.Tensor], ln2: list[torch.Tensor],
-                 norm: torch.Tensor, eps: float, nq: int, nkv: int, max_rows: int) -> None:
+                 norm: torch.Tensor, eps: float, nq: int, nkv: int, max_rows: int,
+                 int8_activations: bool = False) -> None:
         self.lib = lib
+        self.int8_activations = int8_activations  # INT4/INT8 linears that fit quantize their inputs
         self._keep: list[torch.Tensor] = []  # every tensor a struct points into
         n = len(ln1)
         self.layers = (Layer * n)()
@@ -252,9 +318,10 @@ class NativeLayers:
             raise ValueError("native kernels read contiguous weights")
         kind = {torch.int32: W_I8, torch.uint8: W_I4}.get(w.dtype, W_F32)
         k = w.shape[-1] * {W_I8: 4, W_I4: 2, W_F32: 1}[kind]
+        group = lin[4] if kind == W_I4 else 0
+        aq = self.int8_activations and int8_activations_fit(kind, k, group, self.lib.pd_vector_width())
         self._keep.append(w)
-        return Lin(w.data_ptr(), self._ptr(s), self._ptr(zs), self._ptr(b), w.shape[0], k, kind,
-                   lin[4] if kind == W_I4 else 0)
+        return Lin(w.data_ptr(), self._ptr(s), self._ptr(zs), self._ptr(b), w.shape[0], k, kind, group, int(aq))
 
     def set_threads(self, threads: int) -> None:
         self.ctx.threads = max(1, threads)

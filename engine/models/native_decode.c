@@ -26,6 +26,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -71,6 +72,7 @@ typedef struct {
     const float *zs;  /* [n] (int4: [n, k/group], the group zero points) */
     const float *b;   /* [n] */
     int64_t n, k, kind, group;
+    int64_t aq;       /* INT4, INT8: 1 = activations quantized to INT8 on the fly (below), 0 = fp32 */
 } lin_t;
 
 typedef struct {
@@ -195,6 +197,304 @@ static void dot_any_i4(const uint8_t *w, const float *s, const float *z, int64_t
     I4_CASE(1, 1) I4_CASE(1, 2) I4_CASE(1, 3) I4_CASE(1, 4)
 }
 
+/* ---- INT4 weights x INT8 activations (opt-in, lin_t.aq: llama.cpp's arithmetic) -----------------
+ *
+ * The fp32-activation kernel above is bound by unpacking (each code becomes a float before its
+ * FMA). Here the activations are quantized once per call instead, and the codes multiply them as
+ * bytes: one VNNI vpdpbusd does 64 code x activation products (unsigned 0..15 x signed -127..127,
+ * summed in fours into int32); without VNNI, vpmaddubsw + vpmaddwd do the same exactly (a pair
+ * sums to at most 2 * 15 * 127, no int16 saturation). One int->float convert and one FMA per
+ * 4 * VW weights apply the weight group's scale times the activation group's.
+ *
+ * Activations: per row, groups of 32 consecutive inputs, d = max|x| / 127, q = rint(x * (127 /
+ * max|x|)) (round half to even; d = 0 and q = 0 for an all-zero group): the same numbers on
+ * every ISA. Stored in the weight's byte order: per chunk of 8 * VW inputs (one vector of
+ * packed codes: 4 blocks of 2 * VW), first the 4 * VW inputs the low nibbles multiply (each
+ * block's first VW columns), then the 4 * VW the high ones do. Each 32-bit lane of a chunk's
+ * dot covers one block's columns, so one weight group and one activation group (groups of 32
+ * columns or multiples, blocks of 2 * VW <= 32): xd holds, per chunk, each lane's activation
+ * scale. The zero point term, sum over groups of s * zero * (sum of the group's inputs), uses
+ * the inputs' exact fp32 group sums (xg).
+ *
+ * Buffer of one call, R rows: [xq int8 R * k][xd float R * k/8][xg float R * k/group]. */
+#define A8_CHUNK (8 * VW)
+
+#if VW == 16
+typedef __m512i vi;
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_nibbles(v, lo, hi) do {                                                                 \
+        const __m512i m4_ = _mm512_set1_epi8(15);                                                  \
+        lo = _mm512_and_si512(v, m4_);                                                             \
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4_);                                       \
+    } while (0)
+static inline __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+static inline __m512 lane_dot(__m512i lo, __m512i hi, __m512i xl, __m512i xh) {
+#if defined(__AVX512VNNI__)
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
+#else
+    __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xl), _mm512_maddubs_epi16(hi, xh));
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(t, _mm512_set1_epi16(1)));
+#endif
+}
+/* the first n (<= VW) floats at p, zeros after (never reads past p + n) */
+static inline __m512 vload_n(const float *p, int n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+}
+typedef __m512i vidx;
+static inline vidx lane_index(const int *ix) { return _mm512_loadu_si512((const void *)ix); }
+/* each lane's weight-group scale: n (<= VW) consecutive scales from s, spread by idx */
+static inline __m512 lane_scales(const float *s, int n, vidx idx) {
+    return _mm512_permutexvar_ps(idx, vload_n(s, n));
+}
+#else
+typedef __m256i vi;
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_nibbles(v, lo, hi) do {                                                                 \
+        const __m256i m4_ = _mm256_set1_epi8(15);                                                  \
+        lo = _mm256_and_si256(v, m4_);                                                             \
+        hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4_);                                       \
+    } while (0)
+static inline __m256 vmul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+static inline __m256 lane_dot(__m256i lo, __m256i hi, __m256i xl, __m256i xh) {
+    __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+}
+static inline __m256 vload_n(const float *p, int n) {
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+typedef __m256i vidx;
+static inline vidx lane_index(const int *ix) { return _mm256_loadu_si256((const __m256i *)ix); }
+static inline __m256 lane_scales(const float *s, int n, vidx idx) {
+    return _mm256_permutevar8x32_ps(vload_n(s, n), idx);
+}
+#endif
+
+/* Row r's activations quantized into the buffer's three parts (layout above). */
+static void quant_x_a8(const lin_t *L, int R, const float *x, void *buf) {
+    const int64_t k = L->k, g = L->group, ng = k / g, na = k / 32;
+    int8_t *xq = (int8_t *)buf;
+    float *xd = (float *)(xq + (int64_t)R * k), *xg = xd + (int64_t)R * (k / 8);
+    float ad[na];
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (int64_t)r * k;
+        int8_t *qr = xq + (int64_t)r * k;
+        for (int64_t a = 0; a < na; a++) {
+            float m = 0.f;
+            for (int i = 0; i < 32; i++) m = fmaxf(m, fabsf(xr[32 * a + i]));
+            const float inv = m > 0.f ? 127.f / m : 0.f;
+            ad[a] = m / 127.f;
+            for (int i = 0; i < 32; i++) {
+                const int64_t col = 32 * a + i, c0 = col - col % A8_CHUNK, off = col - c0;
+                const int64_t t = off / (2 * VW), wi = off % (2 * VW);
+                const int64_t pos = c0 + (wi < VW ? t * VW + wi : 4 * VW + t * VW + wi - VW);
+                float q = rintf(xr[col] * inv);
+                q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
+                qr[pos] = (int8_t)q;
+            }
+        }
+        float *dr = xd + (int64_t)r * (k / 8);
+        for (int64_t c = 0; c < k; c += A8_CHUNK)
+            for (int l = 0; l < VW; l++) dr[c / 8 + l] = ad[(c + (4 * l / VW) * 2 * VW) / 32];
+        for (int64_t gi = 0; gi < ng; gi++) {
+            float t = 0.f;
+            for (int64_t c = gi * g; c < (gi + 1) * g; c++) t += xr[c];
+            xg[(int64_t)r * ng + gi] = t;
+        }
+    }
+}
+
+/* out[j][r] = w[j] . x[r] from the quantized activations (buffer parts xq, xd, xg of R rows). */
+static inline __attribute__((always_inline)) void
+dot_block_i4a8(const uint8_t *w, const float *s, const float *z, int64_t k, int64_t g, int nb, int rb,
+               const int8_t *xq, const float *xd, const float *xg, float out[NB][RB]) {
+    vf acc[NB][RB];
+    for (int j = 0; j < nb; j++)
+        for (int r = 0; r < rb; r++) acc[j][r] = vzero();
+    const int64_t ng = k / g;
+    const int ngc = g >= A8_CHUNK ? 1 : (int)(A8_CHUNK / g);  /* weight groups per chunk */
+    int ix[VW];
+    for (int l = 0; l < VW; l++) ix[l] = (int)(((4 * l / VW) * 2 * VW) / g);
+    const vidx idx = lane_index(ix);
+    for (int64_t c = 0; c < k; c += A8_CHUNK) {
+        if (((c / 2) & 63) == 0)
+            for (int j = 0; j < nb; j++) PREFETCH(w + (PF_AHEAD * NB + j) * (k / 2) + c / 2);
+        vi xl[RB], xh[RB];
+        vf dv[RB];
+        for (int r = 0; r < rb; r++) {
+            xl[r] = vi_load(xq + r * k + c);
+            xh[r] = vi_load(xq + r * k + c + 4 * VW);
+            dv[r] = vload(xd + r * (k / 8) + c / 8);
+        }
+        for (int j = 0; j < nb; j++) {
+            vi v = vi_load(w + j * (k / 2) + c / 2), lo, hi;
+            vi_nibbles(v, lo, hi);
+            const vf sv = lane_scales(s + j * ng + c / g, ngc, idx);
+            for (int r = 0; r < rb; r++) acc[j][r] = vfma(lane_dot(lo, hi, xl[r], xh[r]), vmul(sv, dv[r]), acc[j][r]);
+        }
+    }
+    /* minus the zero points' term, sum over groups of s * zero * (the group's input sum), VW groups
+     * at a time (a scalar loop here cost more than the dot above: 3 ops per 32 weights) */
+    for (int j = 0; j < nb; j++) {
+        vf zt[RB];
+        for (int r = 0; r < rb; r++) zt[r] = vzero();
+        for (int64_t gi = 0; gi < ng; gi += VW) {
+            const int n = ng - gi < VW ? (int)(ng - gi) : VW;
+            const vf sz = vmul(vload_n(s + j * ng + gi, n), vload_n(z + j * ng + gi, n));
+            for (int r = 0; r < rb; r++) zt[r] = vfma(sz, vload_n(xg + r * ng + gi, n), zt[r]);
+        }
+        for (int r = 0; r < rb; r++) out[j][r] = vsum(acc[j][r]) - vsum(zt[r]);
+    }
+}
+
+#define A8_CASE(NBV, RBV)                                                                      \
+    if (nb == NBV && rb == RBV) {                                                              \
+        dot_block_i4a8(w, s, z, k, g, NBV, RBV, xq, xd, xg, out);                              \
+        return;                                                                                \
+    }
+
+static void dot_any_i4a8(const uint8_t *w, const float *s, const float *z, int64_t k, int64_t g, int nb, int rb,
+                         const int8_t *xq, const float *xd, const float *xg, float out[NB][RB]) {
+    A8_CASE(4, 1) A8_CASE(4, 2) A8_CASE(4, 3) A8_CASE(4, 4)
+    A8_CASE(1, 1) A8_CASE(1, 2) A8_CASE(1, 3) A8_CASE(1, 4)
+}
+
+/* ---- INT8 weights x INT8 activations (the same opt-in, lin_t.aq) ---------------------------------
+ *
+ * The weight is INT8 [n, k] in interleave4 order, one scale per output row (s, zs as above).
+ * Activations: quantized as for INT4 but in the weight's byte order, groups of 32 consecutive
+ * bytes (8 words: inputs i..i+7 of each quarter of the row), so that a vector of 4 * VW weight
+ * bytes spans whole groups: xq int8 [R, k], xd [R, k/32] the group scales.
+ *  - VNNI: vpdpbusd wants one unsigned operand: the weights as w + 128 (flip the top bit),
+ *    exact, then minus 128 * (sum of the group's codes) per group, which depends on the row of
+ *    x only: xc[r] = 128 * sum over groups of d * (sum of codes), subtracted once at the end.
+ *  - otherwise: both operands widened to int16 and vpmaddwd (a u8 x s8 vpmaddubsw would
+ *    saturate: 2 * 255 * 127 > 32767), each half vector in one group.
+ * Both are exact integer dots; only the fp32 sums' order differs.
+ * Buffer of one call, R rows: [xq int8 R * k][xd float R * k/32][xc float R]. */
+static void quant_x_i8a8(const lin_t *L, int R, const float *x, void *buf) {
+    const int64_t k = L->k, k4 = k / 4, na = k / 32;
+    int8_t *xq = (int8_t *)buf;
+    float *xd = (float *)(xq + (int64_t)R * k), *xc = xd + (int64_t)R * na;
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (int64_t)r * k;
+        int8_t *qr = xq + (int64_t)r * k;
+        float c = 0.f;
+        for (int64_t a = 0; a < na; a++) {  /* group a: bytes 32a..32a+31, inputs j * k4 + i */
+            float m = 0.f;
+            for (int64_t i = 8 * a; i < 8 * a + 8; i++)
+                for (int j = 0; j < 4; j++) m = fmaxf(m, fabsf(xr[j * k4 + i]));
+            const float inv = m > 0.f ? 127.f / m : 0.f, d = m / 127.f;
+            int sq = 0;
+            for (int64_t i = 8 * a; i < 8 * a + 8; i++)
+                for (int j = 0; j < 4; j++) {
+                    float q = rintf(xr[j * k4 + i] * inv);
+                    q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
+                    qr[4 * i + j] = (int8_t)q;
+                    sq += (int)q;
+                }
+            xd[(int64_t)r * na + a] = d;
+            c += d * (float)sq;
+        }
+        xc[r] = 128.f * c;
+    }
+}
+
+#if VW == 16
+/* each lane's group scale in a 64-byte chunk: lanes 0-7 group a, 8-15 group a + 1 */
+static inline __m512 chunk_scales(const float *d) {
+    return _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(d[1]), 1);
+}
+#if defined(__AVX512VNNI__)
+#define I8A8_VNNI 1
+#endif
+#else
+static inline __m256 chunk_scales(const float *d) { return _mm256_set1_ps(d[0]); }  /* 32 bytes, one group */
+#endif
+
+static inline __attribute__((always_inline)) void
+dot_block_i8a8(const int8_t *w, int64_t k, int nb, int rb, const int8_t *xq, const float *xd, const float *xc,
+               float out[NB][RB]) {
+    vf acc[NB][RB];
+    for (int j = 0; j < nb; j++)
+        for (int r = 0; r < rb; r++) acc[j][r] = vzero();
+    const int64_t na = k / 32;
+    for (int64_t c = 0; c < k; c += 4 * VW) {
+        if ((c & 63) == 0)
+            for (int j = 0; j < nb; j++) PREFETCH(w + (PF_AHEAD * NB + j) * k + c);
+        vf dv[RB];
+        for (int r = 0; r < rb; r++) dv[r] = chunk_scales(xd + r * na + c / 32);
+#if defined(I8A8_VNNI)
+        __m512i xv[RB];
+        for (int r = 0; r < rb; r++) xv[r] = _mm512_loadu_si512((const void *)(xq + r * k + c));
+        for (int j = 0; j < nb; j++) {
+            const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + j * k + c)),
+                                               _mm512_set1_epi8((char)0x80));
+            for (int r = 0; r < rb; r++)
+                acc[j][r] = vfma(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xv[r])), dv[r],
+                                 acc[j][r]);
+        }
+#elif VW == 16
+        __m512i xl[RB], xh[RB];
+        for (int r = 0; r < rb; r++) {
+            xl[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(xq + r * k + c)));
+            xh[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(xq + r * k + c + 32)));
+        }
+        for (int j = 0; j < nb; j++) {
+            const __m512i wl = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + j * k + c)));
+            const __m512i wh = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + j * k + c + 32)));
+            for (int r = 0; r < rb; r++) {
+                /* lanes of the low half are group c/32's, of the high half the next one's */
+                __m512i lo = _mm512_madd_epi16(wl, xl[r]), hi = _mm512_madd_epi16(wh, xh[r]);
+                acc[j][r] = vfma(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(xd[r * na + c / 32]), acc[j][r]);
+                acc[j][r] = vfma(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(xd[r * na + c / 32 + 1]), acc[j][r]);
+            }
+        }
+        (void)dv;
+#else
+        __m256i xl[RB], xh[RB];
+        for (int r = 0; r < rb; r++) {
+            xl[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + r * k + c)));
+            xh[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + r * k + c + 16)));
+        }
+        for (int j = 0; j < nb; j++) {
+            const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + j * k + c)));
+            const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + j * k + c + 16)));
+            for (int r = 0; r < rb; r++) {  /* 32 bytes: one group */
+                __m256i t = _mm256_add_epi32(_mm256_madd_epi16(wl, xl[r]), _mm256_madd_epi16(wh, xh[r]));
+                acc[j][r] = vfma(_mm256_cvtepi32_ps(t), dv[r], acc[j][r]);
+            }
+        }
+#endif
+    }
+    for (int j = 0; j < nb; j++)
+        for (int r = 0; r < rb; r++) {
+#if defined(I8A8_VNNI)
+            out[j][r] = vsum(acc[j][r]) - xc[r];
+#else
+            (void)xc;
+            out[j][r] = vsum(acc[j][r]);
+#endif
+        }
+}
+
+#define I8A8_CASE(NBV, RBV)                                                                    \
+    if (nb == NBV && rb == RBV) {                                                              \
+        dot_block_i8a8(w, k, NBV, RBV, xq, xd, xc, out);                                       \
+        return;                                                                                \
+    }
+
+static void dot_any_i8a8(const int8_t *w, int64_t k, int nb, int rb, const int8_t *xq, const float *xd,
+                         const float *xc, float out[NB][RB]) {
+    I8A8_CASE(4, 1) I8A8_CASE(4, 2) I8A8_CASE(4, 3) I8A8_CASE(4, 4)
+    I8A8_CASE(1, 1) I8A8_CASE(1, 2) I8A8_CASE(1, 3) I8A8_CASE(1, 4)
+}
+
+/* Bytes of the quantized-activation buffer for R rows of L. */
+static int64_t a8_bytes(const lin_t *L, int R) {
+    if (L->kind == W_I8) return (int64_t)R * (L->k + 4 * (L->k / 32) + 4);
+    return (int64_t)R * (L->k + 4 * (L->k / 8) + 4 * (L->k / L->group));
+}
+
 #define DOT_CASE(NBV, RBV)                                                                     \
     if (nb == NBV && rb == RBV) {                                                              \
         if (kind == W_I8) dot_block(w, k, W_I8, NBV, RBV, x, ldx, out);                        \
@@ -209,7 +509,8 @@ static void dot_any(const void *w, int64_t k, int kind, int nb, int rb, const fl
 }
 
 /* y[r, n] (+)= s[n] * (x[r] . w[n]) - zs[n] * xsum[r] + b[n], output rows split over the team.
- * Called inside a parallel region. x [R, k] in the weight's column order; ldy: y's row stride. */
+ * Called inside a parallel region. x [R, k] in the weight's column order, or for INT4 with aq
+ * the quantized-activation buffer (quant_x_a8); ldy: y's row stride. */
 static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float *y, int64_t ldy, int add) {
     const int64_t n = L->n, k = L->k;
     const int64_t wrow = L->kind == W_I8 ? k : L->kind == W_I4 ? k / 2 : 4 * k;
@@ -226,7 +527,17 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
             for (int j0 = 0; j0 < nb; j0 += (nb == NB ? NB : 1)) {  /* a tail block: row by row */
                 float o1[NB][RB];
                 const char *wj = w + j0 * wrow;
-                if (L->kind == W_I4)
+                if (L->kind == W_I4 && L->aq) {
+                    const int8_t *xq = (const int8_t *)x;
+                    const float *xd = (const float *)(xq + (int64_t)R * k), *xg = xd + (int64_t)R * (k / 8);
+                    dot_any_i4a8((const uint8_t *)wj, L->s + (n0 + j0) * ng, L->zs + (n0 + j0) * ng, k, L->group,
+                                 nb == NB ? NB : 1, rb, xq + r0 * k, xd + r0 * (k / 8), xg + r0 * ng, o1);
+                } else if (L->kind == W_I8 && L->aq) {
+                    const int8_t *xq = (const int8_t *)x;
+                    const float *xd = (const float *)(xq + (int64_t)R * k), *xc = xd + (int64_t)R * (k / 32);
+                    dot_any_i8a8((const int8_t *)wj, k, nb == NB ? NB : 1, rb, xq + r0 * k, xd + r0 * (k / 32),
+                                 xc + r0, o1);
+                } else if (L->kind == W_I4)
                     dot_any_i4((const uint8_t *)wj, L->s + (n0 + j0) * ng, L->zs + (n0 + j0) * ng, k, L->group,
                                nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
                 else
@@ -246,13 +557,19 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
     }
 }
 
-/* The activations a linear reads, in its column order (interleave4 for INT8), and their sums. */
+/* The activations a linear reads, in its column order (interleave4 for INT8; quantized for INT4
+ * with aq, into perm, which holds 4 * R * k bytes), and their sums. */
 static const float *prepare_x(const lin_t *L, int R, const float *x, float *perm, float *xsum) {
     const int64_t k = L->k;
     for (int r = 0; r < R; r++) {
         float s = 0.f;
         for (int64_t c = 0; c < k; c++) s += x[r * k + c];
         xsum[r] = s;
+    }
+    if (L->aq) {  /* (xsum above stays: the INT8 zero-point term reads it) */
+        if (L->kind == W_I4) quant_x_a8(L, R, x, perm);
+        else quant_x_i8a8(L, R, x, perm);
+        return perm;
     }
     if (L->kind != W_I8) return x;
     const int64_t k4 = k / 4;
@@ -261,6 +578,9 @@ static const float *prepare_x(const lin_t *L, int R, const float *x, float *perm
             for (int j = 0; j < 4; j++) perm[r * k + 4 * i + j] = x[r * k + j * k4 + i];
     return perm;
 }
+
+/* Whether a linear reads prepare_x's buffer rather than x itself. */
+static int permuted(const lin_t *L) { return L->kind == W_I8 || L->aq; }
 
 /* HF's RMSNorm: w * (x * rsqrt(mean(x^2) + eps)) */
 static void rms(const float *x, const float *w, float *out, int R, int64_t h, float eps) {
@@ -293,7 +613,7 @@ static void pre_in_team(const ctx_t *ctx, const layer_t *L, int R, const float *
         rms(h, L->ln1, bf.a, R, ctx->hidden, ctx->eps);
         prepare_x(&L->qkv, R, bf.a, bf.b, bf.xsum);
     }
-    x = L->qkv.kind == W_I8 ? bf.b : bf.a;
+    x = permuted(&L->qkv) ? bf.b : bf.a;
     gemv(&L->qkv, R, x, bf.xsum, qkv, L->qkv.n, 0);
 #pragma omp single
     {
@@ -317,13 +637,13 @@ static void post_in_team(const ctx_t *ctx, const layer_t *L, int R, float *h, co
     const int64_t hid = ctx->hidden, inter = ctx->inter;
 #pragma omp single
     prepare_x(&L->o, R, o, bf.b, bf.xsum);
-    gemv(&L->o, R, L->o.kind == W_I8 ? bf.b : o, bf.xsum, h, hid, 1);
+    gemv(&L->o, R, permuted(&L->o) ? bf.b : o, bf.xsum, h, hid, 1);
 #pragma omp single
     {
         rms(h, L->ln2, bf.a, R, hid, ctx->eps);
         prepare_x(&L->gu, R, bf.a, bf.b, bf.xsum);
     }
-    gemv(&L->gu, R, L->gu.kind == W_I8 ? bf.b : bf.a, bf.xsum, bf.c, 2 * inter, 0);
+    gemv(&L->gu, R, permuted(&L->gu) ? bf.b : bf.a, bf.xsum, bf.c, 2 * inter, 0);
 #pragma omp single
     {
         for (int r = 0; r < R; r++)
@@ -333,7 +653,7 @@ static void post_in_team(const ctx_t *ctx, const layer_t *L, int R, float *h, co
             }
         prepare_x(&L->d, R, bf.a, bf.b, bf.xsum);
     }
-    gemv(&L->d, R, L->d.kind == W_I8 ? bf.b : bf.a, bf.xsum, h, hid, 1);
+    gemv(&L->d, R, permuted(&L->d) ? bf.b : bf.a, bf.xsum, h, hid, 1);
 }
 
 void pd_pre(const ctx_t *ctx, const layer_t *L, int R, const float *h, const float *cos, const float *sin,
@@ -438,16 +758,24 @@ void pd_logits(const ctx_t *ctx, const lin_t *head, const float *ln, int R, cons
             rms(h, ln, bf.a, R, ctx->hidden, ctx->eps);
             prepare_x(head, R, bf.a, bf.b, bf.xsum);
         }
-        gemv(head, R, head->kind == W_I8 ? bf.b : bf.a, bf.xsum, logits, head->n, 0);
+        gemv(head, R, permuted(head) ? bf.b : bf.a, bf.xsum, logits, head->n, 0);
     }
 }
 
-/* A whole INT4 linear, y [R, n] = x [R, k] W^T + b, for any R: the batched steps' path (the
+/* A whole linear, y [R, n] = x [R, k] W^T + b, for any R: the batched steps' path for INT4 (the
  * weights of each block of rows are read from memory once and reused by every x row while they
- * sit in L1). Engine/quant/linear.py's Int4Linear calls it. */
-void pd_linear_i4(const lin_t *L, int R, const float *x, float *y, int threads) {
+ * sit in L1; engine/quant/linear.py's Int4Linear calls it), and the tests' way into every kind. */
+void pd_linear(const lin_t *L, int R, const float *x, float *y, int threads) {
+    /* x as the kind reads it (permuted, quantized), prepared once before the team: every thread
+     * reads all of it */
+    const int64_t need = L->aq ? a8_bytes(L, R) : L->kind == W_I8 ? (int64_t)R * L->k * 4 : 0;
+    float *buf = malloc((size_t)need + sizeof(float) * (size_t)R);
+    if (buf == NULL) abort();
+    float *xsum = (float *)((char *)buf + need);
+    x = prepare_x(L, R, x, buf, xsum);
 #pragma omp parallel num_threads(threads)
-    gemv(L, R, x, NULL, y, L->n, 0);
+    gemv(L, R, x, xsum, y, L->n, 0);
+    free(buf);
 }
 
 /* An INT4 linear's weights as fp32 [n, k], exactly the values the kernels above apply (the same

@@ -292,7 +292,8 @@ class SingleTokenDecoder:
 
     def _native_layers(self, lib) -> NativeLayers:
         return NativeLayers(lib, self._native_lin(lib.pd_vector_width()), self.ln1, self.ln2, self.model.norm.weight,
-                            self.eps, self.nq, self.nkv, self.max_rows)
+                            self.eps, self.nq, self.nkv, self.max_rows,
+                            int8_activations=getattr(self.model, "int8_activations", False))
 
     @property
     def kernel(self) -> str:

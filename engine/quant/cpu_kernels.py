@@ -121,7 +121,7 @@ def report(model: torch.nn.Module | None = None, single_token: str | None = None
     w8a8: x86 7-bit act (int16 pair sums saturate here)"``.
     """
     steps = "one-token" if rows <= 1 else f"steps <= {rows} tokens"
-    from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
+    from engine.quant.linear import DEQUANT_ROWS, Int4Linear, Int8Linear, W8A8Linear
     parts = [f"cpu {cpu_class()}"]
     kinds: dict[str, str] = {}
     native = single_token == "native"
@@ -133,7 +133,6 @@ def report(model: torch.nn.Module | None = None, single_token: str | None = None
         elif isinstance(mod, Int4Linear) and "int4" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
             if mod.kernel == "native":  # one copy, in the native layout, for every path
-                from engine.quant.linear import DEQUANT_ROWS
                 small = f"native GEMV ({steps})" if native else "native GEMV"
                 kinds["int4"] = (f"{small}, batched < {DEQUANT_ROWS} rows the same GEMV, "
                                  f"from {DEQUANT_ROWS} rows fp32 GEMM on the weight dequantized")
@@ -146,6 +145,8 @@ def report(model: torch.nn.Module | None = None, single_token: str | None = None
             kinds["w8a8"] = (f"{torch.backends.quantized.engine} "
                              + ("7-bit act (int16 pair sums saturate here)" if mod.reduce_range else "8-bit act"))
     parts += [f"{k}: {v}" for k, v in kinds.items()]
+    if getattr(model, "int8_activations", False):
+        parts.append(f"int8 activations (INT4/INT8 GEMVs, steps < {DEQUANT_ROWS} rows)")
     if not kinds and single_token:
         parts.append(f"fp32: {single_token} GEMV ({steps})")
     return "; ".join(parts)

@@ -88,6 +88,10 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scale", qw.scale.float().clone())
         self.register_buffer("zero", qw.zero.float().clone())
         self.interleaved = False  # qweight's columns in interleave4 order (set_interleaved)
+        # steps of < DEQUANT_ROWS rows through the native GEMV on INT8 activations
+        # (set_int8_activations); needs the interleaved weight
+        self.int8_activations = False
+        self._a8 = None
         self._prepare()
 
     def set_interleaved(self, qweight: torch.Tensor) -> None:
@@ -96,7 +100,7 @@ class Int8Linear(QuantLinear):
         same way, so both paths share one copy of the weight."""
         if qweight.shape != self.qweight.shape or qweight.dtype != torch.int8:
             raise ValueError(f"interleaved weight {tuple(qweight.shape)} {qweight.dtype} != {tuple(self.qweight.shape)}")
-        self.qweight, self.interleaved = qweight, True
+        self.qweight, self.interleaved, self._a8 = qweight, True, None
 
     # The state dict always holds the canonical column order, whatever this module reads.
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -132,8 +136,30 @@ class Int8Linear(QuantLinear):
         n = self.qweight.numel() + self._scale_act.numel() * self._scale_act.element_size()
         return n + (0 if self._zs is None else self._zs.numel() * self._zs.element_size())
 
+    def _a8_kernel(self):
+        """The native INT8-activation kernel over this module's interleaved weight, or None where
+        it does not serve (off, not interleaved, not on CPU, no library, a shape it cannot tile)."""
+        if not (self.int8_activations and self.interleaved and self.qweight.device.type == "cpu"):
+            return None
+        if self._a8 is None:
+            from engine.models.native import W_I8, Int8Kernel, enabled_library, int8_activations_fit
+            lib = enabled_library()
+            if lib is None or not int8_activations_fit(W_I8, self.in_features, 0, lib.pd_vector_width()):
+                return None
+            n = self.out_features
+            self._a8_t = (self.scale.float().contiguous(),
+                          (self.zero * self.scale).float().contiguous() if not self.symmetric else torch.zeros(n),
+                          self.bias.detach().float().contiguous() if self.bias is not None else torch.zeros(n))
+            self._a8 = Int8Kernel(lib, self.qweight, *self._a8_t)
+        return self._a8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
+        if self.int8_activations and x.numel() < DEQUANT_ROWS * self.in_features:
+            kern = self._a8_kernel()
+            if kern is not None:
+                x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+                return kern.linear(x2).to(dtype).reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
         if self.interleaved:  # x W^T = interleave4(x) interleave4(W)^T: the same sum, reordered
             x2 = interleave4(x2)
@@ -202,6 +228,8 @@ class Int4Linear(QuantLinear):
         self.register_buffer("scale", qw.scale.float().contiguous())
         self.register_buffer("zero", qw.zero.float().contiguous())
         self.native = 0  # vector width of the native layout the buffers hold, 0: canonical
+        # the native GEMV quantizes its inputs to INT8 (set_int8_activations; < DEQUANT_ROWS rows)
+        self.int8_activations = False
         self._prepare()
 
     def _prepare(self) -> None:
@@ -259,8 +287,12 @@ class Int4Linear(QuantLinear):
             b = self.bias.detach().float().contiguous() if self.bias is not None else torch.zeros(self.out_features)
             self._bias32 = b
             n = self.out_features
-            self._kernel = Int4Kernel(library(), self.qweight, self.scale.view(n, -1), self.zero.view(n, -1), b,
-                                      self.group_size)
+            lib = library()
+            from engine.models.native import W_I4, int8_activations_fit
+            aq = self.int8_activations and int8_activations_fit(W_I4, self.in_features, self.group_size,
+                                                                 lib.pd_vector_width())
+            self._kernel = Int4Kernel(lib, self.qweight, self.scale.view(n, -1), self.zero.view(n, -1), b,
+                                      self.group_size, int8_activations=aq)
         return self._kernel
 
     # The state dict always holds the canonical (q, scale, zero), whatever this module reads.
@@ -344,6 +376,29 @@ class Int4Linear(QuantLinear):
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def set_int8_activations(model: nn.Module) -> int:
+    """Serve ``model``'s INT4 and INT8 linears with INT8 activations where the native kernels run
+    them (EngineConfig.activations "int8"): each GEMV of fewer than DEQUANT_ROWS rows quantizes
+    its inputs per group of 32 (d = max|x| / 127) and multiplies bytes, llama.cpp's arithmetic
+    on its K-quants. Faster (the unpacking no longer bounds the GEMV) and no longer
+    token-identical to HF. The one-token path reads the model's flag when it builds its
+    kernels (engine/models/single_token.py). INT8 modules hold their weight interleaved
+    for it. Returns how many modules take it."""
+    model.int8_activations = True
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Int4Linear):
+            mod.int8_activations, mod._kernel = True, None
+            n += 1
+        elif isinstance(mod, Int8Linear) and mod.kernel == "int8pack":
+            if not mod.interleaved and mod.qweight.device.type == "cpu":
+                with torch.no_grad():  # the kernel's column order (the one-token path keeps it too)
+                    mod.set_interleaved(interleave4(mod.qweight).contiguous())
+            mod.int8_activations, mod._a8 = True, None
+            n += 1
+    return n
 
 
 class QuantEmbedding(nn.Module):
