@@ -4,11 +4,13 @@ what they decide is carried out by the pools (``Pools.grow``, ``drain``, ``switc
 
 It holds what they read and no more: each worker's role, state, latest status and the blocks
 and prompt tokens promised to it; the requests waiting for a decode worker and those running;
-the recent requests' latencies and the running streams' paces.
+the recent latency samples, the requests still awaiting their first token and the running
+streams' paces.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -48,8 +50,9 @@ class ClusterView:
     workers: tuple[WorkerView, ...] = ()
     queued: int = 0  # requests waiting for a decode worker
     active: int = 0  # requests the router streams
-    recent: tuple[tuple[float, float | None, float | None], ...] = ()  # (finished at, TTFT, TPOT)
+    recent: tuple = ()  # router.autoscale.Latency samples (TTFT at first tokens, TPOT at finishes)
     paces: tuple[float, ...] = ()  # running streams' pace now (those of LIVE_MIN_TOKENS tokens or more)
+    awaiting: tuple[tuple[float, int], ...] = ()  # (seconds waited, prompt tokens) of requests prefilling, no first token
     bad_reports: int = 0  # messages dropped on the report socket (router.pools)
 
     def ready(self, *roles: str) -> list[WorkerView]:
@@ -62,9 +65,12 @@ class ClusterView:
 
 
 def cluster_view(workers: Iterable[Worker], jobs: Iterable, recent: Iterable = (), queued: int = 0,
-                 bad_reports: int = 0) -> ClusterView:
-    """The snapshot of these workers and live jobs (router.jobs.Job), with the recent latencies."""
-    jobs = list(jobs)
+                 bad_reports: int = 0, now: float | None = None) -> ClusterView:
+    """The snapshot of these workers and live jobs (router.jobs.Job), with the recent latencies
+    (``now``: monotonic time, for how long the jobs without a first token have waited)."""
+    jobs, now = list(jobs), time.monotonic() if now is None else now
     paces = tuple(j.pace for j in jobs if len(j.generated) >= LIVE_MIN_TOKENS and j.pace is not None)
+    # (placed and prefilling: one still waiting for a decode worker is no prefill's doing)
+    awaiting = tuple((now - j.arrival, len(j.prompt_ids)) for j in jobs if j.prefilling and j.first_token_time is None)
     return ClusterView(tuple(WorkerView.of(w) for w in list(workers)), queued, len(jobs), tuple(recent), paces,
-                       bad_reports)
+                       awaiting=awaiting, bad_reports=bad_reports)

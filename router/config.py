@@ -177,11 +177,16 @@ class FrontDoorConfig:
     header_timeout_s: float = 10.0  # HTTP: a request's line and headers must arrive within this
     body_timeout_s: float = 60.0  # HTTP: ... and its body within this once the headers are in; beyond: 408
     keepalive_s: int = 5  # HTTP: an idle keep-alive connection is closed after this
+    # HTTP: a response whose unsent bytes stay above the write buffer's high-water mark (64 KiB)
+    # this long (its client stopped reading) is closed and its requests aborted: no slot held forever
+    write_timeout_s: float = 30.0
     header_bytes: int = 16384  # HTTP: the most bytes of request line and headers (h11)
     connections_per_client: int = 256  # HTTP: open connections per client address
     connections: int = 2048  # HTTP: open connections in all (at a cap the oldest idle one is closed)
     grpc_connections: int = 2048  # gRPC: open connections in all (beyond: refused)
     grpc_streams_per_connection: int = 256  # gRPC: concurrent calls on one HTTP/2 connection
+    grpc_calls_per_client: int = 512  # gRPC: calls in progress per client address (beyond: RESOURCE_EXHAUSTED)
+    grpc_handshake_timeout_s: float = 10.0  # gRPC: a new connection's TLS + HTTP/2 preface must be in within this
     grpc_keepalive_s: float = 60.0  # gRPC: ping a connection quiet this long ...
     grpc_keepalive_timeout_s: float = 20.0  # ... and close it when the ping is unanswered this long
     grpc_max_idle_s: float = 300.0  # gRPC: close a connection with no call this long
@@ -202,7 +207,7 @@ class MetricsConfig:
 class AutoscaleConfig:
     enabled: bool = False
     interval_s: float = 2.0  # how often the controller decides
-    window_s: float = 30.0  # TTFT/TPOT p90 over requests finished this recently
+    window_s: float = 30.0  # TTFT/TPOT p90 over this recent past (TTFT at first tokens, TPOT at finishes)
     prefill: PrefillTargets = field(default_factory=PrefillTargets)
     decode: DecodeTargets = field(default_factory=DecodeTargets)
 
@@ -220,6 +225,8 @@ class ClusterConfig:
     # A GGUF model's weights dequantized to `dtype` (every worker), instead of served in their
     # precision class as shipped (4-bit blocks as INT4, 5-8 bit as INT8); no effect on other models
     dequantize: bool = _engine(EngineConfig, "dequantize")
+    # "int8": INT4/INT8 weights multiply INT8-quantized activations (EngineConfig.activations)
+    activations: str = _engine(EngineConfig, "activations")
     device: str = _engine(EngineConfig, "device")
     prefill: PrefillPool = field(default_factory=PrefillPool)
     decode: DecodePool = field(default_factory=DecodePool)
@@ -270,6 +277,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
     "router.local_prefill_tokens": (lambda v: v >= 0, ">= 0 (0: off)"),
     "roles.min_prefill": (lambda v: v >= 0, ">= 0 (0: decode workers prefill their own prompts when none is left)"),
+    "roles.max_prefill": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                          "an integer >= 1, or null (no limit)"),
+    "roles.max_decode": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                         "an integer >= 1, or null (no limit)"),
     "decode.speculative.adaptive": (lambda v: isinstance(v, bool), "true or false"),
     "decode.quantization": (lambda v: _quantization_ok(v), "none, int8, int8-asym, int4, int4-g32|g64|g128[-asym], "
                             "w8a8, or a quantized checkpoint folder (pdserve quantize --out)"),
@@ -279,7 +290,7 @@ _RULES: dict[str, tuple[Any, str]] = {
 }
 
 
-_NULLABLE = {"metrics.port", "metrics.worker_port", "router.http_port"}
+_NULLABLE = {"metrics.port", "metrics.worker_port", "router.http_port", "roles.max_prefill", "roles.max_decode"}
 
 
 def _quantization_ok(v: Any) -> bool:
@@ -371,6 +382,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         t = getattr(cfg.autoscale, name)
         if t.min_replicas > t.max_replicas:
             raise ConfigError(f"autoscale.{name}: min_replicas {t.min_replicas} > max_replicas {t.max_replicas}")
+    for name in ("prefill", "decode"):
+        least, most = getattr(cfg.roles, f"min_{name}"), getattr(cfg.roles, f"max_{name}")
+        if most is not None and least > most:
+            raise ConfigError(f"roles: min_{name} {least} > max_{name} {most}")
     if cfg.autoscale.decode.kv_low >= cfg.autoscale.decode.kv_high:
         raise ConfigError("autoscale.decode: kv_low must be below kv_high (the band between them holds the size)")
     try:
@@ -394,7 +409,8 @@ def _fixed_gb(kv_cache_gb: float | str) -> float:
 def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
     """(prefill, decode) engine configs from the cluster config."""
     p, d = cfg.prefill, cfg.decode
-    common = dict(model=model_path, dtype=cfg.dtype, dequantize=cfg.dequantize, device=cfg.device)
+    common = dict(model=model_path, dtype=cfg.dtype, dequantize=cfg.dequantize, activations=cfg.activations,
+                  device=cfg.device)
     # A prefill worker never decodes: no compiled one-token path (its memory and compile time).
     prefill = EngineConfig(**common, compile_decode=False,
                            cache=CacheConfig(block_size=p.block_size, memory_gb=_fixed_gb(p.kv_cache_gb)),

@@ -17,6 +17,12 @@ Each try takes a snapshot of the pools (``placement.PoolView``), asks the pure
 
 The fair order (router.admission) decides whose turn it is; a job that found room is
 ``trying`` and holds no one behind it during its calls.
+
+A try costs O(workers + prompt blocks) (the prompt is hashed once per attempt): the live
+requests' queues and held blocks are kept as they change (router.holdings: ``place`` and
+``prefilled`` tell it), never walked per try, so retrying queued requests every
+``RETRY_WAIT_S`` under overload stays linear. The prefix index learns a prompt's blocks only
+once its placement succeeded, and what a worker turned out not to hold (router.prefix_index).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +40,10 @@ import grpc
 from engine.errors import InvalidRequestError
 from router.admission import Admission, Entry
 from router.config import ClusterConfig
+from router.holdings import Holdings
 from router.jobs import Job, JobState
 from router.placement import Demand, Local, PoolView, PrefixView, Remote, Wait, WorkerLoad, plan
-from router.prefix_index import PrefixIndex, block_hashes, expect_prefix, prefix_view
+from router.prefix_index import PrefixIndex, block_hashes, expect_prefix, prefilled, prefix_view
 from router.reject import Reject
 from router.worker_state import Role, Unreachable, WorkerState
 
@@ -70,15 +76,16 @@ class Placer:
         cfg: the cluster config.
         pools: router.pools.Pools, or a fake with the same methods (tests).
         admission: the per-token fair order.
-        jobs: the router's live jobs (prefix-aware placement reads what they hold).
+        live: what the router's live jobs hold (router.holdings; the router drops a job from it
+            when the job ends, and this placer counts it as it is placed and prefilled).
         metrics: router.metrics.RouterMetrics (its prefix and placement counters).
         prefix: the prefix index (None: prefix-blind).
         adaptive: workers switch roles (router.roles).
     """
 
-    def __init__(self, cfg: ClusterConfig, pools: Any, admission: Admission, jobs: Mapping[str, Job],
+    def __init__(self, cfg: ClusterConfig, pools: Any, admission: Admission, live: Holdings,
                  metrics: Any, prefix: PrefixIndex | None = None, adaptive: bool = False) -> None:
-        self.cfg, self.pools, self.admission, self.jobs, self.metrics = cfg, pools, admission, jobs, metrics
+        self.cfg, self.pools, self.admission, self.live, self.metrics = cfg, pools, admission, live, metrics
         self.prefix, self.adaptive = prefix, adaptive
         self.colocated = cfg.mode == "colocated"
         self.decode_roles = (Role.COLOCATED,) if self.colocated else (Role.DECODE,)
@@ -94,6 +101,9 @@ class Placer:
                 (a worker found the input bad).
         """
         prompt = self._prompt(job)
+        # (a new attempt: nothing of the last one is counted; router.holdings)
+        job.uncached, job.prefix_hashes = len(prompt.ids), []
+        self.live.update(job)
         demand = Demand(len(prompt.ids), prompt.params.max_tokens, job.prefer or ("", ""))
         entry = self.admission.enqueue(job.lease, demand.prompt_tokens + demand.max_tokens)
         queued, since = False, time.monotonic()
@@ -118,6 +128,7 @@ class Placer:
                 if tried is Tried.MISSED:
                     demand = dataclasses.replace(demand, missed=True)
         finally:
+            self.live.update(job)
             self.admission.leave(entry, placed=job.state is JobState.RUNNING)
             self._turn_moved()
             if queued:
@@ -125,14 +136,18 @@ class Placer:
 
     def _prompt(self, job: Job) -> Prompt:
         ids, params = job.inputs()
-        # The prompt's full blocks in the prefilling pool's block size (prefix-aware placement)
-        # (an adaptive worker runs the decode pool's engine in both roles)
-        bs = (self.cfg.decode if self.colocated or self.adaptive else self.cfg.prefill).block_size
+        bs = self._block_size
         hashes = block_hashes(ids, bs) if self.prefix is not None else []
         # Disaggregated: what the decode workers cache, too (their prefix is shared, not sent
         # again), when both pools name blocks alike (the same block size: the default)
         decode_view = not self.colocated and self.prefix is not None and self.cfg.decode.block_size == bs
         return Prompt(ids, params, bs, hashes, decode_view)
+
+    @property
+    def _block_size(self) -> int:
+        """The prefilling pool's block size: prefix-aware placement hashes prompts' full blocks
+        in it (an adaptive worker runs the decode pool's engine in both roles)."""
+        return (self.cfg.decode if self.colocated or self.adaptive else self.cfg.prefill).block_size
 
     def _check_alive(self) -> None:
         # (adaptive: with no prefill worker, decode workers prefill their own prompts; with no
@@ -172,12 +187,11 @@ class Placer:
         if self.prefix is None:
             return loads, None
         self.prefix.prune(set(self.pools.workers))  # retired workers leave the table
-        return prefix_view(self.prefix, self.jobs.values(), loads, prompt.hashes, len(prompt.ids),
-                           prompt.block_size)
+        return prefix_view(self.prefix, self.live, loads, prompt.hashes, len(prompt.ids), prompt.block_size)
 
     def _expect_prefix(self, job: Job, w: WorkerLoad, prompt: Prompt) -> int:
         """The job's prompt goes to ``w`` to prefill; returns the tokens it likely finds cached
-        (known before the call's round trip, so placements meanwhile see the prefix there)."""
+        (recorded only once the call succeeded: ``_record``)."""
         return 0 if self.prefix is None else expect_prefix(self.prefix, job, w, prompt.hashes, len(prompt.ids),
                                                            prompt.block_size)
 
@@ -191,7 +205,9 @@ class Placer:
         taken = await self.pools.submit(dw, job.key, prompt.ids, prompt.params, job.time_left(), step.check)
         if isinstance(taken, Unreachable):
             return Tried.RETRY
-        if taken is False:
+        if taken is False:  # it does not hold the prefix the index lists there: the index learns
+            if self.prefix is not None:
+                self.prefix.discard(dw.worker_id, prompt.hashes)
             return Tried.MISSED
         if not self.pools.still_ready(dw, self.decode_roles):
             # Lost while it answered (no Lost reaches this job), or began to drain (retire,
@@ -200,7 +216,9 @@ class Placer:
                 self.pools.abort(dw, job.key)
             return Tried.RETRY
         job.placed(dw, dw, step.where if self.colocated else f"{step.where}:{step.why}")
-        self._placed(step.where, step.why, hit)
+        if step.where == "colocated" or prompt.decode_view:  # it will hold the prompt's blocks
+            self._record(dw.worker_id, prompt, step.decode.total_blocks)
+        self._placed(job, step.where, step.why, hit)
         return Tried.PLACED
 
     async def _remote(self, job: Job, step: Remote, prompt: Prompt) -> Tried:
@@ -223,19 +241,38 @@ class Placer:
             self.pools.abort(dw, job.key)
             return Tried.RETRY
         job.placed(pw, dw, f"pool:{step.why}")
-        self._placed("pool", step.why, hit)
+        self._record(pw.worker_id, prompt, step.prefill.total_blocks)
+        self._placed(job, "pool", step.why, hit)
         log.debug("rid=%s event=placed prefill=%s decode=%s prompt_tokens=%d", job.request_id,
                   pw.worker_id, dw.worker_id, len(prompt.ids))
         self.metrics.decode_prefix_tokens.inc(got.token_start)
-        if prompt.decode_view:  # it holds the prompt's blocks now
-            self.prefix.record(dw.worker_id, prompt.hashes, d.total_blocks)
+        if prompt.decode_view:  # it holds the prompt's blocks now; it had ``token_start`` of them
+            bs = prompt.block_size
+            believed = min((len(prompt.ids) - 1) // bs, self.prefix.hit_blocks(dw.worker_id, prompt.hashes)) * bs
+            prefilled(self.prefix, dw.worker_id, prompt.hashes, believed, got.token_start, bs)
+            self._record(dw.worker_id, prompt, d.total_blocks)
         self.pools.prefill(pw, job.key, prompt.ids, prompt.params, dw.address, got, job.time_left())
         return Tried.PLACED
 
-    def _placed(self, where: str, why: str, hit: int) -> None:
+    def _record(self, worker_id: str, prompt: Prompt, total_blocks: int) -> None:
+        """The placement succeeded: ``worker_id`` holds the prompt's blocks (prefix-aware)."""
+        if self.prefix is not None:
+            self.prefix.record(worker_id, prompt.hashes, total_blocks)
+
+    def _placed(self, job: Job, where: str, why: str, hit: int) -> None:
+        self.live.update(job)
         self.metrics.prefix_hit_tokens.inc(hit)
         if where != "colocated":
             self.metrics.prefill_placements.labels(where, why).inc()
+
+    def prefilled(self, job: Job, cached_tokens: int) -> None:
+        """This attempt's first token came, from a prefill that found ``cached_tokens`` of the
+        prompt in its worker's cache: its queue entry there ends, and the index is corrected
+        where it expected more (router.prefix_index ``prefilled``)."""
+        self.live.update(job)
+        if self.prefix is not None and job.prefix_hashes and job.prefill_id:
+            expected = len(job.prompt_ids) + job.base - job.uncached  # (the attempt's prompt: inputs())
+            prefilled(self.prefix, job.prefill_id, job.prefix_hashes, expected, cached_tokens, self._block_size)
 
     # ---- waiting -------------------------------------------------------------------------------
     def _enter_queue(self) -> bool:

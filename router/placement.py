@@ -20,8 +20,8 @@ part is short is prefilled by the decode worker chosen for it instead of the pre
 queue at the pool, no transfer, no second hop, at the price of that many prompt tokens computed
 between the worker's decode steps (the bound on the stall its running streams see, so it is the
 one knob: ``router.local_prefill_tokens``). A decode worker already holding a backlog of local
-prompt tokens sends the next ones to the pool; an idle one (no stream, no queue) takes a long
-prompt too while the pool has a queue.
+prompt tokens sends the next ones to the pool; an idle one (no stream, no queue, no
+reservation on its way) takes a long prompt too while the pool has a queue.
 
 Disaggregated, a decode worker that caches a prompt's prefix shares those blocks and is sent
 only the rest (its ``reserve`` answers where the transfer starts); prefix-aware, its cached
@@ -62,6 +62,7 @@ class WorkerLoad:
     queued_prompt_tokens: int = 0  # prompt tokens waiting to be prefilled
     remaining_decode_tokens: int = 0  # sum over running requests of tokens still to generate
     accepting: bool = True  # False while starting, draining or dead
+    in_flight: int = 0  # admitting calls (reserve, submit) made there that its reports do not show yet
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -165,8 +166,10 @@ def prefill_where(uncached_tokens: int, decode: WorkerLoad, local_tokens: int,
 
     - ``short`` (local): at most ``local_tokens``;
     - ``pool_busy`` (local): longer, but the decode worker is idle (no stream to stall, no
-      prompt of its own queued) while the pool has a queue: here it starts at once, with no
-      wait, no transfer and no second hop; there it would wait for the queue;
+      prompt of its own queued, no admitting call on its way: a reservation made since its
+      last report is a stream about to start there) while the pool has a queue: here it
+      starts at once, with no wait, no transfer and no second hop; there it would wait for
+      the queue;
     - ``off``, ``long`` (pool): more than ``local_tokens``, and the decode worker has streams
       (they would stall for the whole prompt) or the pool is free;
     - ``decode_busy`` (pool): the worker's queued prompt tokens plus these would pass twice
@@ -177,7 +180,7 @@ def prefill_where(uncached_tokens: int, decode: WorkerLoad, local_tokens: int,
     if local_tokens <= 0:
         return "pool", "off"
     if uncached_tokens > local_tokens:
-        idle = decode.queued_prompt_tokens == 0 and decode.remaining_decode_tokens == 0
+        idle = decode.queued_prompt_tokens == 0 and decode.remaining_decode_tokens == 0 and not decode.in_flight
         if idle and pool_queued:
             return "local", "pool_busy"
         return "pool", "long"

@@ -17,18 +17,27 @@ evicts least recently used blocks first).
 Tables (exactly these): ``_held`` worker id → its block hashes in recency order (an
 ``OrderedDict`` used as an LRU set).
 
-:func:`prefix_view` turns it, with the router's live jobs, into what placement scores a
-prompt by (``placement.PrefixView``); :func:`expect_prefix` records a placement.
+An entry is made only once a placement succeeded (the worker took the call): a reservation
+refused, timed out or cut short by a lost worker leaves no phantom prefix that later prompts
+would be drawn to. It is corrected by what the workers say: a local prefill refused because
+the worker does not hold the prefix (``cache_miss``) removes the prompt's blocks there
+(``discard``), and a prefill that found fewer cached tokens than the index expected shows the
+worker evicted blocks the index still lists: as many of its least recent entries go
+(``evicted``; the engine evicts least recently used blocks first).
+
+:func:`prefix_view` turns it, with what the live requests hold (router.holdings), into what
+placement scores a prompt by (``placement.PrefixView``); :func:`expect_prefix` is what a
+placement expects to find cached.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from router.jobs import Job, JobState
+from router.holdings import Holdings
+from router.jobs import Job
 from router.placement import PrefixView, WorkerLoad
 
 
@@ -69,6 +78,19 @@ class PrefixIndex:
         while len(held) > max(0, capacity_blocks):
             held.popitem(last=False)
 
+    def discard(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """The worker does not hold these blocks after all (it said so: a ``cache_miss``)."""
+        held = self._held.get(worker_id)
+        for h in hashes if held else ():
+            held.pop(h, None)
+
+    def evicted(self, worker_id: str, blocks: int, keep: Sequence[int] = ()) -> None:
+        """The worker evicted at least ``blocks`` blocks the index lists: its ``blocks`` least
+        recently placed entries go (but not ``keep``: the prompt it just took)."""
+        held, keep = self._held.get(worker_id), set(keep)
+        for h in [h for h in held if h not in keep][:max(0, blocks)] if held else ():
+            del held[h]
+
     def forget(self, worker_id: str) -> None:
         """The worker lost its cache (restarted, lost, retired, or switched roles)."""
         self._held.pop(worker_id, None)
@@ -82,10 +104,12 @@ class PrefixIndex:
         return len(self._held.get(worker_id, ()))
 
 
-def prefix_view(index: PrefixIndex, jobs: Iterable[Job], loads: list[WorkerLoad], hashes: list[int],
+def prefix_view(index: PrefixIndex, live: Holdings, loads: list[WorkerLoad], hashes: list[int],
                 prompt_tokens: int, block_size: int) -> tuple[list[WorkerLoad], PrefixView]:
     """What prefix-aware placement knows of one prompt: (loads whose queued prompt tokens are
     the uncached tokens the router placed there that wait for their first token, the view).
+    O(workers x log(prompt blocks) + prompt blocks): ``live`` keeps what the live requests
+    hold as they change (router.holdings), no request is walked here.
 
     Why not the workers' reported queues: they count whole prompts (a waiting prompt has not
     looked its prefix up yet), so a worker holding a prefix would look busy with the very
@@ -94,37 +118,28 @@ def prefix_view(index: PrefixIndex, jobs: Iterable[Job], loads: list[WorkerLoad]
     # The engine looks up at most the blocks before the prompt's last token (it computes that
     # one to sample from): a prompt of whole blocks finds one block less.
     most = (prompt_tokens - 1) // block_size
-    queued, in_use = collections.Counter(), collections.Counter()
-    for job in jobs:  # (the live requests: one place holds these facts)
-        if job.prefilling:
-            queued[job.prefill_id] += job.uncached
-        if job.state == JobState.RUNNING and job.prefix_hashes:
-            n = min(most, common_prefix(job.prefix_hashes, hashes))
-            # (a decode worker shares the prefix too, once it has the KV: after the first token)
-            for wid in ({job.prefill_id} | ({job.decode_id} if not job.prefilling else set())) - {""}:
-                in_use[wid] = max(in_use[wid], n * block_size)
+    in_use = {wid: n * block_size for wid, n in live.in_use(hashes, most).items()}
     view = PrefixView(
         cached={w.worker_id: min(most, index.hit_blocks(w.worker_id, hashes)) * block_size for w in loads},
         held={w.worker_id: index.size(w.worker_id) for w in loads}, in_use=in_use)
-    return [dataclasses.replace(w, queued_prompt_tokens=queued[w.worker_id]) for w in loads], view
+    return [dataclasses.replace(w, queued_prompt_tokens=live.queued(w.worker_id)) for w in loads], view
 
 
 def expect_prefix(index: PrefixIndex, job: Job, w: WorkerLoad, hashes: list[int], prompt_tokens: int,
                   block_size: int) -> int:
-    """The job's prompt goes to ``w`` to prefill: it will hold the prompt's blocks (recorded
-    before the call's round trip, so placements meanwhile see them). Returns the prompt
-    tokens it likely finds cached there."""
+    """The job's prompt is about to go to ``w`` to prefill: the prompt tokens it likely finds
+    cached there (kept on the job, with its hashes, for router.holdings). Nothing is recorded
+    yet: ``index.record`` once the placement succeeded (module doc)."""
     hit = min((prompt_tokens - 1) // block_size, index.hit_blocks(w.worker_id, hashes)) * block_size
     job.uncached, job.prefix_hashes = prompt_tokens - hit, hashes
-    index.record(w.worker_id, hashes, w.total_blocks)
     return hit
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading block hashes two prompts share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def prefilled(index: PrefixIndex, worker_id: str, hashes: Sequence[int], expected: int, cached: int,
+              block_size: int) -> None:
+    """A prefill on ``worker_id`` found ``cached`` prompt tokens in its cache where the index
+    expected ``expected``: fewer means the worker evicted blocks the index lists (module doc).
+    More (blocks the index did not know of, e.g. a restarted router's) needs nothing: the
+    prompt's blocks are recorded with the placement."""
+    if cached < expected:
+        index.evicted(worker_id, (expected - cached) // block_size, keep=hashes)

@@ -7,17 +7,20 @@ each pool (``autoscale.pool_signals``, ``autoscale.pressure`` against ``autoscal
 ``autoscale.decode`` targets):
 
 - the prefill pool wants more (a prompt backlog at it, or at the decode workers once no
-  prefill worker is left; or TTFT p90 over target) and the
-  decode pool does not (KV under ``kv_high``, nobody waiting for admission; not TPOT: see
-  ``decide``): a decode worker becomes a prefill worker, if more than ``roles.min_decode``
-  are left;
-- the other way round, or the prefill pool idle (no backlog, TTFT well under target: a
-  decode worker takes its streams and short prompts) while the decode pool is not (KV over
-  ``kv_low`` or TPOT p90 over 0.7x target: a worker more splits its batch), a prefill worker
-  becomes a decode worker
-  (``roles.min_prefill``; with 0, the last one too: then every decode worker prefills its own
-  prompts, as colocated ones; the first backlog brings one back);
+  prefill worker is left; or TTFT p90 over its class's target) and the decode pool does not
+  (KV under ``kv_high``, nobody waiting for admission, TPOT p90 within target) and can spare a
+  worker (the others hold its KV under ``kv_high``: its headroom): a decode worker becomes a
+  prefill worker, if more than ``roles.min_decode`` are left;
+- the other way round (decode memory short, or TPOT p90 over target while a prefill pool
+  takes the long prompts: then it is the batch's, which a worker more splits), or the
+  prefill pool idle (no backlog, TTFT well under target: a decode worker takes its streams
+  and short prompts) while the decode pool is not (KV over ``kv_low`` or TPOT p90 over 0.7x
+  target), a prefill worker becomes a decode worker (``roles.min_prefill``; with 0, the last
+  one too: then every decode worker prefills its own prompts, as colocated ones; the first
+  backlog brings one back);
 - both want more, or neither (and the prefill pool not idle): no change.
+
+No role grows past its ``roles.max_prefill`` / ``roles.max_decode`` (null: no limit).
 
 Hysteresis as the autoscaler's: a want must hold for ``switch_delay_s`` without a break (an
 idle prefill pool: ``idle_delay_s``, longer, as the autoscaler's shrinking), one worker
@@ -56,6 +59,8 @@ class RolesConfig:
     # left, decode workers prefill their own prompts (as colocated workers do).
     min_prefill: int = 1
     min_decode: int = 1
+    max_prefill: int | None = None  # the most workers in each role (None: no limit)
+    max_decode: int | None = None
 
 
 @dataclass
@@ -73,23 +78,34 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     """((from role, to role), reason) for one worker to switch now, or (None, ""); updates
     ``state``."""
     p_up, p_idle, p_why = pressure("prefill", prefill, tp)
-    # Decode wants more by its memory only (KV utilization, requests waiting for admission):
-    # TPOT over target on workers that also prefill (a local prefill, or every prompt once no
-    # prefill worker is left) comes from the prompts' stalls, which one more decode worker
-    # does not cure and one more prefill worker does.
+    # Decode wants more by its memory (KV utilization, requests waiting for admission) ...
     d_up, _, d_why = pressure("decode", dataclasses.replace(decode, tpot_p90_s=None), td)
+    # ... or by TPOT over target, but only while a prefill pool takes the long prompts: then
+    # the slow steps are the batch's, which one more decode worker splits (a steady trickle of
+    # long prompts keeps the prefill pool from ever being idle: issue 44, bug 3). With no
+    # prefill worker left, every prompt is prefilled between the decode steps and the TPOT is
+    # the prompts' stalls, which one more decode worker does not cure and one more prefill
+    # worker does.
+    slow = decode.tpot_p90_s is not None and decode.tpot_p90_s * 1e3 > td.target_tpot_ms and prefill.workers > 0
+    if slow and not d_up:
+        d_up, d_why = True, f"TPOT p90 {decode.tpot_p90_s * 1e3:.0f} ms > {td.target_tpot_ms:.0f} ms"
     # ... but an idle prefill pool gives its worker away only to a decode pool that is not idle
     # itself (TPOT counts here: with no prompt backlog, it is the batch's, which one
     # more decode worker splits). A worker given to an idle decode pool helps no stream, and
     # the next long prompt then lands on a worker with streams (local:no_pool) and stalls them
     # until the switch back: measured on the mix at 0.3 req/s, chats' p99 TPOT 2.4x colocated.
     _, d_idle, _ = pressure("decode", decode, td)
+    # Decode's headroom: the workers left must hold the KV in use now under kv_high, else the
+    # switch only turns the want around (decode short of memory, a worker back)
+    spare = decode.workers > 1 and decode.kv_utilization * decode.workers / (decode.workers - 1) < td.kv_high
+    to_prefill = decode.workers > cfg.min_decode and spare and _below(prefill.workers, cfg.max_prefill)
+    to_decode = prefill.workers > cfg.min_prefill and _below(decode.workers, cfg.max_decode)
     want, why, delay = None, "", cfg.switch_delay_s
-    if p_up and not d_up and decode.workers > cfg.min_decode:
+    if p_up and not d_up and to_prefill:
         want, why = ("decode", "prefill"), f"prefill: {p_why}"
-    elif d_up and not p_up and prefill.workers > cfg.min_prefill:
+    elif d_up and not p_up and to_decode:
         want, why = ("prefill", "decode"), f"decode: {d_why}"
-    elif p_idle and not d_idle and prefill.workers > cfg.min_prefill:
+    elif p_idle and not d_idle and to_decode:
         # (slower: a pause between prompt bursts is no reason to give the prefill worker away)
         want, why, delay = ("prefill", "decode"), f"prefill: {p_why}", cfg.idle_delay_s
     if want != state.want:
@@ -101,6 +117,11 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     state.last_switch, state.want, state.since = now, None, None
     state.history = (state.history + [f"{want[0]} -> {want[1]}: {why}"])[-20:]
     return want, why
+
+
+def _below(n: int, most: int | None) -> bool:
+    """A role of ``n`` workers may gain one (``most``: its roles.max_*, None: no limit)."""
+    return most is None or n < most
 
 
 class RoleController:
@@ -133,8 +154,8 @@ class RoleController:
         view = self.view()
         if view.any(WorkerState.DRAINING):
             return None  # one switch at a time: the last one is still draining its old role
-        window = self.autoscale.window_s
-        s_p, s_d = pool_signals(view, "prefill", now, window), pool_signals(view, "decode", now, window)
+        window, tp = self.autoscale.window_s, self.autoscale.prefill
+        s_p, s_d = pool_signals(view, "prefill", now, window, tp), pool_signals(view, "decode", now, window, tp)
         # The prompt backlog: what waits at the prefill pool, or with no prefill worker left,
         # at the decode workers (their local prefills are then all of it). With one, a decode
         # worker's local prefills are prompts placement keeps there (short ones, or a long one

@@ -51,6 +51,7 @@ from router.autoscale import PoolController, Recent
 from router.cluster_view import ClusterView, cluster_view
 from router.config import ClusterConfig
 from router.grpc_guard import server_kwargs  # limits, keepalive, connection age, Watch cap, drain
+from router.holdings import Holdings
 from router.jobs import Aborted, Job, Lost
 from router.metrics import RouterMetrics
 from router.nodes import served_name
@@ -93,7 +94,7 @@ class Router(pb_grpc.GenerationServicer):
         self.colocated = cfg.mode == "colocated"
         self.metrics = RouterMetrics(self.view, self.admission.stats)
         # What each prefilling worker likely holds in its prefix cache (None: prefix-blind)
-        self.placer = Placer(cfg, self.pools, self.admission, self.jobs, self.metrics,
+        self.placer = Placer(cfg, self.pools, self.admission, Holdings(), self.metrics,
                              PrefixIndex() if cfg.router.prefix_aware else None, adaptive=cfg.mode == "adaptive")
         self.sweeper = Sweeper(self.pools, lambda: {j.key.engine_id for j in self.jobs.values()},
                                self.metrics.swept_blocks)
@@ -237,6 +238,7 @@ class Router(pb_grpc.GenerationServicer):
             raise
         finally:
             self.jobs.pop(jid, None)
+            self.placer.live.drop(job)  # (what it held counts no more: router.holdings)
             self.admission.release(lease)
             if not job.finished:  # cancelled by the client, aborted or failed: free both sides
                 self._release(job)
@@ -255,8 +257,16 @@ class Router(pb_grpc.GenerationServicer):
         """Whether some request of ours runs on ``worker`` (it may not retire yet)."""
         return any(worker is j.prefill or worker is j.decode for j in self.jobs.values())
 
+    def _first_token(self, job: Job, record: Any) -> None:
+        """This attempt's first token is out. Its TTFT goes to the pool signals now, not when
+        the answer ends (minutes later for a long one), once per request (a re-run's first
+        token is no TTFT); placement learns the prefill ended and what it found cached."""
+        if job.base == 0:
+            self.recent.add(time.monotonic(), job.ttft, None, len(job.prompt_ids))
+        self.placer.prefilled(job, record.cached_tokens)
+
     def _observe(self, job: Job, outcome: str) -> None:
-        self.recent.add(time.monotonic(), job.ttft, job.tpot)
+        self.recent.add(time.monotonic(), None, job.tpot)  # (its TTFT went in at its first token)
         m = self.metrics
         m.requests.labels(outcome).inc()
         m.generation_tokens.inc(len(job.generated))
@@ -308,7 +318,10 @@ class Router(pb_grpc.GenerationServicer):
                 return
             job.heard_from(worker)
             for r in job.in_order(event):
+                prefilling = job.prefilling
                 response = job.tokens(r)
+                if prefilling and not job.prefilling:
+                    self._first_token(job, r)
                 if response is not None:
                     yield response
                 if job.stopped:  # a stop string across a re-run's boundary: the worker can't see it

@@ -140,4 +140,5 @@ class Worker:
         free = s.kv_blocks_free - self.reserved_blocks
         queued = s.queued_prompt_tokens + sum(t for _, _, t in self.pending)
         return WorkerLoad(self.worker_id, self.role.value, max(0, free), s.kv_blocks_total, s.block_size,
-                          queued, s.remaining_decode_tokens, accepting=self.state.accepting)
+                          queued, s.remaining_decode_tokens, accepting=self.state.accepting,
+                          in_flight=len(self.pending))

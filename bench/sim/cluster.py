@@ -25,9 +25,10 @@ from bench.sim.costs import CostModel
 from bench.sim.policy import RouterSettings, place, role_signals
 from bench.sim.traces import Spec
 from bench.sim.workers import SimJob, SimWorker
-from router.autoscale import DecodeTargets, PrefillTargets
+from router.autoscale import DecodeTargets, Latency, PrefillTargets
+from router.holdings import Holdings
 from router.jobs import JobState
-from router.prefix_index import PrefixIndex, block_hashes
+from router.prefix_index import PrefixIndex, block_hashes, prefilled
 from router.roles import RolesConfig, RoleState, decide
 
 MODES = ("colocated", "colocated+chunked", "disaggregated", "disaggregated-local", "adaptive")
@@ -61,12 +62,12 @@ class ClusterSpec:
 
 
 class Cluster:
-    """Runs one trace through one deployment (module doc). ``exact_prefix_view``: hand
-    prefix_view every live job, as the router does, instead of only those that can matter
-    (same answer, slower: a test checks they agree)."""
+    """Runs one trace through one deployment (module doc). What the live jobs hold is kept in
+    a ``router.holdings.Holdings`` as the router keeps it (updated as each job is placed, gets
+    its first token and ends), so a placement costs what it costs the router."""
 
-    def __init__(self, spec: ClusterSpec, cost: CostModel, exact_prefix_view: bool = False) -> None:
-        self.spec, self.cost, self.exact = spec, cost, exact_prefix_view
+    def __init__(self, spec: ClusterSpec, cost: CostModel) -> None:
+        self.spec, self.cost = spec, cost
         colocated = spec.mode.startswith("colocated")
         self.settings = RouterSettings(colocated=colocated, adaptive=spec.mode == "adaptive",
                                        prefix_aware=spec.prefix_aware,
@@ -86,8 +87,8 @@ class Cluster:
         self.live: set[SimJob] = set()
         self._prefilling: set[SimJob] = set()  # placed, no first token yet
         self._closed = 0  # jobs finished or refused
-        self.by_head: dict[int, set[SimJob]] = defaultdict(set)  # running jobs by first block hash
-        self.recent: deque[tuple[float, float, float | None]] = deque()
+        self.holdings = Holdings()  # what the live jobs hold (router.holdings)
+        self.recent: deque[Latency] = deque()  # TTFT at first tokens, TPOT at finishes
         self.role_state = RoleState()
         self.switches: list[tuple[float, str, str, str, str]] = []
         self.calls: dict[str, int] = {}
@@ -134,18 +135,10 @@ class Cluster:
         return self.jobs
 
     # ---- placement -----------------------------------------------------------------------------
-    def _view_jobs(self, job: SimJob):
-        """The live jobs prefix_view can count: prefilling ones (their queued tokens) and
-        running ones sharing the prompt's first block (their in_use); the others add nothing."""
-        if self.exact or not job.hashes:
-            return self.live
-        pre = self._prefilling
-        return itertools.chain(pre, (j for j in self.by_head.get(job.hashes[0], ()) if j not in pre))
-
     def _try(self, job: SimJob) -> bool:
         missed = False
         while True:
-            d = place(self.settings, self.index, self.workers, job, self._view_jobs(job), missed, self.calls)
+            d = place(self.settings, self.index, self.workers, job, self.holdings, missed, self.calls)
             if d is None:
                 return False
             dw = self.workers[d.decode]
@@ -153,7 +146,8 @@ class Cluster:
                 # local by a prefix the index believes cached: the worker checks (else the pool)
                 have = dw.cache_hit(job.hashes, job.prompt_tokens) * self.cost.block_size
                 if job.prompt_tokens - have > d.check:
-                    missed = True
+                    missed = True  # (and the index learns it does not hold it, as the router's does)
+                    self.index.discard(dw.wid, job.hashes)
                     continue
             self._commit(job, d)
             return True
@@ -166,12 +160,14 @@ class Cluster:
         self.placements[job.placement] += 1
         self.live.add(job)
         self._prefilling.add(job)
-        if job.hashes:
-            self.by_head[job.hashes[0]].add(job)
         hit = dw.cache_hit(job.hashes, job.prompt_tokens) if job.hashes else 0
         job.shared = hit
         if d.prefill is None:  # the decode (or colocated) worker prefills it
             job.prefill_id, job.computed = d.decode, hit * bs
+            if self.index is not None:  # placed: it will hold the prompt's blocks; it found ``hit``
+                self.index.record(dw.wid, job.hashes, dw.total)
+                prefilled(self.index, dw.wid, job.hashes, d.hit, hit * bs, bs)
+            self.holdings.update(job)
             dw.alloc(self.cost.blocks_for(job.prompt_tokens) - hit)
             job.dblocks = self.cost.blocks_for(job.prompt_tokens) - hit
             dw.submit(job)
@@ -181,9 +177,11 @@ class Cluster:
         job.prefill_id, job.start = d.prefill, hit * bs
         job.dblocks = self.cost.blocks_for(job.prompt_tokens) - hit
         dw.alloc(job.dblocks)
-        if self.index is not None:  # it holds the prompt's blocks now (router: decode_view)
-            self.index.record(dw.wid, job.hashes, dw.total)
         pw = self.workers[d.prefill]
+        if self.index is not None:  # both hold the prompt's blocks now (router: decode_view)
+            self.index.record(dw.wid, job.hashes, dw.total)
+            self.index.record(pw.wid, job.hashes, pw.total)
+        self.holdings.update(job)
         pw.submit(job)
         self._kick(pw)
 
@@ -248,6 +246,8 @@ class Cluster:
     def _first_token(self, job: SimJob, w: SimWorker) -> None:
         job.first_token, job.generated = self.now, 1
         self._prefilling.discard(job)
+        self.holdings.update(job)
+        self.recent.append(Latency(self.now, self.now - job.spec.arrival, None, job.prompt_tokens))
         if job.spec.max_tokens <= 1:
             w.free(job.dblocks)
             job.dblocks, job.finish, job.state = 0, self.now, JobState.DONE
@@ -258,12 +258,10 @@ class Cluster:
 
     def _finished(self, job: SimJob) -> None:
         self.live.discard(job)
-        if job.hashes:
-            self.by_head[job.hashes[0]].discard(job)
+        self.holdings.drop(job)
         self._closed += 1
         m = job.spec.max_tokens
-        self.recent.append((self.now, job.first_token - job.spec.arrival,
-                            (job.finish - job.first_token) / (m - 1) if m > 1 else None))
+        self.recent.append(Latency(self.now, None, (job.finish - job.first_token) / (m - 1) if m > 1 else None))
 
     # ---- roles (adaptive) ----------------------------------------------------------------------
     def _control(self) -> None:
@@ -276,7 +274,9 @@ class Cluster:
             if w.running:
                 pace = self.cost.step_ms(len(w.running), sum(j.ctx for j in w.running)) / 1e3
                 paces += [pace for j in w.running if j.generated >= 16]
-        s_p, s_d = role_signals(self.workers, list(self.recent), paces, len(self.queue))
+        awaiting = [(self.now - j.spec.arrival, j.prompt_tokens) for j in self._prefilling]
+        s_p, s_d = role_signals(self.workers, list(self.recent), paces, len(self.queue), awaiting, self.now,
+                                self.spec.window_s, self.spec.prefill_targets)
         self.calls["roles.decide"] = self.calls.get("roles.decide", 0) + 1
         want, why = decide(self.now, s_p, s_d, self.spec.prefill_targets, self.spec.decode_targets,
                            self.spec.roles, self.role_state)

@@ -4,12 +4,14 @@ Nothing here decides anything itself. ``place`` is one try of ``router/place.py`
 (``Placer``): the same snapshot (``_view``: ``prefix_index.prefix_view`` over each pool, into a
 ``placement.PoolView``), the pure ``placement.plan`` for the answer (``Local`` / ``Remote`` /
 ``Wait``), then ``prefix_index.expect_prefix`` on the worker that prefills, as ``_local`` and
-``_remote`` call it. What is left out is what cannot happen here: RPCs, their failures and
-deadlines, workers lost meanwhile.
+``_remote`` call it (the cluster records the prompt in the index once it commits the
+placement, as the router does once the worker took the call). What is left out is what cannot
+happen here: RPCs, their failures and deadlines, workers lost meanwhile.
 
 ``role_signals`` builds the two ``autoscale.Signals`` that ``autoscale.pool_signals`` builds
 from a ``router.cluster_view.ClusterView`` (whose workers carry the workers' status messages:
-not worth faking), and ``roles.decide`` makes the decision.
+not worth faking), with the latencies from the same ``autoscale.latency_p90s``, and
+``roles.decide`` makes the decision.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bench.sim.workers import SimJob, SimWorker
-from router.autoscale import Signals
+from router.autoscale import Latency, PrefillTargets, Signals, latency_p90s
+from router.holdings import Holdings
 from router.placement import Demand, Local, PoolView, Remote, plan
 from router.prefix_index import PrefixIndex, expect_prefix, prefix_view
 
@@ -52,13 +55,12 @@ def _count(calls: dict | None, name: str) -> None:
 
 
 def place(s: RouterSettings, index: PrefixIndex | None, workers: dict[str, SimWorker], job: SimJob,
-          jobs: Iterable[SimJob], missed: bool = False, calls: dict | None = None) -> Decision | None:
+          live: Holdings, missed: bool = False, calls: dict | None = None) -> Decision | None:
     """One placement try (module doc); None: no worker can take it now (the router queues it).
 
-    ``jobs``: the live jobs prefix_view walks (the cluster passes those that can matter);
-    ``calls`` counts each real function called (tests read it)."""
+    ``live``: what the live jobs hold (router.holdings, kept by the cluster as the router's
+    Placer keeps it); ``calls`` counts each real function called (tests read it)."""
     n, bs = job.prompt_tokens, next(iter(workers.values())).cost.block_size
-    jobs = list(jobs)
     decode_view = not s.colocated and index is not None
 
     def pview(loads):
@@ -66,7 +68,7 @@ def place(s: RouterSettings, index: PrefixIndex | None, workers: dict[str, SimWo
             return loads, None
         index.prune(set(workers))
         _count(calls, "prefix_view")
-        return prefix_view(index, jobs, loads, job.hashes, n, bs)
+        return prefix_view(index, live, loads, job.hashes, n, bs)
 
     roles = ("colocated",) if s.colocated else ("decode",)
     loads, prefix = [w.load() for w in workers.values() if w.role in roles], None
@@ -98,24 +100,26 @@ def place(s: RouterSettings, index: PrefixIndex | None, workers: dict[str, SimWo
     return None
 
 
-def role_signals(workers: dict[str, SimWorker], recent: list[tuple[float, float, float | None]],
-                 live_paces: list[float], waiting: int) -> tuple[Signals, Signals]:
+def role_signals(workers: dict[str, SimWorker], recent: Iterable[Latency], live_paces: list[float], waiting: int,
+                 awaiting: list[tuple[float, int]], now: float, window_s: float,
+                 targets: PrefillTargets) -> tuple[Signals, Signals]:
     """(prefill, decode) pool signals as ``autoscale.pool_signals`` and ``RoleController.step``
-    compute them: ready workers; TTFT p90 over ``recent`` finished (time, ttft, tpot); TPOT p90
-    over those and the running streams' paces; KV utilization; the router's admission queue;
-    the prompt backlog at the prefill pool (at the decode workers once none is left)."""
+    compute them: ready workers; TTFT and TPOT p90 by ``autoscale.latency_p90s`` over the
+    ``recent`` samples, the requests ``awaiting`` a first token ((waited s, prompt tokens)) and
+    the running streams' paces; KV utilization; the router's admission queue; the prompt
+    backlog at the prefill pool (at the decode workers once none is left)."""
     def pool(role_set):
         return [w for w in workers.values() if w.role in role_set and w.state == "ready"]
     pre, dec = pool(("prefill",)), pool(("decode", "colocated"))
-    ttfts = sorted(x[1] for x in recent)
-    tpots = sorted([x[2] for x in recent if x[2] is not None] + live_paces)
-    p90 = (lambda xs: xs[int(0.9 * (len(xs) - 1))] if xs else None)
+    ttft, tpot = latency_p90s(recent, awaiting, live_paces, now, window_s, targets)
     kv_total = sum(w.total for w in dec)
     queued = sum(w.queued_tokens for w in (pre if pre else dec))
-    s_p = Signals(workers=len(pre), queued_prompt_tokens=queued, ttft_p90_s=p90(ttfts),
+    s_p = Signals(workers=len(pre), queued_prompt_tokens=queued, ttft_p90_s=ttft,
+                  awaiting_first_token=len(awaiting),
                   kv_utilization=sum(w.used for w in pre) / max(1, sum(w.total for w in pre)),
-                  waiting_admission=waiting, tpot_p90_s=p90(tpots))
+                  waiting_admission=waiting, tpot_p90_s=tpot)
     s_d = Signals(workers=len(dec), queued_prompt_tokens=sum(w.queued_tokens for w in dec),
-                  ttft_p90_s=p90(ttfts), kv_utilization=sum(w.used for w in dec) / kv_total if kv_total else 0.0,
-                  waiting_admission=waiting, tpot_p90_s=p90(tpots))
+                  ttft_p90_s=ttft, awaiting_first_token=len(awaiting),
+                  kv_utilization=sum(w.used for w in dec) / kv_total if kv_total else 0.0,
+                  waiting_admission=waiting, tpot_p90_s=tpot)
     return s_p, s_d

@@ -117,12 +117,46 @@ def test_colocated_queue_order_by_hand():
     assert a.finish == pytest.approx(0.190 + (22 + 0.5 * 0.150) / 1e3 + (22 + 0.5 * 0.152) / 1e3)
 
 
-def test_prefix_view_over_the_jobs_that_matter_equals_over_all():
-    trace = make_trace("agentic", 2.0, 120.0, 5)
-    fast = Cluster(_spec("disaggregated-local", n=4, p=2), COST).run(trace)
-    exact = Cluster(_spec("disaggregated-local", n=4, p=2), COST, exact_prefix_view=True).run(trace)
-    assert [(j.decode_id, j.prefill_id, j.first_token, j.finish) for j in fast] == \
-        [(j.decode_id, j.prefill_id, j.first_token, j.finish) for j in exact]
+def _walk(index, jobs, loads, hashes, n, bs):
+    """prefix_view as it was before issue 44's bug 6: a walk over every live job on every try
+    (the oracle the kept holdings must agree with)."""
+    import collections
+    import dataclasses
+
+    from router.jobs import JobState
+    most, queued, in_use = (n - 1) // bs, collections.Counter(), {}
+    for job in jobs:
+        if job.prefilling:
+            queued[job.prefill_id] += job.uncached
+        if job.state == JobState.RUNNING and job.prefix_hashes:
+            k = 0
+            while k < min(len(job.prefix_hashes), len(hashes)) and job.prefix_hashes[k] == hashes[k]:
+                k += 1
+            for wid in ({job.prefill_id} | ({job.decode_id} if not job.prefilling else set())) - {""}:
+                if min(most, k):
+                    in_use[wid] = max(in_use.get(wid, 0), min(most, k) * bs)
+    cached = {w.worker_id: min(most, index.hit_blocks(w.worker_id, hashes)) * bs for w in loads}
+    return [dataclasses.replace(w, queued_prompt_tokens=queued[w.worker_id]) for w in loads], (cached, in_use)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated-local", "colocated+chunked"])
+def test_kept_holdings_equal_a_walk_over_every_live_job(monkeypatch, mode):
+    """Issue 44, bug 6: a placement reads what the live jobs hold from router.holdings, kept
+    as they change, instead of walking every live job per try; on a whole agentic run (shared,
+    growing prefixes) every view equals the walk's."""
+    c = Cluster(_spec(mode, n=4, p=2), COST)
+    real, seen = policy.prefix_view, []
+
+    def checked(index, live, loads, hashes, n, bs):
+        got = real(index, live, loads, hashes, n, bs)
+        want_loads, (want_cached, want_in_use) = _walk(index, c.live, loads, hashes, n, bs)
+        assert got[0] == want_loads and got[1].cached == want_cached and dict(got[1].in_use) == want_in_use
+        seen.append(bool(want_in_use))
+        return got
+    monkeypatch.setattr(policy, "prefix_view", checked)
+    jobs = c.run(make_trace("agentic", 2.0, 120.0, 5))
+    assert any(seen) and len(seen) > 100 and not c.live and len(c.holdings) == 0
+    assert all(j.finish is not None or j.refused for j in jobs)
 
 
 def test_decode_run_closed_form_matches_steps():
@@ -169,3 +203,22 @@ def test_pdserve_plan(capsys):
     modes = {got["recommended"]["mode"]} | {r["mode"] for r in got["alternatives"]}
     assert modes == set(MODES) and got["slo"]["chat"] == [2.0, 0.2]
     assert got["recommended"]["goodput_per_worker"] >= max(r["goodput_per_worker"] for r in got["alternatives"])
+
+
+def test_documents_held_to_their_own_ttft_target_do_not_drain_decode():
+    """Issue 44, bug 2: on 6 workers, documents' TTFT (their own long prefill) never meets
+    the chats' 3 s target. Held to that one target, the pool reads as slow and decode
+    workers move to prefill down to min_decode; with per-class targets (documents 20 s)
+    nothing moves, and both classes meet their own targets."""
+    from router.autoscale import PrefillTargets
+
+    def run(long_ms: float):
+        targets = PrefillTargets(target_ttft_ms=3000.0, target_ttft_long_ms=long_ms)
+        c = Cluster(_spec("adaptive", n=6, p=1, prefill_targets=targets), COST)
+        return c, summarize(c.run(make_trace("mix", 1.5, 300.0, 3)), SLO, 300.0)
+    one, _ = run(3000.0)  # one target for every request: the bug, as it was
+    assert sum(w.role == "decode" for w in one.workers.values()) == 1
+    per_class, s = run(20000.0)
+    assert not [x for x in per_class.switches if x[3] == "prefill"]
+    assert sum(w.role == "decode" for w in per_class.workers.values()) == 5
+    assert s["document_ttft_ms_p90"] < 20000 and s["chat_ttft_ms_p90"] < 3000

@@ -1,12 +1,15 @@
 """mode: adaptive end to end: two adaptive Ray actors (one begins as prefill, one as decode),
 KV over UCX, gRPC on a real socket, the real model. Their roles are switched while requests
 run, through the router's own switch path (the controller's policy is tested on synthetic
-traces in tests/router/test_roles.py): greedy outputs equal HF's before, during and after,
-the same processes serve in their new roles, what a worker's prefix cache held serves it in
-the new role, and no block is left anywhere."""
+traces in tests/router/test_roles.py), and once by the controller itself while a stream runs:
+greedy outputs equal HF's before, during and after, the same processes serve in their new
+roles, what a worker's prefix cache held serves it in the new role, and no block is left
+anywhere: none held once idle, and none freed by the leak sweep (a leak it cleaned up within
+``wait_idle``'s time would otherwise pass)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +41,11 @@ def _switch(cluster, worker_id: str, old: str, new: str) -> None:
     async def switch():
         assert cluster.router.roles_controller.switch(old, new, "test", worker_id) is not None
     cluster.call(switch)
+
+
+def _no_block_swept(cluster) -> None:
+    """The leak sweep (router.sweep) freed nothing: every block was freed by its own path."""
+    assert cluster.router.metrics.swept_blocks._value.get() == 0
 
 
 def _wait_role(stub, worker_id: str, role: str, timeout: float = 120.0) -> None:
@@ -83,6 +91,7 @@ def test_roles_switch_under_load_without_a_restart_and_outputs_match_hf(stub, cl
     n, bs = len(tokenizer(prompt)["input_ids"]), 16  # (the engine's default block size)
     assert counted._value.get() - before == (n - 1) // bs * bs > 0
     wait_idle(stub, cluster)
+    _no_block_swept(cluster)
 
 
 def test_with_no_prefill_worker_left_decode_workers_prefill_their_own(stub, cluster, greedy_reference, wait_idle):
@@ -104,3 +113,42 @@ def test_with_no_prefill_worker_left_decode_workers_prefill_their_own(stub, clus
     out = collect(stub.Generate(make_request(greedy_reference[0][0], max_tokens=64, temperature=0)))
     assert out["token_ids"] == greedy_reference[0][1] and out["usage"]["prefill_worker"] == prefill
     wait_idle(stub, cluster)
+    _no_block_swept(cluster)
+
+
+def test_a_stream_spans_a_switch_the_controller_makes(stub, cluster, greedy_reference, wait_idle):
+    """The controller, not the test, switches: decode's TPOT over its target while a prefill
+    pool takes the prompts (router.roles) moves the prefill worker to decode while a stream
+    runs on the decode worker; the stream goes on through the switch, equal to HF's."""
+    ctl = cluster.router.roles_controller
+    cfg, targets = ctl.cfg, ctl.autoscale
+    prefill = next(wid for wid, r in _roles(stub).items() if r[0] == "prefill")
+    prompt, ref = next((p, r) for p, r in greedy_reference if len(r) == 64)  # (no EOS in it)
+
+    def configure(roles, autoscale):
+        async def set_them():
+            ctl.cfg, ctl.autoscale = roles, autoscale
+        cluster.call(set_them)
+    # Any stream's pace is over a 1 us target; the 1 s window drops the earlier tests' latencies,
+    # so the want is this stream's (from its 16th token: router.autoscale.LIVE_MIN_TOKENS)
+    configure(dataclasses.replace(cfg, interval_s=0.1, switch_delay_s=0.3, min_prefill=0),
+              dataclasses.replace(targets, window_s=1.0,
+                                  decode=dataclasses.replace(targets.decode, target_tpot_ms=0.001)))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            began = time.time()
+            running = pool.submit(lambda: collect(stub.Generate(
+                make_request(prompt, max_tokens=256, ignore_eos=True, temperature=0))))
+            _wait_role(stub, prefill, "decode")  # the controller's switch, done
+            assert not running.done()  # ... while the stream still ran
+            out = running.result(timeout=300)
+    finally:
+        configure(cfg, targets)
+    when, wid, old, new, why = ctl.switches[-1]
+    assert (wid, old, new) == (prefill, "prefill", "decode") and why.startswith("decode: TPOT p90")
+    assert began < when and out["usage"]["decode_worker"] != prefill
+    assert out["token_ids"][:64] == ref and len(out["token_ids"]) == 256
+    _switch(cluster, prefill, "decode", "prefill")  # (back, for whatever runs next)
+    _wait_role(stub, prefill, "prefill")
+    wait_idle(stub, cluster)
+    _no_block_swept(cluster)

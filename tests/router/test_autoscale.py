@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from router.autoscale import DecodeTargets, PoolState, PrefillTargets, Signals, decide
+import time
+from types import SimpleNamespace
+
+from router.autoscale import DecodeTargets, PoolState, PrefillTargets, Signals, decide, pool_signals
+from router.cluster_view import cluster_view
 
 P = PrefillTargets(min_replicas=1, max_replicas=3, up_delay_s=5, down_delay_s=20, target_queued_tokens=1000,
                    target_ttft_ms=2000)
@@ -107,7 +111,7 @@ def test_recent_latencies_keep_only_the_window():
     r = Recent(window_s=30.0)
     for i in range(100):  # a request finishing every second for 100 s: the last 30 s stay
         r.add(float(i), 0.5 + i, 0.01)
-    assert len(r) == 31 and min(t for t, _, _ in r) == 69.0
+    assert len(r) == 31 and min(x.at for x in r) == 69.0
     burst = Recent(window_s=30.0, cap=100)
     for i in range(1000):
         burst.add(5.0, 1.0, None)
@@ -171,3 +175,73 @@ def _view(router):
     """The snapshot the router hands pool_signals (router.cluster_view), of a made-up router."""
     from router.cluster_view import cluster_view
     return cluster_view(router.pools.workers.values(), router.jobs.values(), router.recent, router.queued)
+
+
+# ---- issue 44: signals from running requests, per request class (bugs 1 and 2) ---------------
+def _placed_job(rid: str, prompt_tokens: int, waited_s: float, now: float):
+    from engine.request import SamplingParams
+    from router.jobs import Job
+    j = Job(rid, [1] * prompt_tokens, SamplingParams(max_tokens=1000), arrival=now - waited_s)
+    w = SimpleNamespace(worker_id="w")
+    j.placed(w, w, "pool:long")
+    return j
+
+
+def test_a_ttft_enters_the_signals_at_the_first_token_not_when_the_answer_ends():
+    """Bug 1: a 1,000-token answer runs for minutes; its TTFT must reach the pool signals
+    when its first token streams, and the prefill's reported cached tokens reach placement."""
+    import asyncio
+
+    from router.autoscale import Recent, pool_signals
+    from router.server import Router
+    from worker.protocol import Tokens
+    router = Router.__new__(Router)  # (only what _stream touches)
+    router.recent, seen = Recent(30.0), []
+    router.placer = SimpleNamespace(prefilled=lambda job, cached: seen.append((job.request_id, cached)))
+    now = time.monotonic()
+    job = _placed_job("r", 100, 1.5, now)
+    first = Tokens(job.key, 0, [5], "a", prompt_tokens=100, cached_tokens=32)
+
+    async def first_response():
+        job.put(job.prefill, first)
+        stream = router._stream(job)
+        out = await stream.__anext__()
+        await stream.aclose()
+        return out
+    assert list(asyncio.run(first_response()).token_ids) == [5]
+    assert seen == [("r", 32)]
+    s = pool_signals(cluster_view([], [job], router.recent), "prefill", time.monotonic(), 30.0)
+    assert s.ttft_p90_s is not None and abs(s.ttft_p90_s - job.ttft) < 1e-9 and s.awaiting_first_token == 0
+
+
+def test_no_ttft_data_is_not_idle_while_a_request_awaits_its_first_token():
+    """Bug 1: TTFT p90 None (no first token in the window) read as idle, so a pool busy with
+    long prompts looked idle until their first tokens came."""
+    from router.autoscale import pressure
+    assert pressure("prefill", Signals(workers=1), P)[1]  # nothing at all: idle
+    assert not pressure("prefill", Signals(workers=1, awaiting_first_token=2), P)[1]
+    now = 1000.0
+    view = cluster_view([], [_placed_job("r", 100, 0.4, now)], now=now)
+    s = pool_signals(view, "prefill", now, 30.0, P)
+    assert s.awaiting_first_token == 1 and s.ttft_p90_s is None and not pressure("prefill", s, P)[1]
+
+
+def test_ttft_is_judged_by_each_request_class_target():
+    """Bug 2: a document's TTFT is mostly its own prefill; held to the chats' target it calls
+    the pool slow. Each sample is scaled by its class's target (prompts over
+    long_prompt_tokens: target_ttft_long_ms), and a request still waiting past its class's
+    target counts by its wait."""
+    from router.autoscale import PrefillTargets, Recent, pressure
+    t = PrefillTargets(target_ttft_ms=2000, long_prompt_tokens=1024, target_ttft_long_ms=10000)
+    r = Recent(30.0)
+    for i in range(10):
+        r.add(90.0 + i, 6.0, None, 2000)  # documents at 6 s: within their 10 s target
+        r.add(90.0 + i, 0.3, None, 100)  # chats at 0.3 s
+    view = cluster_view([], [], r, now=99.0)
+    s = pool_signals(view, "prefill", 99.0, 30.0, t)
+    assert abs(s.ttft_p90_s - 6.0 * 2000 / 10000) < 1e-9 and not pressure("prefill", s, t)[0]
+    assert pressure("prefill", pool_signals(view, "prefill", 99.0, 30.0, PrefillTargets(
+        target_ttft_ms=2000, target_ttft_long_ms=2000)), t)[0]  # one target for all: "slow"
+    stuck = [_placed_job(f"d{i}", 2000, 25.0, 99.0) for i in range(5)]  # 25 s waiting: past 10 s
+    s = pool_signals(cluster_view([], stuck, r, now=99.0), "prefill", 99.0, 30.0, t)
+    assert abs(s.ttft_p90_s - 25.0 * 2000 / 10000) < 1e-9 and pressure("prefill", s, t)[0]

@@ -14,6 +14,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 from router.admin import is_admin, scoped_id
 from router.admission import Admission
 from router.auth import Auth, FrontDoor, _digest
+from router.holdings import Holdings
 from router.server import Reject, Router
 
 TOKENS = {"alice": "a" * 32, "bob": "b" * 32, "admin-ops": "c" * 32}
@@ -43,6 +44,7 @@ def _router(monkeypatch, tokens: dict[str, str] = TOKENS) -> Router:
     r = object.__new__(Router)
     r.door = FrontDoor(auth=Auth({_digest(t): name for name, t in tokens.items()}))
     r.jobs, r._tokenizing, r.tokenizer = {}, None, None
+    r.placer = SimpleNamespace(queued=0, live=Holdings())  # (generate drops its job from router.holdings)
     r.admission = Admission()  # no per-token policy (router.admission)
     r.limits = SimpleNamespace(input=SimpleNamespace(request_id_chars=128))
     r.metrics = SimpleNamespace(prompt_tokens=SimpleNamespace(inc=lambda n: None))

@@ -15,9 +15,11 @@ from engine.errors import InvalidRequestError
 from engine.request import SamplingParams
 from router.admission import Admission
 from router.config import load_config
+from router.holdings import Holdings
 from router.jobs import Job, JobState
 from router.place import Placer
 from router.placement import Demand, Local, PoolView, Remote, Wait, WorkerLoad, plan
+from router.prefix_index import PrefixIndex, block_hashes
 from router.reject import Reject
 from router.worker_state import UNREACHABLE, WorkerState
 from tests.router.fake_pools import FakePools
@@ -35,11 +37,11 @@ class Counter:
         return SimpleNamespace(inc=lambda n=1: self.by.__setitem__(key, self.by.get(key, 0) + n))
 
 
-def _placer(pools: FakePools, mode: str = "disaggregated", **router) -> Placer:
+def _placer(pools: FakePools, mode: str = "disaggregated", prefix: PrefixIndex | None = None, **router) -> Placer:
     cfg = load_config(None, {"mode": mode, **{f"router.{k}": v for k, v in router.items()}})
     metrics = SimpleNamespace(prefix_hit_tokens=Counter(), decode_prefix_tokens=Counter(),
                               prefill_placements=Counter())
-    return Placer(cfg, pools, Admission(), {}, metrics, adaptive=mode == "adaptive")
+    return Placer(cfg, pools, Admission(), Holdings(), metrics, prefix, adaptive=mode == "adaptive")
 
 
 def _place(placer: Placer, prompt_tokens: int = 20) -> Job:
@@ -239,3 +241,98 @@ def test_pools_raise_the_workers_invalid_request_error_and_abort_a_cancelled_cal
             await call
     asyncio.run(cancelled())
     assert aborts == ["k"]  # the client gave up during the call: the worker frees what it took
+
+
+# ---- issue 44: no phantom prefix entries (bug 4), no walk over the live jobs (bug 6) -------------
+def _refused(placer: Placer, prompt_tokens: int) -> None:
+    with pytest.raises(Reject) as e:
+        _place(placer, prompt_tokens)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("answer", ["full", "lost"])
+def test_a_reservation_that_fails_leaves_no_prefix_entry(answer):
+    """The prompt was recorded on its prefill worker before decode answered: a refused
+    reservation, or a decode worker lost meanwhile, left a phantom prefix there that later
+    prompts were drawn to. It is recorded once the placement succeeded."""
+    pools = FakePools(("prefill-0", "prefill", 64), ("decode-0", "decode", 64))
+
+    def lost(w):
+        w.state = WorkerState.DEAD
+        return UNREACHABLE
+    pools.answers["decode-0"] = [None if answer == "full" else lost]
+    idx = PrefixIndex()
+    placer = _placer(pools, prefix=idx, queue_timeout_s=0.05)
+    _refused(placer, 100)
+    assert idx.size("prefill-0") == 0 and idx.size("decode-0") == 0
+    _nothing_left(placer, pools)
+
+
+def test_a_cache_miss_removes_the_entry_the_local_prefill_was_sent_for():
+    """The decode worker says it does not hold the prefix the index lists there (submit with
+    ``check`` answers False): the entry goes (before, it stayed, and was even recorded again)."""
+    pools = FakePools(("prefill-0", "prefill", 64), ("decode-0", "decode", 64))
+    ids = list(range(1, 101))
+    idx = PrefixIndex()
+    idx.record("decode-0", block_hashes(ids, 16), 64)  # believed: 96 of its 100 tokens
+    pools.answers["decode-0"] = [False, None]  # submit: not cached; then the pool's reserve: full
+    placer = _placer(pools, prefix=idx, local_prefill_tokens=64, queue_timeout_s=0.05)
+    _refused(placer, 100)
+    assert pools.of("submit") == [("submit", "decode-0")] and pools.of("reserve") == [("reserve", "decode-0")]
+    assert idx.hit_blocks("decode-0", block_hashes(ids, 16)) == 0
+    _nothing_left(placer, pools)
+
+
+def test_a_prefill_that_found_less_cached_corrects_the_index():
+    """The prefill reports the prompt tokens it found cached: fewer than the index expected
+    means the worker evicted blocks the index still lists; as many of its least recent
+    entries go (not the prompt it just took), and a later prompt is not drawn to them."""
+    pools = FakePools(("prefill-0", "prefill", 64), ("prefill-1", "prefill", 64), ("decode-0", "decode", 64))
+    idx = PrefixIndex()
+    old = list(range(500, 564))  # 4 blocks placed there long ago
+    idx.record("prefill-0", block_hashes(old, 16), 64)
+    idx.record("prefill-0", block_hashes(list(range(1, 101)), 16)[:4], 64)  # the prompt's first 64 tokens
+    placer = _placer(pools, prefix=idx)
+    job = _place(placer, 100)
+    assert job.prefill_id == "prefill-0" and job.uncached == 100 - 64
+    job.generated.append(7)  # (its first token: what router.server hands on)
+    placer.prefilled(job, 0)  # it found nothing cached: 4 blocks it was believed to hold are gone
+    assert idx.hit_blocks("prefill-0", block_hashes(old, 16)) == 0
+    assert idx.hit_blocks("prefill-0", block_hashes(list(range(1, 101)), 16)) == 6  # the prompt stays
+    assert placer.live.queued("prefill-0") == 0  # its first token: no longer queued there
+
+
+def test_a_placement_walks_no_live_job(monkeypatch):
+    """Bug 6: each try walked every live job (and queued jobs retry every 0.1 s): with
+    thousands running, quadratic work on the event loop. The placer reads router.holdings,
+    kept as each job changes: a try touches no other job."""
+    import router.holdings as holdings
+    pools = FakePools(("prefill-0", "prefill", 64), ("decode-0", "decode", 64))
+    placer = _placer(pools, prefix=PrefixIndex())
+    w = SimpleNamespace(worker_id="prefill-0")
+    for i in range(5000):  # live jobs sharing the prompt's first block, half still prefilling
+        j = Job(f"x{i}", list(range(1, 40)), SamplingParams(max_tokens=8))
+        j.prefix_hashes, j.uncached = block_hashes(j.prompt_ids, 16), 7
+        j.placed(w, w, "pool:off")
+        j.generated = [1] if i % 2 else []
+        placer.live.update(j)
+    counted = []
+    real = holdings.counted_as
+    monkeypatch.setattr(holdings, "counted_as", lambda job: counted.append(job.request_id) or real(job))
+    job = _place(placer, 40)
+    assert job.state is JobState.RUNNING and set(counted) == {"r"}
+    assert placer.live.queued("prefill-0") == 2500 * 7 + job.uncached
+
+
+def test_a_decode_worker_that_had_less_cached_corrects_the_index():
+    """Decode's reservation says where the transfer starts (the prompt tokens it holds): fewer
+    than the index listed there means it evicted that many blocks; the least recent go."""
+    pools = FakePools(("prefill-0", "prefill", 64), ("decode-0", "decode", 64))
+    idx = PrefixIndex()
+    old = list(range(500, 564))
+    idx.record("decode-0", block_hashes(old, 16), 64)
+    idx.record("decode-0", block_hashes(list(range(1, 101)), 16)[:4], 64)  # believed: 64 tokens there
+    pools.answers["decode-0"] = [Reservation(b"s" * 32, 0)]  # it holds none of them
+    _place(_placer(pools, prefix=idx), 100)
+    assert idx.hit_blocks("decode-0", block_hashes(old, 16)) == 0
+    assert idx.hit_blocks("decode-0", block_hashes(list(range(1, 101)), 16)) == 6

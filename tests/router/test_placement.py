@@ -138,3 +138,22 @@ def test_a_reported_kv_address_replaces_the_published_one():
     w.address = None
     w.reported(msgspec.structs.replace(_status(WorkerStatus, 0, 0), kv_address="ucx://0000abcd/CCCC/p/2"))
     assert w.address is None
+
+
+def test_an_idle_decode_worker_with_reservations_in_flight_takes_no_long_prompt():
+    """Issue 44, bug 5: "idle" was the last report's, blind to the reservations made since
+    (their KV, and their streams, are on the way there): a 1,536-token local prefill would stall
+    them for seconds. Calls its reports do not show yet count against idleness."""
+    from router.worker_state import Worker
+    from worker.protocol import WorkerStatus
+    w = Worker("d", "decode", actor=None, state="ready")
+    w.reported(WorkerStatus("decode", "i", 1, kv_blocks_used=0, kv_blocks_total=1000,
+                            block_size=16))
+    assert prefill_where(1536, w.load(), 64, pool_queued=800) == ("local", "pool_busy")
+    w.calls += 1
+    w.pending.append((w.calls, 100, 0))  # a reserve made, not yet reported (Pools.reserved)
+    assert prefill_where(1536, w.load(), 64, pool_queued=800) == ("pool", "long")
+    assert w.load().in_flight == 1
+    w.reported(WorkerStatus("decode", "i", 1, kv_blocks_used=100, kv_blocks_total=1000,
+                            block_size=16, remaining_decode_tokens=64, admitted=1))
+    assert w.load().in_flight == 0 and prefill_where(1536, w.load(), 64, pool_queued=800) == ("pool", "long")

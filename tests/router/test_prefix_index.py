@@ -123,10 +123,11 @@ def test_view_counts_only_what_waits_and_what_live_requests_hold():
     """prefix_view over the router's jobs: the queue is the uncached tokens of prompts still
     waiting for their first token; in_use is the prompt's leading blocks that running
     requests on a worker hold; hits stop before the prompt's last token."""
+    from router.holdings import Holdings
     from router.jobs import Job, JobState
     from router.prefix_index import expect_prefix, prefix_view
     from engine.request import SamplingParams
-    idx = PrefixIndex()
+    idx, live = PrefixIndex(), Holdings()
     system = tokens(64, 20)
     a = [colocated("a", free=900), colocated("b", free=900)]
 
@@ -138,18 +139,22 @@ def test_view_counts_only_what_waits_and_what_live_requests_hold():
 
     j1 = job("r1", system + tokens(20, 21), "a")
     assert expect_prefix(idx, j1, a[0], block_hashes(j1.prompt_ids, BS), len(j1.prompt_ids), BS) == 0
+    idx.record("a", j1.prefix_hashes, 1000)  # (the placement succeeded: router.place records it)
+    live.update(j1)
     prompt = system + tokens(16, 22)  # 80 tokens: 5 whole blocks, the engine looks up 4
-    loads, v = prefix_view(idx, [j1], a, block_hashes(prompt, BS), len(prompt), BS)
+    loads, v = prefix_view(idx, live, a, block_hashes(prompt, BS), len(prompt), BS)
     assert [w.queued_prompt_tokens for w in loads] == [84, 0]  # j1 waits for its first token
     assert v.cached == {"a": 64, "b": 0} and v.in_use == {"a": 64}
     j1.generated.append(7)  # its first token: no longer queued, still holding its blocks
-    loads, v = prefix_view(idx, [j1], a, block_hashes(prompt, BS), len(prompt), BS)
+    live.update(j1)
+    loads, v = prefix_view(idx, live, a, block_hashes(prompt, BS), len(prompt), BS)
     assert [w.queued_prompt_tokens for w in loads] == [0, 0] and v.in_use == {"a": 64}
     j1.state = JobState.DONE  # ended: its blocks are only cached now
-    _, v = prefix_view(idx, [j1], a, block_hashes(prompt, BS), len(prompt), BS)
+    live.update(j1)
+    _, v = prefix_view(idx, live, a, block_hashes(prompt, BS), len(prompt), BS)
     assert v.in_use == {} and v.cached["a"] == 64
     whole = system  # exactly 4 blocks: 3 can be found cached
-    _, v = prefix_view(idx, [], a, block_hashes(whole, BS), len(whole), BS)
+    _, v = prefix_view(idx, Holdings(), a, block_hashes(whole, BS), len(whole), BS)
     assert v.cached["a"] == 48
 
 
@@ -158,6 +163,7 @@ def test_a_decode_worker_caching_the_prefix_wins_by_at_most_its_length_in_headro
     its cached tokens count as headroom; no more than that, so a popular prefix cannot draw
     every stream onto one worker. A running request there that holds the prefix shares it:
     the blocks are not reserved again, and that worker is scored as a disaggregated one."""
+    from router.holdings import Holdings
     from router.jobs import Job, JobState
     from router.prefix_index import prefix_view
     from engine.request import SamplingParams
@@ -176,10 +182,10 @@ def test_a_decode_worker_caching_the_prefix_wins_by_at_most_its_length_in_headro
     j.prefix_hashes = block_hashes(j.prompt_ids, BS)
     idx.record("holder", j.prefix_hashes, 1000)
     prompt = system + tokens(20, 32)
-    _, v = prefix_view(idx, [j], near, block_hashes(prompt, BS), len(prompt), BS)
+    _, v = prefix_view(idx, Holdings.of([j]), near, block_hashes(prompt, BS), len(prompt), BS)
     assert v.in_use == {"prefill-0": 64}  # its KV is not at the decode worker before its first token
     j.generated.append(7)
-    _, v = prefix_view(idx, [j], near, block_hashes(prompt, BS), len(prompt), BS)
+    _, v = prefix_view(idx, Holdings.of([j]), near, block_hashes(prompt, BS), len(prompt), BS)
     assert v.in_use == {"prefill-0": 64, "holder": 64} and v.cached == {"holder": 64, "other": 0}
     assert admission_tokens(near[0], len(prompt), 64, 1.0, v) == len(prompt) - 64 + 64
     # held by a live request: in the headroom already, not counted twice

@@ -27,7 +27,7 @@ def replay(trace, prefill=2, decode=2, cfg=CFG, dt=1.0):
             assert why.startswith("prefill: queued prompt tokens")
         elif want == ("prefill", "decode"):
             prefill, decode = prefill - 1, decode + 1
-            assert why.startswith(("decode: KV utilization", "prefill: no prompt backlog"))
+            assert why.startswith(("decode: KV utilization", "decode: TPOT p90", "prefill: no prompt backlog"))
         sizes.append((prefill, decode))
     return sizes
 
@@ -115,3 +115,44 @@ def test_min_prefill_zero_lets_the_last_prefill_worker_decode():
     cfg = RolesConfig(switch_delay_s=5, min_prefill=0, min_decode=1)
     assert replay([BUSY_DECODE] * 10, prefill=1, decode=1, cfg=cfg)[-1] == (0, 2)
     assert replay([BUSY_DECODE] * 10, prefill=1, decode=1)[-1] == (1, 1)  # the default keeps one
+
+
+# ---- issue 44: the decision's inputs (bugs 3 and 8) ------------------------------------------
+def test_decode_tpot_over_target_with_a_prefill_pool_gains_a_decode_worker():
+    """A steady trickle of long prompts keeps the prefill pool from being idle (a queue at
+    each decision, TTFT in the dead band) while decode's batch runs over its TPOT target:
+    with a prefill pool taking the prompts, the slow steps are the batch's, and a prefill
+    worker moves to decode."""
+    trickle = ({"queued_prompt_tokens": 500, "ttft_p90_s": 1.5}, {"kv_utilization": 0.5, "tpot_p90_s": 0.3})
+    sizes = replay([trickle] * 30, prefill=2, decode=1)
+    assert sizes[4] == (2, 1) and sizes[5] == (1, 2) and sizes[-1] == (1, 2)  # min_prefill stays
+
+
+def test_max_per_role_holds_whatever_the_load():
+    cfg = dataclasses.replace(CFG, max_prefill=2, max_decode=3)
+    assert set(replay([BUSY_PREFILL] * 30, prefill=2, decode=2, cfg=cfg)) == {(2, 2)}
+    sizes = replay([BUSY_DECODE] * 60, prefill=3, decode=1, cfg=dataclasses.replace(cfg, max_prefill=None))
+    assert sizes[-1] == (1, 3)  # (min_prefill would allow (1, 3) anyway; max_decode 3 stops at 3)
+    sizes = replay([BUSY_DECODE] * 60, prefill=3, decode=1, cfg=dataclasses.replace(CFG, max_decode=2))
+    assert sizes[-1] == (2, 2)
+
+
+def test_a_decode_worker_goes_to_prefill_only_if_the_rest_hold_the_kv_in_use():
+    """Decode's headroom: at 60% KV over two workers, one alone would hold 120%: moving it to
+    prefill only turns the want around. At 30% the other holds it at 60%."""
+    tight = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.6})
+    assert set(replay([tight] * 30, prefill=1, decode=2)) == {(1, 2)}
+    roomy = ({"queued_prompt_tokens": 50_000}, {"kv_utilization": 0.3})
+    assert replay([roomy] * 30, prefill=1, decode=2)[-1] == (2, 1)
+
+
+def test_max_per_role_is_read_from_the_config_and_checked():
+    import pytest
+
+    from router.config import ConfigError, load_config
+    cfg = load_config(None, {"mode": "adaptive", "roles.max_prefill": 3, "roles.max_decode": None})
+    assert (cfg.roles.max_prefill, cfg.roles.max_decode) == (3, None)
+    with pytest.raises(ConfigError, match="roles.max_decode"):
+        load_config(None, {"roles.max_decode": 0})
+    with pytest.raises(ConfigError, match="min_prefill 2 > max_prefill 1"):
+        load_config(None, {"roles.min_prefill": 2, "roles.max_prefill": 1})

@@ -26,6 +26,7 @@ from router.app import install_signals, reload_security
 from router.auth import Auth, FrontDoor, load_tokens
 from router.config import load_config
 from router.cluster_view import ClusterView
+from router.holdings import Holdings
 from router.metrics import RouterMetrics
 from router.place import Placer
 from router.policy import load_policy
@@ -47,7 +48,7 @@ def _router(monkeypatch, cfg, door: FrontDoor) -> Router:
     monkeypatch.setattr(server, "prompt_ids", lambda req, tok, limits: [1, 2, 3])
     r = object.__new__(Router)
     r.cfg, r.door, r.tokenizer, r._tokenizing = cfg, door, None, None
-    r.jobs, r.placer = {}, SimpleNamespace(queued=0)
+    r.jobs, r.placer = {}, SimpleNamespace(queued=0, live=Holdings())
     r.admission = Admission(door.policy)
     r.limits = Limits(context_length=128, vocab_size=1000, default_max_tokens=8, input=cfg.limits)
     r.metrics = SimpleNamespace(prompt_tokens=SimpleNamespace(inc=lambda n: None))
@@ -307,7 +308,7 @@ def test_the_routers_placement_queue_shares_3_to_1_by_weight_and_puts_high_prior
         r.admission = Admission(Policy({"a": TokenPolicy(weight=3), "b": TokenPolicy(weight=1),
                                         "vip": TokenPolicy(priority="high")}))
         r.metrics = SimpleNamespace(prefix_hit_tokens=SimpleNamespace(inc=lambda n: None))
-        r.placer = Placer(r.cfg, r.pools, r.admission, {}, r.metrics)  # (prefix-blind, colocated)
+        r.placer = Placer(r.cfg, r.pools, r.admission, Holdings(), r.metrics)  # (prefix-blind, colocated)
         jobs = []
         for i in range(60):
             for name in ("a", "b"):
