@@ -7,13 +7,28 @@
 - ``front_door.grpc_connections`` open connections (``grpc.max_allowed_incoming_connections``)
   and ``front_door.grpc_streams_per_connection`` calls on one (HTTP/2 max concurrent streams:
   a client beyond it waits for a stream, it is not refused).
+- ``grpc_handshake_timeout_s``: a new connection's TLS handshake and HTTP/2 preface must be in
+  within this (``grpc.server_handshake_timeout_ms``; grpc's default is 120 s), so connections
+  that send nothing do not hold places under ``grpc_connections`` for long.
 - keepalive: a connection quiet for ``grpc_keepalive_s`` is pinged and closed when the ping goes
   unanswered for ``grpc_keepalive_timeout_s`` (a peer that vanished does not hold a slot).
 - ``grpc_max_idle_s``: a connection with no call this long is closed; ``grpc_max_age_s``: a
   connection this old is asked to reconnect (GOAWAY; clients do so transparently), and the
-  calls still on it are ended ``grpc_max_age_grace_s`` later. No stream lives forever.
+  calls still on it are ended ``grpc_max_age_grace_s`` later. No stream lives forever: not even
+  one its client stops reading (HTTP/2 flow control blocks its writes, and grpc can end the
+  call only by sending its status behind them, so no write timeout like HTTP's frees it sooner:
+  its token's ``max_concurrent`` bounds how many one token can leave so).
 
 The interceptor (``Guard``), ahead of the tokens' (router.auth):
+
+- At most ``front_door.grpc_calls_per_client`` calls in progress per client address (health
+  ``Check`` and ``Watch`` excepted: bounded below), beyond: RESOURCE_EXHAUSTED with
+  ``retry-after``, so one address cannot take every ``limits.concurrent_rpcs`` slot (tokens have
+  their own ``max_concurrent``: router.policy). grpc has no hook at a connection's accept, so
+  connections are capped in all (``grpc_connections``), not per address; idle ones are closed
+  by ``grpc_handshake_timeout_s`` and ``grpc_max_idle_s``.
+- A request whose bytes are not the method's message (a string that is not UTF-8, a bad
+  varint) is INVALID_ARGUMENT, not the UNKNOWN grpc answers when deserializing raises.
 
 - ``grpc.health.v1`` stays open (load balancers probe it), but at most
   ``front_door.health_watches`` ``Watch`` streams at once (beyond: RESOURCE_EXHAUSTED; ``Check``
@@ -29,6 +44,7 @@ import asyncio
 import inspect
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from router.drain import RETRY_AFTER_S, Gate
@@ -48,6 +64,7 @@ def server_options(front_door, limits) -> list[tuple[str, int]]:
             ("grpc.max_send_message_length", limits.message_bytes),
             ("grpc.max_allowed_incoming_connections", fd.grpc_connections),
             ("grpc.max_concurrent_streams", fd.grpc_streams_per_connection),
+            ("grpc.server_handshake_timeout_ms", ms(fd.grpc_handshake_timeout_s)),
             ("grpc.keepalive_time_ms", ms(fd.grpc_keepalive_s)),
             ("grpc.keepalive_timeout_ms", ms(fd.grpc_keepalive_timeout_s)),
             ("grpc.max_connection_idle_ms", ms(fd.grpc_max_idle_s)),
@@ -58,19 +75,36 @@ def server_options(front_door, limits) -> list[tuple[str, int]]:
 def server_kwargs(cfg, door) -> dict:
     """Keyword arguments for ``grpc.aio.server`` (cfg: router.config.ClusterConfig, door:
     router.auth.FrontDoor)."""
-    interceptors = [Guard(door.gate, cfg.front_door.health_watches)]
+    interceptors = [Guard(door.gate, cfg.front_door.health_watches, cfg.front_door.grpc_calls_per_client)]
     if door.auth.enabled:
         interceptors.append(door.auth.interceptor())
     return dict(maximum_concurrent_rpcs=cfg.limits.concurrent_rpcs, interceptors=interceptors,
                 options=server_options(cfg.front_door, cfg.limits))
 
 
-class Guard(grpc.aio.ServerInterceptor):
-    """Bounds health ``Watch``, turns health NOT_SERVING and refuses ``Generate`` while draining."""
+class Malformed:
+    """A request whose bytes did not parse (the deserializer's answer instead of raising)."""
 
-    def __init__(self, gate: Gate, most_watches: int) -> None:
-        self.gate, self.most_watches = gate, most_watches
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def client_address(peer: str) -> str:
+    """``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` as the address without its port."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return peer  # (unix sockets and the like: the whole name)
+
+
+class Guard(grpc.aio.ServerInterceptor):
+    """Bounds health ``Watch`` and each client address's calls, answers malformed bytes with
+    INVALID_ARGUMENT, turns health NOT_SERVING and refuses ``Generate`` while draining."""
+
+    def __init__(self, gate: Gate, most_watches: int, calls_per_client: int = 1 << 30) -> None:
+        self.gate, self.most_watches, self.calls_per_client = gate, most_watches, calls_per_client
         self.watches = 0
+        self.calls: dict[str, int] = {}  # client address -> calls in progress
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -80,9 +114,58 @@ class Guard(grpc.aio.ServerInterceptor):
             return _like(handler, unary_unary=self._check(handler.unary_unary))
         if details.method == HEALTH + "Watch" and handler.unary_stream is not None:
             return _like(handler, unary_stream=self._watch(handler.unary_stream))
-        if details.method == GENERATE and handler.unary_stream is not None:
-            return _like(handler, unary_stream=self._generate(handler.unary_stream))
+        if details.method.startswith(HEALTH) or handler.request_streaming:
+            return handler  # (health; reflection's stream, behind the tokens)
+        if handler.unary_stream is not None:
+            inner = self._generate(handler.unary_stream) if details.method == GENERATE else handler.unary_stream
+            return _like(handler, _safe(handler.request_deserializer), unary_stream=self._counted_stream(inner))
+        if handler.unary_unary is not None:
+            return _like(handler, _safe(handler.request_deserializer), unary_unary=self._counted(handler.unary_unary))
         return handler
+
+    async def _enter(self, request, context) -> str:
+        """Count the call against its client address (aborting it when malformed or over the cap)."""
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as this method's "
+                                f"message: {str(request.error)[:200]}")
+        who = client_address(context.peer())
+        if self.calls.get(who, 0) >= self.calls_per_client:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.calls_per_client} calls from this address are in progress "
+                                "(front_door.grpc_calls_per_client); retry shortly",
+                                trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
+        self.calls[who] = self.calls.get(who, 0) + 1
+        return who
+
+    def _leave(self, who: str) -> None:
+        left = self.calls[who] - 1
+        if left:
+            self.calls[who] = left
+        else:
+            del self.calls[who]
+
+    def _counted(self, behavior):
+        async def call(request, context):
+            who = await self._enter(request, context)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._leave(who)
+        return call
+
+    def _counted_stream(self, behavior):
+        async def call(request, context):
+            who = await self._enter(request, context)
+            try:
+                out = behavior(request, context)
+                if inspect.isasyncgen(out):
+                    async for response in out:
+                        yield response
+                else:  # a handler that writes (context.write), e.g. the tokens' refusal
+                    await out
+            finally:
+                self._leave(who)
+        return call
 
     def _check(self, behavior):
         async def check(request, context):
@@ -130,8 +213,22 @@ class Guard(grpc.aio.ServerInterceptor):
         return generate
 
 
-def _like(handler: grpc.RpcMethodHandler, **behavior) -> grpc.RpcMethodHandler:
-    """``handler`` with one behaviour replaced (same kind and (de)serializers)."""
+def _safe(deserializer):
+    """``deserializer`` answering Malformed where it would raise (grpc would answer UNKNOWN)."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except (DecodeError, UnicodeDecodeError, ValueError) as e:
+            return Malformed(e)
+    return parse
+
+
+def _like(handler: grpc.RpcMethodHandler, deserializer=None, **behavior) -> grpc.RpcMethodHandler:
+    """``handler`` with one behaviour replaced (same kind and serializer; its deserializer
+    unless another is given)."""
     make = grpc.unary_unary_rpc_method_handler if "unary_unary" in behavior else grpc.unary_stream_rpc_method_handler
-    return make(next(iter(behavior.values())), request_deserializer=handler.request_deserializer,
+    return make(next(iter(behavior.values())), request_deserializer=deserializer or handler.request_deserializer,
                 response_serializer=handler.response_serializer)

@@ -8,6 +8,13 @@ caps a request's line and headers. What it lacks is added here, per connection:
   opening, or from the first byte of its next request, the request line and headers must all be
   in within this, however slowly bytes trickle; else the connection is closed. (The body has its
   own: router.http_body.)
+- **Write timeout** (``front_door.write_timeout_s``, against a client that stops reading its
+  stream): asyncio pauses a connection's writes when more than its high-water mark (64 KiB) is
+  unsent, and uvicorn then holds the response's next ``send`` until the client reads. A pause
+  that lasts this long aborts the connection: the response's ``send`` returns, its request sees
+  the disconnect and ends its requests on every worker (router.openai_http), freeing the slot
+  it held under ``limits.concurrent_rpcs`` and its token's ``max_concurrent``. A client that
+  reads, however slowly, keeps the buffer draining and is not cut off.
 - **Connection caps**: ``front_door.connections_per_client`` open connections per client
   address, ``front_door.connections`` in all. At a cap, the oldest *idle* connection there (no
   request in progress: waiting for its headers, or kept alive between requests) is closed to
@@ -22,11 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.drain import RETRY_AFTER_S
+
+log = logging.getLogger("pdserve.router")
 
 _BUSY_BODY = json.dumps({"error": {"message": "too many connections (front_door.connections_per_client, "
                                               "front_door.connections); retry shortly", "type": "server_error",
@@ -77,10 +87,12 @@ class GuardedH11(H11Protocol):
 
     table: ConnTable
     header_timeout_s: float
+    write_timeout_s: float
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
         self.client_key = ""
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -94,6 +106,7 @@ class GuardedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        self._stop_write_timer()
         self.table.remove(self)
         super().connection_lost(exc)
 
@@ -102,6 +115,26 @@ class GuardedH11(H11Protocol):
             return
         super().data_received(data)
         self._watch_head()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_timeout)
+
+    def resume_writing(self) -> None:
+        self._stop_write_timer()
+        super().resume_writing()
+
+    def _write_timeout(self) -> None:
+        self._write_timer = None
+        log.info("event=write_timeout client=%s: %d bytes unread for %.0f s; connection closed",
+                 self.client_key, self.transport.get_write_buffer_size(), self.write_timeout_s)
+        self.transport.abort()  # (connection_lost follows: the response sees a disconnect)
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
 
     def idle(self) -> bool:
         """No request in progress: waiting for one's headers, or kept alive between requests."""
@@ -139,4 +172,4 @@ def guarded(front_door) -> type[GuardedH11]:
     """The protocol class for one HTTP server under ``front_door`` (router.config.FrontDoorConfig)."""
     return type("GuardedH11", (GuardedH11,), {
         "table": ConnTable(front_door.connections_per_client, front_door.connections),
-        "header_timeout_s": front_door.header_timeout_s})
+        "header_timeout_s": front_door.header_timeout_s, "write_timeout_s": front_door.write_timeout_s})

@@ -20,7 +20,7 @@ request waits for admission).
 Limits: ``limits.message_bytes`` per body, ``limits.choices`` per request (prompts x n),
 ``front_door.logprob_entries`` log probabilities per answer (router.openai_api), and
 ``limits.concurrent_rpcs`` requests in progress (beyond: 503; idle connections do not count).
-Connections: router.http_conn (header timeout, caps per client address and in all). ``/health``
+Connections: router.http_conn (header and write timeouts, caps per client address and in all). ``/health``
 is open, as gRPC's health service is: 200 while a worker of every role serves and the router
 is not stopping (router.drain), 503 otherwise.
 """

@@ -39,6 +39,7 @@ class FakeRouter(pb_grpc.GenerationServicer):
         self.token_text = str
         self.http, self.http_port = None, None
         self.hold: asyncio.Event | None = None  # None: answer at once
+        self.extra: tuple[int, str] = (0, "")  # (responses, text of each) between the first and the hold
         self.finished = 0
 
     async def detokenize(self, ids):  # as Router.detokenize
@@ -57,6 +58,8 @@ class FakeRouter(pb_grpc.GenerationServicer):
         lps = [pb.TokenLogprob(token_id=7, logprob=-0.5, top=[pb.TopLogprob(token_id=7, logprob=-0.5)] *
                                (params.logprobs or 0))] if params.logprobs is not None else []
         yield pb.GenerateResponse(request_id=request.request_id, text="a", logprobs=lps)
+        for _ in range(self.extra[0]):
+            yield pb.GenerateResponse(request_id=request.request_id, text=self.extra[1])
         if self.hold is not None:
             await self.hold.wait()
         self.finished += 1

@@ -107,3 +107,36 @@ def test_each_client_address_has_a_connection_cap_that_idle_ones_make_room_in():
             assert b"data: [DONE]" in rest(s)
     finally:
         srv.stop()
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_slot_freed():
+    """The write timeout: a stream whose client reads nothing more blocks the server's writes;
+    after front_door.write_timeout_s the connection is aborted (the rest of the stream never
+    sent) and its slot under limits.concurrent_rpcs given back. A client that reads gets the
+    same large stream whole."""
+    import socket
+    srv = Served(front_door__write_timeout_s=0.5, limits__concurrent_rpcs=1)
+    try:
+        srv.router.extra = (1000, "x" * 8192)  # ~8 MB of events: more than every buffer between (4 MB)
+        body = json.dumps({**COMPLETION, "stream": True}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                   b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (srv.http_port, len(body), body))
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(HANG_GUARD_S)
+        s.connect(("127.0.0.1", srv.http_port))
+        s.sendall(request)
+        assert s.recv(12).startswith(b"HTTP/1.1 200")  # then nothing more is read
+        until(lambda: srv.router.door.gate.active == 1)
+        until(lambda: srv.router.door.gate.active == 0)  # cut off: the only slot is free again
+        try:
+            got = rest(s)
+        except ConnectionResetError:
+            got = b""
+        assert b"data: [DONE]" not in got
+        s.close()
+        reader = srv.raw()  # the same stream, read as it comes: whole
+        reader.sendall(request)
+        assert b"data: [DONE]" in rest(reader)
+    finally:
+        srv.stop()

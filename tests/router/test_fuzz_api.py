@@ -150,3 +150,18 @@ def test_generate_over_grpc_is_never_internal(srv, inp, s, rid):
         except grpc.RpcError as e:
             event(e.code().name)
             assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), e.details()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=64) | st.builds(lambda m, cut: m.SerializeToString()[:cut], st.builds(
+    pb.GenerateRequest, prompt=grpc_text, sampling=sampling), st.integers(0, 64)))
+def test_any_bytes_over_grpc_are_never_internal_or_unknown(srv, data):
+    """Whatever bytes arrive as a Generate request (not UTF-8, cut short, garbage), the answer
+    is a status the caller can act on (router.grpc_guard), never INTERNAL or UNKNOWN."""
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        try:
+            list(ch.unary_stream("/pdserve.v1.Generation/Generate")(data, timeout=60))
+            event("OK")
+        except grpc.RpcError as e:
+            event(e.code().name)
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), e.details()
