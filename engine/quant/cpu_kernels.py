@@ -71,6 +71,14 @@ def cpu_class() -> str:
     return "+".join([cap, *extra])
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """Whether bf16 GEMMs run natively here (AVX512-BF16 or AMX, torch dispatching at AVX-512):
+    the INT8-activation mode's prefill then multiplies in bf16 (engine/quant/linear.py)."""
+    cls = cpu_class()
+    return "+BF16" in cls or "+AMX" in cls
+
+
 def w8a8_available(device: str = "cpu") -> bool:
     """An int8 x int8 GEMM exists: fbgemm/x86 quantized engines on CPU (not on CUDA here)."""
     engines = torch.backends.quantized.supported_engines

@@ -165,3 +165,72 @@ def test_it_costs_under_one_percent_perplexity(model_path, quant, monkeypatch):
         ppl[act] = perplexity(model, ids, 256, 128)
     assert ppl["int8"] != ppl["float32"]  # the mode is on
     assert ppl["int8"] / ppl["float32"] - 1 < PPL_FLOOR
+
+
+@pytest.mark.skipif(not X86, reason="the native kernels are x86-64 only")
+def test_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatch):
+    """A step of DEQUANT_ROWS rows or more in the mode: a bf16 GEMM of the dequantized weight
+    where the CPU has native bf16 (products of two bf16 are exact in fp32, so the only error
+    is fp32 accumulation over K: (K + 1) u sum|x w|, plus the final rounding of each input to
+    bf16 done here the same way, plus the GEMM output's own rounding to bf16 before the bias, 2^-8
+    relative: it returns bf16), the exact fp32 GEMM elsewhere (AVX2)."""
+    from engine.quant import cpu_kernels
+    from engine.quant.formats import quantize_weight
+    from engine.quant.linear import DEQUANT_ROWS, Int4Linear
+    gen = torch.Generator().manual_seed(7)
+    n, k = 96, 512
+    mod = Int4Linear(quantize_weight(torch.randn(n, k, generator=gen), 4, 32, False), torch.randn(n, generator=gen))
+    if mod.kernel != "native":
+        pytest.skip("no native INT4 kernel for this shape here")
+    x = torch.randn(DEQUANT_ROWS, k, generator=gen)
+    w = mod.kernel_weight()
+    exact = torch.nn.functional.linear(x, w, mod.bias)
+    assert torch.equal(mod(x), exact)  # off: fp32
+    mod.int8_activations, mod._kernel = True, None
+    for bf16 in (False, True):
+        monkeypatch.setattr("engine.quant.linear.native_bf16", lambda b=bf16: b)
+        if bf16 and not cpu_kernels.native_bf16():
+            continue  # torch's bf16 GEMM without native bf16 is emulated: not this path's case
+        y = mod(x)
+        if not bf16:
+            assert torch.equal(y, exact)
+            continue
+        xb, wb = x.bfloat16().double(), w.bfloat16().double()
+        want = xb @ wb.T + mod.bias.double()
+        mass = xb.abs() @ wb.abs().T + mod.bias.double().abs()
+        assert ((y.double() - want).abs() <= (k + 1) * U * mass + 2.0 ** -8 * (y.double() - mod.bias.double()).abs()).all()
+        assert not torch.equal(y, exact)
+
+
+@pytest.mark.skipif(not X86, reason="the native kernels are x86-64 only")
+@pytest.mark.parametrize("sym", [True, False])
+def test_int8_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatch, sym):
+    """INT8 weights likewise: (q - zero) * scale rounded to bf16, x rounded to bf16, fp32 sums and
+    a bf16 output (the bound above), in the weight's interleaved order; without native bf16,
+    int8pack."""
+    from engine.quant import cpu_kernels
+    from engine.quant.formats import quantize_weight
+    from engine.quant.linear import DEQUANT_ROWS, Int8Linear, set_int8_activations
+    gen = torch.Generator().manual_seed(11)
+    n, k = 80, 256
+    mod = Int8Linear(quantize_weight(torch.randn(n, k, generator=gen), 8, None, sym), torch.randn(n, generator=gen))
+    x = torch.randn(DEQUANT_ROWS, k, generator=gen)
+    plain = mod(x)
+    holder = torch.nn.Sequential(mod)
+    set_int8_activations(holder)
+    assert mod.interleaved
+    monkeypatch.setattr("engine.quant.linear.native_bf16", lambda: False)
+    # int8pack as before: the same sums over reordered columns, each output rounded to bf16 (its
+    # activation dtype here) on both sides: two roundings of 2^-8 relative at most
+    got = mod(x)
+    assert ((got - plain).abs() <= 2 * 2.0 ** -8 * torch.maximum(got.abs(), plain.abs()) + 1e-6).all()
+    if not cpu_kernels.native_bf16():
+        return
+    monkeypatch.setattr("engine.quant.linear.native_bf16", lambda: True)
+    qw = mod.quantized_weight()
+    w = ((qw.q.float() - qw.zero[:, None]) * qw.scale[:, None]).bfloat16().double()
+    xb = x.bfloat16().double()
+    want = xb @ w.T + mod.bias.double()
+    mass = xb.abs() @ w.abs().T + mod.bias.double().abs()
+    y = mod(x)
+    assert ((y.double() - want).abs() <= (k + 1) * U * mass + 2.0 ** -8 * (y.double() - mod.bias.double()).abs()).all()
