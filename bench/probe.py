@@ -20,6 +20,9 @@ server's gRPC without TLS). Then:
    ``prompt``, ``content`` and ``stop``, a text/plain body, a foreign ``Host``, and a gRPC
    ``Generate`` whose prompt is not UTF-8.
 
+``--fairness`` measures instead two tokens at 3:1 weights (one priority class) under overload:
+each token's generated tokens per second and their ratio (class ``Fairness``).
+
 Asserts (exit 1 otherwise) no HTTP 500 and no gRPC INTERNAL/UNKNOWN anywhere, and every
 victim request served; reports the victim's p50 under attack against idle (the issue's bar is
 1.5x) and when the server closed each kind of idle connection. Prints a table on stdout and,
@@ -69,6 +72,7 @@ class Target:
     http: str
     greedy: str
     victim: str
+    proc: subprocess.Popen | None = field(default=None, repr=False)  # the server the probe started
 
 
 @dataclass
@@ -407,15 +411,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(greedy_cap: int, sets: list[str], workdir: str):
-    """``pdserve serve`` with the two tokens and the greedy token's cap; yields the Target."""
+def serve(greedy_cap: int, sets: list[str], workdir: str, policy_yaml: str | None = None):
+    """``pdserve serve`` with the two tokens and the greedy token's cap (or ``policy_yaml``, the
+    whole policy file); yields the Target."""
     tokens = os.path.join(workdir, "tokens")
     with open(tokens, "w") as f:
         f.write(f"{GREEDY} greedy\n{VICTIM} victim\n")
     os.chmod(tokens, 0o600)
     policy = os.path.join(workdir, "policy.yaml")
     with open(policy, "w") as f:
-        f.write(f"tokens:\n  greedy: {{max_concurrent: {greedy_cap}}}\n")
+        f.write(policy_yaml or f"tokens:\n  greedy: {{max_concurrent: {greedy_cap}}}\n")
     port, http_port = free_port(), free_port()
     pdserve = os.path.join(os.path.dirname(sys.executable), "pdserve")
     cmd = [pdserve if os.path.exists(pdserve) else "pdserve", "serve", "--port", str(port), "--http-port",
@@ -432,7 +437,7 @@ def serve(greedy_cap: int, sets: list[str], workdir: str):
                 raise RuntimeError("pdserve serve did not start:\n" + "".join(lines))
             lines.append(proc.stderr.readline())
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
-        yield Target(f"127.0.0.1:{port}", f"127.0.0.1:{http_port}", GREEDY, VICTIM)
+        yield Target(f"127.0.0.1:{port}", f"127.0.0.1:{http_port}", GREEDY, VICTIM, proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -440,6 +445,88 @@ def serve(greedy_cap: int, sets: list[str], workdir: str):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+# ---- fairness: two tokens at 3:1 weights under overload ---------------------------------------
+
+@dataclass
+class Fairness:
+    """``--fairness``: both tokens in one priority class at ``weights`` (greedy, victim), each
+    keeping ``outstanding`` gRPC streams of ``max_tokens`` (EOS ignored) in flight, far more than
+    a KV cache of ``kv_cache_gb`` holds at once (the server it starts), so both always wait in the
+    router's placement queue, where admission's fair share (router.admission) decides. Tokens are
+    counted as they arrive, in the ``duration_s`` after ``warmup_s``."""
+
+    weights: tuple[float, float] = (3.0, 1.0)
+    outstanding: int = 12
+    max_tokens: int = 32
+    kv_cache_gb: float = 0.02  # SmolLM2-135M, fp32: ~29 blocks of 16 tokens, ~9 requests of 38 tokens at once
+    warmup_s: float = 5.0
+    duration_s: float = 30.0
+
+    def policy(self) -> str:
+        return f"tokens:\n  greedy: {{weight: {self.weights[0]:g}}}\n  victim: {{weight: {self.weights[1]:g}}}\n"
+
+
+async def fairness(t: Target, f: Fairness) -> dict:
+    """Each token's generated tokens per second while both overload the server; flat summary."""
+    import grpc
+
+    from cli.client import make_request
+    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+    names = {"greedy": t.greedy, "victim": t.victim}
+    tokens = collections.Counter()
+    done = collections.Counter()
+    errors = collections.Counter()
+    t0 = time.monotonic()
+    start, end = t0 + f.warmup_s, t0 + f.warmup_s + f.duration_s
+
+    async def client(stub, name: str) -> None:
+        meta = (("authorization", f"Bearer {names[name]}"),)
+        while time.monotonic() < end:
+            try:
+                async for r in stub.Generate(make_request(PROMPT, max_tokens=f.max_tokens, ignore_eos=True),
+                                             metadata=meta, timeout=120):
+                    if start <= time.monotonic() < end:
+                        tokens[name] += len(r.token_ids)
+                if start <= time.monotonic() < end:
+                    done[name] += 1
+            except grpc.aio.AioRpcError as e:
+                errors[f"{name} {e.code().name}"] += 1
+                await asyncio.sleep(1.0)  # (the retry hint of a full queue or a queue timeout)
+
+    log(f"fairness: greedy and victim at weights {f.weights[0]:g}:{f.weights[1]:g}, {f.outstanding} streams "
+        f"each of {f.max_tokens} tokens, {f.warmup_s:g} s warm-up, {f.duration_s:g} s measured ...")
+    async with grpc.aio.insecure_channel(t.grpc) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        tasks = [asyncio.create_task(client(stub, name)) for name in names for _ in range(f.outstanding)]
+        await asyncio.sleep(end - time.monotonic())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    rate = {name: tokens[name] / f.duration_s for name in names}
+    expected = f.weights[0] / f.weights[1]
+    ratio = rate["greedy"] / rate["victim"] if rate["victim"] else None
+    summary = {"fairness_weights": list(f.weights), "fairness_throughput_ratio": ratio,
+               "fairness_expected_ratio": expected,
+               "fairness_within_15pct": ratio is not None and abs(ratio / expected - 1) <= 0.15,
+               "fairness_duration_s": f.duration_s, "fairness_outstanding": f.outstanding,
+               "fairness_max_tokens": f.max_tokens}
+    for name in names:
+        summary[f"fairness_tokens_per_s_{name}"] = rate[name]
+        summary[f"fairness_requests_{name}"] = done[name]
+    for k, n in errors.items():
+        summary[f"fairness_errors.{k.replace(' ', '_')}"] = n
+    return summary
+
+
+def fairness_table(s: dict) -> str:
+    w = s["fairness_weights"]
+    r = s["fairness_throughput_ratio"]
+    head = ("weights (greedy:victim)", "greedy tok/s", "victim tok/s", "ratio", "expected", "within 15%")
+    row = (f"{w[0]:g}:{w[1]:g}", f"{s['fairness_tokens_per_s_greedy']:.1f}", f"{s['fairness_tokens_per_s_victim']:.1f}",
+           "-" if r is None else f"{r:.2f}", f"{s['fairness_expected_ratio']:.2f}", str(s["fairness_within_15pct"]))
+    return "\n".join("  ".join(f"{c:>{len(h)}}" for c, h in zip(line, head)) for line in (head, row))
 
 
 # ---- the command --------------------------------------------------------------------------------
@@ -484,6 +571,22 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--hold-s", type=float, default=d.hold_s,
                    help=f"seconds the attacks are held before the victim measures (default {d.hold_s}: past "
                         "the 10 s header timeout)")
+    fa = p.add_argument_group("fairness (--fairness: this instead of the attacks)")
+    df = Fairness()
+    fa.add_argument("--fairness", action="store_true",
+                    help="measure the two tokens' throughput at --weights under overload (the server it starts: "
+                         "their policy, a small KV cache) instead of probing the attacks")
+    fa.add_argument("--weights", default=f"{df.weights[0]:g}:{df.weights[1]:g}",
+                    help="greedy:victim weights in one priority class (default %(default)s; attached: what the "
+                         "server's policy says, for the expected ratio)")
+    fa.add_argument("--outstanding", type=int, default=df.outstanding,
+                    help=f"streams each token keeps in flight (default {df.outstanding})")
+    fa.add_argument("--fair-max-tokens", type=int, default=df.max_tokens,
+                    help=f"max_tokens of each (default {df.max_tokens}, EOS ignored)")
+    fa.add_argument("--kv-cache-gb", type=float, default=df.kv_cache_gb,
+                    help=f"the server it starts: decode.kv_cache_gb (default {df.kv_cache_gb}: ~9 requests at once)")
+    fa.add_argument("--warmup-s", type=float, default=df.warmup_s, help=f"default {df.warmup_s}")
+    fa.add_argument("--duration-s", type=float, default=df.duration_s, help=f"measured (default {df.duration_s})")
     v = p.add_argument_group("the victim")
     v.add_argument("--victim-requests", type=int, default=d.victim_requests,
                    help=f"requests per protocol and phase (default {d.victim_requests})")
@@ -517,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                unread_max_tokens=args.unread_max_tokens, nesting_kb=args.nesting_kb,
                victim_requests=args.victim_requests, victim_max_tokens=args.victim_max_tokens, hold_s=args.hold_s,
                reopen=args.reopen)
+    if args.fairness:
+        return main_fairness(args)
     with contextlib.ExitStack() as stack:
         if args.server:
             if not (args.http and args.greedy_token and args.victim_token):
@@ -532,6 +637,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"victim failure: {f}")
     print(json.dumps(summary))
     return 1 if summary["http_500_or_grpc_internal"] or tally.victim_failures else 0
+
+
+def main_fairness(args: argparse.Namespace) -> int:
+    gw, vw = (float(x) for x in args.weights.split(":"))
+    f = Fairness((gw, vw), args.outstanding, args.fair_max_tokens, args.kv_cache_gb, args.warmup_s, args.duration_s)
+    with contextlib.ExitStack() as stack:
+        if args.server:
+            if not (args.greedy_token and args.victim_token):
+                print("--server needs --greedy-token and --victim-token", file=sys.stderr)
+                return 2
+            t = Target(args.server, args.http or "", args.greedy_token, args.victim_token)
+        else:
+            sets = args.set or ["mode=colocated", "decode.compile_decode=false", f"decode.kv_cache_gb={f.kv_cache_gb}"]
+            t = stack.enter_context(serve(0, sets, stack.enter_context(tempfile.TemporaryDirectory()), f.policy()))
+        summary = asyncio.run(fairness(t, f))
+    print(fairness_table(summary))
+    print(json.dumps(summary))
+    return 0 if summary["fairness_within_15pct"] else 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import tempfile
 
-from bench.probe import Counts, probe, serve
+import yaml
+
+from bench.probe import Counts, Fairness, fairness_table, probe, serve
+from router.policy import parse_policy
 
 
 def test_the_probe_finds_no_500_and_the_second_token_is_served():
@@ -27,3 +30,13 @@ def test_the_probe_finds_no_500_and_the_second_token_is_served():
         "nesting": {"400": 1}, "surrogate prompt": {"400": 1}, "surrogate content": {"400": 1},
         "surrogate stop": {"400": 1}, "text/plain": {"415": 1}, "foreign host": {"403": 1},
         "grpc not utf-8": {"INVALID_ARGUMENT": 1}}
+
+
+def test_the_fairness_mode_writes_the_weights_into_the_policy_and_reports_their_ratio():
+    policy = parse_policy(yaml.safe_load(Fairness().policy()), "probe")
+    assert (policy.of("greedy").weight, policy.of("victim").weight) == (3.0, 1.0)
+    assert policy.of("greedy").priority == policy.of("victim").priority  # one class: fair share, not strict
+    row = fairness_table({"fairness_weights": [3.0, 1.0], "fairness_throughput_ratio": 2.99,
+                          "fairness_expected_ratio": 3.0, "fairness_within_15pct": True,
+                          "fairness_tokens_per_s_greedy": 104.7, "fairness_tokens_per_s_victim": 35.0})
+    assert row.splitlines()[1].split() == ["3:1", "104.7", "35.0", "2.99", "3.00", "True"]
