@@ -157,12 +157,8 @@ class Guard(grpc.aio.ServerInterceptor):
         async def call(request, context):
             who = await self._enter(request, context)
             try:
-                out = behavior(request, context)
-                if inspect.isasyncgen(out):
-                    async for response in out:
-                        yield response
-                else:  # a handler that writes (context.write), e.g. the tokens' refusal
-                    await out
+                async for response in _relay(behavior(request, context)):
+                    yield response
             finally:
                 self._leave(who)
         return call
@@ -204,12 +200,8 @@ class Guard(grpc.aio.ServerInterceptor):
                 if not admitted:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "this server is stopping; retry on another "
                                         "replica", trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
-                out = behavior(request, context)
-                if inspect.isasyncgen(out):
-                    async for response in out:
-                        yield response
-                else:  # a handler that writes (context.write), e.g. the tokens' refusal
-                    await out
+                async for response in _relay(behavior(request, context)):
+                    yield response
         return generate
 
 
@@ -232,3 +224,13 @@ def _like(handler: grpc.RpcMethodHandler, deserializer=None, **behavior) -> grpc
     make = grpc.unary_unary_rpc_method_handler if "unary_unary" in behavior else grpc.unary_stream_rpc_method_handler
     return make(next(iter(behavior.values())), request_deserializer=deserializer or handler.request_deserializer,
                 response_serializer=handler.response_serializer)
+
+
+async def _relay(out):
+    """A stream handler's responses: ``out`` is an async generator, or a coroutine of a handler
+    that writes (context.write), e.g. the tokens' refusal, and yields nothing."""
+    if inspect.isasyncgen(out):
+        async for response in out:
+            yield response
+    else:
+        await out
