@@ -12,8 +12,10 @@ Structured outputs: ``response_format`` ``{"type": "json_object"}`` or ``{"type"
 "json_schema", "json_schema": {"name", "schema", "strict"}}`` (always enforced, strict or not),
 on both endpoints; limits in engine/grammar.py (64 KiB, nesting 32), a bad schema is a 400.
 Chat ``tools`` + ``tool_choice`` (router/tools.py): calls parsed into ``tool_calls`` with
-``finish_reason: "tool_calls"``; while streaming with tools, a choice's text is held back and
-sent whole with its finish (calls as one ``tool_calls`` delta).
+``finish_reason: "tool_calls"``; streamed as OpenAI streams them (router.tools.CallStream): what
+comes before a call is ``content``, then per call a ``delta.tool_calls`` entry with its
+``index``, ``id``, ``type`` and ``function.name``, then its ``function.arguments`` in fragments
+as they are generated; the finish comes last, in a chunk of its own.
 
 Defaults are OpenAI's, not the gRPC API's: ``temperature`` 1 (sampling), and a completion's
 ``max_tokens`` 16; a chat's is the router's ``default_max_tokens`` (what fits in the context).
@@ -40,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pdserve.v1 import pdserve_pb2 as pb
 from engine.errors import InvalidRequestError
-from router.tools import check_tools, parse_calls
+from router.tools import CallStream, call_deltas, check_tools, parse_calls
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -399,7 +401,7 @@ class Shaper:
                  echo: list[str] | None = None, tools: bool = False) -> None:
         self.chat, self.rid, self.model, self.echo = chat, rid, model, echo
         self.tools = tools  # chat with tools offered: parse calls out of the text (router.tools)
-        self._held = [""] * choices  # streaming with tools: a choice's text until its finish
+        self._calls = [CallStream() for _ in range(choices)] if chat and tools else None  # (streaming)
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.token_text = token_text or str
@@ -446,22 +448,36 @@ class Shaper:
                 "top_logprobs": [None if top is None else {text(a): b for a, b in top} for _, _, top in entries],
                 "text_offset": offsets}
 
+    def chunks(self, index: int, r: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """The streamed chunks for one response of choice ``index`` (none: its text is held)."""
+        if self._calls is None:
+            return [self.chunk(index, r)]
+        reason = FINISH.get(r.finish_reason)
+        text, entries, first = self._take(index, r)
+        calls = self._calls[index]
+        deltas = call_deltas(calls.feed(text) + (calls.finish() if reason else []))
+        if first:  # the first chunk names the role
+            deltas[:1] = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}]
+        lps = self._logprobs(index, entries)
+        if lps is not None and not deltas:
+            deltas = [{}]
+        if reason:
+            deltas.append({})
+        out = [{**self._head(True), "choices": [{"index": index, "delta": d, "logprobs": None,
+                                                 "finish_reason": None}]} for d in deltas]
+        if out:
+            out[0]["choices"][0]["logprobs"] = lps
+        if reason:
+            out[-1]["choices"][0]["finish_reason"] = _tool_finish(reason) if calls.calls else reason
+        return out
+
     def chunk(self, index: int, r: pb.GenerateResponse) -> dict[str, Any]:
-        """The streamed chunk for one response of choice ``index``."""
+        """The streamed chunk for one response of choice ``index`` (without tools: ``chunks``)."""
         reason = FINISH.get(r.finish_reason)
         text, entries, first = self._take(index, r)
         lps = self._logprobs(index, entries)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}  # the first chunk names the role
-            if self.tools:  # held until the finish: only then is it known whether it holds calls
-                self._held[index] += text
-                text = ""
-                if reason:
-                    content, calls = parse_calls(self._held[index])
-                    text = content or ""
-                    if calls:
-                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-                        reason = _tool_finish(reason)
             if text or not reason:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}

@@ -281,7 +281,8 @@ async def _sse(first, events, shaper: Shaper, n: int, include_usage: bool):
         while item is not None:
             i, r = item
             if r.text or r.finish_reason or r.logprobs:  # (else a held-back token: its text comes later)
-                yield _event(shaper.chunk(i, r))
+                for chunk in shaper.chunks(i, r):
+                    yield _event(chunk)
             item = await anext(events, None)
         if include_usage:
             yield _event(shaper.usage_chunk(n))

@@ -112,9 +112,24 @@ def _tools(req) -> list | None:
         raise InvalidRequestError(f"tools: not valid JSON ({e})") from None
 
 
-def with_tool_choice(req, params: SamplingParams, tokenizer) -> SamplingParams:
+def tool_call_token(tokenizer) -> bool:
+    """Whether the tokenizer has ``<tool_call>`` as one token (Qwen2.5): the forcing grammar
+    then names the token rather than the text (router.tools.call_grammar)."""
+    return "<tool_call>" in tokenizer.get_added_vocab()
+
+
+def has_constraint(req) -> bool:
+    """Whether building ``req``'s SamplingParams compiles a constraint (a guided field, or a
+    forced tool call): then it is built off the event loop (router.server)."""
+    forced = req.WhichOneof("input") == "messages" and \
+        (req.messages.tool_choice == "required" or bool(req.messages.tool_choice_function))
+    return req.sampling.HasField("guided") or forced
+
+
+def with_tool_choice(req, params: SamplingParams, tool_token: bool) -> SamplingParams:
     """``params`` with the grammar that forces a tool call when tool_choice is ``required`` or
-    names a function (router.tools.call_grammar); unchanged otherwise.
+    names a function (router.tools.call_grammar); unchanged otherwise. ``tool_token``: the
+    tokenizer has ``<tool_call>`` as one token (``tool_call_token``).
 
     Raises:
         InvalidRequestError: a bad tool_choice, or a forced call together with another constraint.
@@ -131,8 +146,7 @@ def with_tool_choice(req, params: SamplingParams, tokenizer) -> SamplingParams:
         raise InvalidRequestError("tool_choice requires tools")
     if params.guided is not None:
         raise InvalidRequestError("tool_choice: a forced tool call cannot be combined with response_format")
-    special = "<tool_call>" in tokenizer.get_added_vocab()
-    g = call_grammar(tools, m.tool_choice_function or None, special)
+    g = call_grammar(tools, m.tool_choice_function or None, tool_token)
     return dataclasses.replace(params, guided=g)
 
 

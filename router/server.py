@@ -59,7 +59,8 @@ from router.place import Placer
 from router.pools import Pools
 from router.prefix_index import PrefixIndex
 from router.reject import Reject, retry_after
-from router.requests import Limits, prompt_ids, request_id, sampling_params, with_tool_choice
+from router.requests import (Limits, has_constraint, prompt_ids, request_id, sampling_params, tool_call_token,
+                             with_tool_choice)
 from router.roles import RoleController
 from router.status import cluster_status, model_info
 from router.sweep import Sweeper
@@ -87,6 +88,7 @@ class Router(pb_grpc.GenerationServicer):
         # a token's own text, as logprobs in the OpenAI API name it (bounded: the vocabulary)
         self.token_text = functools.lru_cache(maxsize=None)(lambda t: self.tokenizer.decode([t]))
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._tool_token = tool_call_token(self.tokenizer)  # (read once, before the tokenizing thread owns it)
         self.pools = Pools(cfg, model_path, self._on_records, self._on_lost)
         self.jobs: dict[str, Job] = {}
         self.admission = Admission(self.door.policy)  # per-token limits, fair order (router.admission)
@@ -211,8 +213,12 @@ class Router(pb_grpc.GenerationServicer):
             # streams every other request (one thread: the tokenizer is not shared across threads).
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizing, prompt_ids, request, self.tokenizer, self.limits)
-            params = with_tool_choice(request, sampling_params(request.sampling, self.limits, len(ids)),
-                                      self.tokenizer)
+            # Compiling a constraint (a schema, a grammar, forced tool calls) can take a while: in a
+            # thread of its own, so it stalls neither the streams on this loop nor tokenizing.
+            def build():
+                return with_tool_choice(request, sampling_params(request.sampling, self.limits, len(ids)),
+                                        self._tool_token)
+            params = await asyncio.to_thread(build) if has_constraint(request) else build()
         except InvalidRequestError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if jid in self.jobs:  # the same id again while this one was tokenized

@@ -129,3 +129,190 @@ def chat_messages(messages) -> list[dict[str, Any]]:
             d["name"] = m.name
         out.append(d)
     return out
+
+
+# ---- streaming -------------------------------------------------------------------------------
+# A block's start once the call's name is known: what the Hermes form puts before the arguments.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_HEAD_CHARS = 256  # a block whose start does not read as a call by then is parsed whole at its close
+
+
+class CallStream:
+    """One choice's text, as it streams, split into content and tool calls (OpenAI's streamed
+    ``delta.tool_calls``): ``feed`` each new piece of text, ``finish`` at the end; each returns
+    events, in order: ``("content", text)``, ``("call", k, id, name)`` (call ``k`` starts),
+    ``("args", k, fragment)`` (its arguments' JSON, as generated).
+
+    States: ``text`` (content; a tail that may begin ``<tool_call>`` is held, and so is trailing
+    whitespace, dropped before a call as ``parse_calls`` strips it) -> ``head`` (after
+    ``<tool_call>``: until ``{"name": "f", "arguments":`` reads whole, the call is announced) ->
+    ``args`` (the arguments value passed on as it comes, its end found by bracket depth outside
+    strings) -> ``tail`` (until ``</tool_call>``) -> ``text``. A block whose start is not that
+    shape (other key order, not JSON) is held in ``block`` to its close and parsed whole, as
+    ``parse_calls`` does: a call, or content again, so text that is no call still reaches the
+    client. Once announced a call stays one: cut short (max_tokens), its arguments end where
+    the output did.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0  # calls announced
+        self._mode = "text"
+        self._buf = ""  # text not yet passed on
+        self._ws = ""  # trailing whitespace held in text mode
+        self._pre = ""  # the whitespace held before the open block (content again if it is no call)
+        self._depth, self._in_str, self._esc, self._started, self._scalar = 0, False, False, False, False
+
+    def feed(self, text: str) -> list[tuple]:
+        out: list[tuple] = []
+        self._buf += text
+        while getattr(self, "_" + self._mode)(out):
+            pass
+        return out
+
+    def finish(self) -> list[tuple]:
+        """The events for what is still held, at the choice's end."""
+        out: list[tuple] = []
+        if self._mode == "text":
+            rest = self._ws + self._buf
+            if self.calls:
+                rest = rest.rstrip()
+            if rest:
+                out.append(("content", rest))
+        elif self._mode in ("head", "block"):  # a block never closed: no call, content as written
+            out.append(("content", self._pre + OPEN + self._buf))
+        self._buf = self._ws = ""
+        return out
+
+    def _content(self, text: str, out: list[tuple]) -> None:
+        text = self._ws + text
+        kept = text.rstrip()
+        self._ws = text[len(kept):]
+        if kept:
+            out.append(("content", kept))
+
+    def _text(self, out: list[tuple]) -> bool:
+        k = self._buf.find(OPEN)
+        if k >= 0:
+            self._content(self._buf[:k], out)
+            self._pre, self._ws = self._ws, ""
+            self._buf, self._mode = self._buf[k + len(OPEN):], "head"
+            return True
+        hold = next((n for n in range(min(len(OPEN) - 1, len(self._buf)), 0, -1)
+                     if OPEN.startswith(self._buf[-n:])), 0)
+        self._content(self._buf[:len(self._buf) - hold], out)
+        self._buf = self._buf[len(self._buf) - hold:]
+        return False
+
+    def _head(self, out: list[tuple]) -> bool:
+        m = _HEAD.match(self._buf)
+        if m and _NAME.match(m.group(1)):
+            out.append(("call", self.calls, f"call_{uuid.uuid4().hex[:24]}", m.group(1)))
+            self.calls += 1
+            self._buf, self._mode = self._buf[m.end():], "args"
+            self._depth, self._in_str, self._esc, self._started, self._scalar = 0, False, False, False, False
+            return True
+        if CLOSE in self._buf or len(self._buf) > _HEAD_CHARS:
+            self._mode = "block"
+            return True
+        return False
+
+    def _block(self, out: list[tuple]) -> bool:
+        k = self._buf.find(CLOSE)
+        if k < 0:
+            return False
+        block = OPEN + self._buf[:k + len(CLOSE)]
+        self._buf, self._mode = self._buf[k + len(CLOSE):], "text"
+        _, calls = parse_calls(block)
+        if not calls:
+            self._content(self._pre + block, out)
+            return True
+        f = calls[0]["function"]
+        out.append(("call", self.calls, calls[0]["id"], f["name"]))
+        out.append(("args", self.calls, f["arguments"]))
+        self.calls += 1
+        return True
+
+    def _args(self, out: list[tuple]) -> bool:
+        buf, start, end = self._buf, None, None
+        for i, c in enumerate(buf):
+            if not self._started:
+                if c.isspace():
+                    continue
+                self._started, start = True, i
+                if c in "{[":
+                    self._depth = 1
+                elif c == '"':
+                    self._in_str = True
+                else:
+                    self._scalar = True  # a number or literal: ends at the first character past it
+                continue
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif c == "\\":
+                    self._esc = True
+                elif c == '"':
+                    self._in_str = False
+                    if self._depth == 0:
+                        end = i + 1
+                        break
+            elif self._scalar:
+                if c in ",}]<" or c.isspace():
+                    end = i
+                    break
+            elif c == '"':
+                self._in_str = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+            elif c == "<":  # no JSON: the block closes early; the arguments end here
+                end = i
+                break
+        if start is None and self._started:
+            start = 0
+        frag = buf[start:end] if start is not None else ""
+        if frag:
+            out.append(("args", self.calls - 1, frag))
+        if end is None:
+            self._buf = ""
+            return False
+        self._buf, self._mode = buf[end:], "tail"
+        return True
+
+    def _tail(self, out: list[tuple]) -> bool:
+        k = self._buf.find(CLOSE)
+        if k < 0:
+            self._buf = self._buf[-(len(CLOSE) - 1):]
+            return False
+        self._buf, self._mode = self._buf[k + len(CLOSE):], "text"
+        return True
+
+
+def call_deltas(events: list[tuple]) -> list[dict[str, Any]]:
+    """``CallStream`` events as OpenAI's chunk deltas: runs of content one ``{"content"}``, runs
+    of call events one ``{"tool_calls": [...]}`` (a call's start and its arguments in one entry)."""
+    deltas: list[dict[str, Any]] = []
+    for ev in events:
+        last = deltas[-1] if deltas else None
+        if ev[0] == "content":
+            if last is not None and "content" in last:
+                last["content"] += ev[1]
+            else:
+                deltas.append({"content": ev[1]})
+            continue
+        if last is None or "tool_calls" not in last:
+            last = {"tool_calls": []}
+            deltas.append(last)
+        entries = last["tool_calls"]
+        if ev[0] == "call":
+            entries.append({"index": ev[1], "id": ev[2], "type": "function",
+                            "function": {"name": ev[3], "arguments": ""}})
+        elif entries and entries[-1]["index"] == ev[1]:
+            entries[-1]["function"]["arguments"] += ev[2]
+        else:
+            entries.append({"index": ev[1], "function": {"arguments": ev[2]}})
+    return deltas

@@ -1,8 +1,9 @@
 """A router without workers behind the real front door (HTTP and gRPC servers on real sockets).
 
 ``FakeRouter`` is what the front door touches of router.server.Router: its ``generate`` runs
-the router's own validation (router.requests, with the real tokenizer when given one) and then
-answers two tokens, the second after ``hold`` is set; ``Served`` runs both servers on an event
+the router's own validation (router.requests, with the real tokenizer when given one, tool_choice
+included) and then answers two tokens, the second after ``hold`` is set (or the texts of
+``answer``, one response each); ``Served`` runs both servers on an event
 loop in a thread, as ``pdserve serve`` does.
 """
 
@@ -24,7 +25,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.auth import FrontDoor
 from router.config import load_config
-from router.requests import Limits, prompt_ids, request_id, sampling_params
+from router.requests import Limits, prompt_ids, request_id, sampling_params, tool_call_token, with_tool_choice
 from router.server import Reject
 
 
@@ -41,6 +42,8 @@ class FakeRouter(pb_grpc.GenerationServicer):
         self.hold: asyncio.Event | None = None  # None: answer at once
         self.extra: tuple[int, str] = (0, "")  # (responses, text of each) between the first and the hold
         self.finished = 0
+        self.answer: list[str] | None = None  # each response's text instead of "a", "b"; the last stops
+        self.params: list = []  # each request's SamplingParams, as the router's validation built them
 
     async def detokenize(self, ids):  # as Router.detokenize
         return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.decode, ids)
@@ -53,8 +56,21 @@ class FakeRouter(pb_grpc.GenerationServicer):
             request_id(request, self.limits)
             n = len(prompt_ids(request, self.tokenizer, self.limits)) if self.tokenizer is not None else 1
             params = sampling_params(request.sampling, self.limits, n)
+            if self.tokenizer is not None:
+                params = with_tool_choice(request, params, tool_call_token(self.tokenizer))
         except InvalidRequestError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self.params.append(params)
+        if self.answer is not None:
+            for k, text in enumerate(self.answer):
+                last = k == len(self.answer) - 1
+                if last and self.hold is not None:
+                    await self.hold.wait()
+                yield pb.GenerateResponse(request_id=request.request_id, text=text,
+                                          finish_reason=pb.FINISH_REASON_STOP if last else 0,
+                                          usage=pb.Usage(prompt_tokens=n, completion_tokens=k + 1) if last else None)
+            self.finished += 1
+            return
         lps = [pb.TokenLogprob(token_id=7, logprob=-0.5, top=[pb.TopLogprob(token_id=7, logprob=-0.5)] *
                                (params.logprobs or 0))] if params.logprobs is not None else []
         yield pb.GenerateResponse(request_id=request.request_id, text="a", logprobs=lps)

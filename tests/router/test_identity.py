@@ -43,7 +43,7 @@ def _router(monkeypatch, tokens: dict[str, str] = TOKENS) -> Router:
     monkeypatch.setattr(server, "sampling_params", lambda s, limits, n: SimpleNamespace(max_tokens=4))
     r = object.__new__(Router)
     r.door = FrontDoor(auth=Auth({_digest(t): name for name, t in tokens.items()}))
-    r.jobs, r._tokenizing, r.tokenizer = {}, None, None
+    r.jobs, r._tokenizing, r.tokenizer, r._tool_token = {}, None, None, False
     r.placer = SimpleNamespace(queued=0, live=Holdings())  # (generate drops its job from router.holdings)
     r.admission = Admission()  # no per-token policy (router.admission)
     r.limits = SimpleNamespace(input=SimpleNamespace(request_id_chars=128))

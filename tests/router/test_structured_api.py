@@ -14,7 +14,7 @@ from engine.grammar import grammar_text
 from engine.request import Guided
 from pdserve.v1 import pdserve_pb2 as pb
 from router.openai_api import ChatCompletionRequest, CompletionRequest, Shaper, parse, requests_for
-from router.requests import Limits, prompt_ids, sampling_params, with_tool_choice
+from router.requests import Limits, prompt_ids, sampling_params, tool_call_token, with_tool_choice
 from router.tools import call_grammar, parse_calls
 from tests.router.front_door_fakes import CHAT, COMPLETION, Served
 
@@ -34,7 +34,7 @@ def _one(kind, **body) -> pb.GenerateRequest:
 def _params(g: pb.GenerateRequest, tokenizer=None):
     lim = Limits(context_length=4096, vocab_size=200_000)
     p = sampling_params(g.sampling, lim, 10)
-    return with_tool_choice(g, p, tokenizer) if tokenizer is not None else p
+    return with_tool_choice(g, p, tool_call_token(tokenizer)) if tokenizer is not None else p
 
 
 @pytest.mark.parametrize("body, want", [
@@ -148,7 +148,7 @@ def test_tool_calls_are_parsed_into_openais_shape():
         rs = [pb.GenerateResponse(text=parts[0]),
               pb.GenerateResponse(text=parts[1], finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage())]
         if stream:
-            return [sh.chunk(0, r) for r in rs]
+            return [c for r in rs for c in sh.chunks(0, r)]
         for r in rs:
             sh.add(0, r)
         return sh.whole(1)
@@ -156,11 +156,213 @@ def test_tool_calls_are_parsed_into_openais_shape():
     whole = answer(False)["choices"][0]
     assert whole["finish_reason"] == "tool_calls" and len(whole["message"]["tool_calls"]) == 2
     assert whole["message"]["content"] == "Let me check."
-    first, last = answer(True)
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # held: calls or not is known at the end
-    d = last["choices"][0]
-    assert d["finish_reason"] == "tool_calls" and [c["index"] for c in d["delta"]["tool_calls"]] == [0, 1]
+    first, *calls, last = answer(True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Let me check."}  # what comes before the calls
+    [entries] = [c["choices"][0]["delta"]["tool_calls"] for c in calls]  # (both in one response: one delta)
+    assert [(t["index"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in entries] == \
+        [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
+    assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
     # without tools nothing is parsed
     sh = Shaper(True, "r", "m", 1)
     sh.add(0, pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage()))
     assert sh.whole(1)["choices"][0]["message"] == {"role": "assistant", "content": text}
+
+
+# ---- streamed tool calls, through the real HTTP app on a socket ------------------------------
+CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+         '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+
+
+def _pieces(text: str, size: int = 3) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def _events(body: bytes) -> list[dict]:
+    lines = [ln[len(b"data: "):] for ln in body.split(b"\n\n") if ln.startswith(b"data: ")]
+    assert lines[-1] == b"[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def _streamed(events: list[dict], index: int = 0) -> tuple[str, list[dict], list[str | None]]:
+    """(content, calls as {id, name, arguments}, finish reasons) of one choice's chunks, with
+    OpenAI's rules checked: a call's id, type and name come in its first entry, once."""
+    content, calls, reasons = "", {}, []
+    for e in events:
+        for c in e["choices"]:
+            if c["index"] != index:
+                continue
+            reasons.append(c["finish_reason"])
+            d = c["delta"]
+            content += d.get("content") or ""
+            for t in d.get("tool_calls", []):
+                if t["index"] not in calls:
+                    assert t["type"] == "function" and t["id"].startswith("call_") and t["function"]["name"]
+                    calls[t["index"]] = {"id": t["id"], "name": t["function"]["name"], "arguments": ""}
+                else:
+                    assert "id" not in t and "name" not in t["function"]
+                calls[t["index"]]["arguments"] += t["function"].get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[k] for k in sorted(calls)], reasons
+
+
+def _same_calls(streamed: list[dict], whole: list[dict]) -> None:
+    assert [c["name"] for c in streamed] == [c["function"]["name"] for c in whole]
+    assert [json.loads(c["arguments"]) for c in streamed] == [json.loads(c["function"]["arguments"]) for c in whole]
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_tool_calls_stream_as_openai_streams_them(size):
+    srv = Served()
+    try:
+        srv.router.answer = _pieces(CALLS, size)
+        status, _, body = srv.post("/v1/chat/completions", {**CHAT, "tools": TOOLS})
+        assert status == 200
+        whole = json.loads(body)["choices"][0]
+        status, _, body = srv.post("/v1/chat/completions", {**CHAT, "tools": TOOLS, "stream": True})
+        assert status == 200
+        events = _events(body)
+        content, calls, reasons = _streamed(events)
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert content == whole["message"]["content"] == "Let me check."
+        _same_calls(calls, whole["message"]["tool_calls"])
+        assert reasons[-1] == whole["finish_reason"] == "tool_calls" and not any(reasons[:-1])
+        assert events[-1]["choices"][0]["delta"] == {}
+        deltas = [e["choices"][0]["delta"] for e in events]
+        first_call = next(k for k, d in enumerate(deltas) if "tool_calls" in d)
+        assert all("tool_calls" not in d for d in deltas[:first_call]) and \
+            all(not d.get("content") for d in deltas[first_call:])  # content first, then the calls
+        if size < 1000:  # the arguments come in fragments, as they are generated
+            assert sum(1 for d in deltas for t in d.get("tool_calls", []) if t["index"] == 0
+                       and t["function"].get("arguments")) > 3
+    finally:
+        srv.stop()
+
+
+def test_a_calls_name_and_first_arguments_reach_the_client_before_the_answer_ends():
+    srv = Served()
+    try:
+        srv.router.answer = _pieces(CALLS, 4)
+        srv.holding(True)  # the last piece waits
+        body = json.dumps({**CHAT, "tools": TOOLS, "stream": True}).encode()
+        s = srv.raw()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (srv.http_port, len(body), body))
+        got = b""
+        while b'ET\\"}' not in got:  # the second call's arguments' end, streamed while the answer is held
+            part = s.recv(65536)
+            assert part, got
+            got += part
+        assert b'"get_weather"' in got and b"finish_reason\":\"tool_calls" not in got
+        srv.holding(False)
+        while part := s.recv(65536):
+            got += part
+        assert b"finish_reason\":\"tool_calls" in got and b"data: [DONE]\n\n" in got
+        s.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("text", [
+    "plain text, no call",
+    "ends like a call opens <tool_",
+    "a <tool_call>not JSON</tool_call> and after",
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"',  # cut short
+])
+def test_text_that_is_no_call_still_reaches_the_client(text):
+    srv = Served()
+    try:
+        srv.router.answer = _pieces(text, 2)
+        status, _, body = srv.post("/v1/chat/completions", {**CHAT, "tools": TOOLS})
+        whole = json.loads(body)["choices"][0]
+        _, _, body = srv.post("/v1/chat/completions", {**CHAT, "tools": TOOLS, "stream": True})
+        content, calls, reasons = _streamed(_events(body))
+        if "arguments" in text:  # announced as a call once its name is out: cut short, it stays one
+            assert [c["name"] for c in calls] == ["get_time"] and calls[0]["arguments"] == '{"zone": "CET"'
+            assert content == "" and reasons[-1] == "tool_calls"
+        else:
+            assert content == whole["message"]["content"] == text and calls == []
+            assert reasons[-1] == whole["finish_reason"] == "stop"
+    finally:
+        srv.stop()
+
+
+def test_streamed_tool_calls_with_n_choices():
+    srv = Served()
+    try:
+        srv.router.answer = _pieces(CALLS, 5)
+        _, _, body = srv.post("/v1/chat/completions", {**CHAT, "tools": TOOLS, "n": 3})
+        whole = json.loads(body)["choices"]
+        _, _, body = srv.post("/v1/chat/completions", {**CHAT, "tools": TOOLS, "n": 3, "stream": True})
+        events = _events(body)
+        for k in range(3):
+            content, calls, reasons = _streamed(events, k)
+            assert content == "Let me check." and reasons[-1] == "tool_calls"
+            _same_calls(calls, whole[k]["message"]["tool_calls"])
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("choice, function", [("required", None), ({"type": "function", "function": {"name": "get_weather"}},
+                                                                    "get_weather")])
+def test_forced_tool_calls_stream_token_by_token(qwen, choice, function):
+    import dataclasses
+    srv = Served(tokenizer=qwen)
+    try:
+        srv.router.limits = dataclasses.replace(srv.router.limits, context_length=4096)
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        srv.router.answer = [qwen.decode([t]) for t in qwen(text)["input_ids"]]  # one response per token
+        req = {**CHAT, "tools": TOOLS, "tool_choice": choice, "n": 2}
+        _, _, body = srv.post("/v1/chat/completions", req)
+        whole = json.loads(body)["choices"]
+        status, _, body = srv.post("/v1/chat/completions", {**req, "stream": True})
+        assert status == 200
+        assert srv.router.params[-1].guided == call_grammar(TOOLS, function, special_tokens=True)  # enforced
+        events = _events(body)
+        for k in range(2):
+            content, calls, reasons = _streamed(events, k)
+            assert content == "" and reasons[-1] == whole[k]["finish_reason"] == "tool_calls"
+            _same_calls(calls, whole[k]["message"]["tool_calls"])
+    finally:
+        srv.stop()
+
+
+# ---- the router compiles constraints off its event loop --------------------------------------
+def test_a_slow_constraint_compile_does_not_stall_other_requests(monkeypatch):
+    """Router.generate builds a constrained request's SamplingParams (engine.grammar.check) in a
+    thread: while one request's schema compiles, another runs to its end on the same loop."""
+    import asyncio
+    import threading
+
+    import engine.grammar
+    from router.auth import FrontDoor
+    from router.config import load_config
+    from tests.router.test_token_policy import _router
+
+    real, release, compiling = engine.grammar.check, threading.Event(), threading.Event()
+
+    def slow_check(g):
+        if g.spec == "slow[a-z]+":
+            compiling.set()
+            release.wait(3)  # (on the loop, it would stall it this long, then the assertion fails)
+            compiling.clear()
+        return real(g)
+
+    monkeypatch.setattr(engine.grammar, "check", slow_check)
+
+    async def main():
+        r = _router(monkeypatch, load_config(None, {}), FrontDoor())
+
+        async def answer(rid: str, guided: pb.Guided | None) -> list:
+            req = pb.GenerateRequest(request_id=rid, prompt="x", sampling=pb.SamplingParams(max_tokens=2))
+            if guided is not None:
+                req.sampling.guided.CopyFrom(guided)
+            return [x async for x in r.generate(req, "", None)]
+
+        slow = asyncio.create_task(answer("slow", pb.Guided(regex="slow[a-z]+")))
+        assert await asyncio.to_thread(compiling.wait, 3)
+        other = await asyncio.wait_for(answer("other", None), 3)
+        assert len(other) == 2 and other[-1].finish_reason and compiling.is_set()  # done while it compiles
+        release.set()
+        assert len(await slow) == 2
+
+    asyncio.run(main())

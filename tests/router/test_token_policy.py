@@ -47,7 +47,7 @@ def _router(monkeypatch, cfg, door: FrontDoor) -> Router:
     import router.server as server
     monkeypatch.setattr(server, "prompt_ids", lambda req, tok, limits: [1, 2, 3])
     r = object.__new__(Router)
-    r.cfg, r.door, r.tokenizer, r._tokenizing = cfg, door, None, None
+    r.cfg, r.door, r.tokenizer, r._tokenizing, r._tool_token = cfg, door, None, None, False
     r.jobs, r.placer = {}, SimpleNamespace(queued=0, live=Holdings())
     r.admission = Admission(door.policy)
     r.limits = Limits(context_length=128, vocab_size=1000, default_max_tokens=8, input=cfg.limits)
