@@ -113,7 +113,8 @@ class RouterConfig:
     # this long, is stalled: its requests re-run elsewhere and its process is replaced. Longer
     # than any one engine step (a call waits for the step in progress).
     stall_s: float = 120.0
-    # The longest a request waits for KV capacity (admission) before RESOURCE_EXHAUSTED.
+    # The longest a request waits for KV capacity or a sequence slot (a worker's max_num_seqs:
+    # router/placement.py WorkerLoad.free_seqs) before RESOURCE_EXHAUSTED.
     queue_timeout_s: float = 60.0
     # How often the router asks every worker which requests hold KV blocks and frees those of
     # no live request (a leak any other path missed; counted in pdserve_router_swept_blocks).

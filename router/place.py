@@ -286,7 +286,8 @@ class Placer:
     def _check_waited(self, since: float) -> None:
         if time.monotonic() - since > self.cfg.router.queue_timeout_s:
             raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"no KV capacity for {self.cfg.router.queue_timeout_s:g}s (router.queue_timeout_s); "
+                         f"no KV capacity or sequence slot (decode.max_num_seqs) for "
+                         f"{self.cfg.router.queue_timeout_s:g}s (router.queue_timeout_s); "
                          "retry later")
 
     def _turn_moved(self) -> None:

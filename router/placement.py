@@ -63,6 +63,9 @@ class WorkerLoad:
     remaining_decode_tokens: int = 0  # sum over running requests of tokens still to generate
     accepting: bool = True  # False while starting, draining or dead
     in_flight: int = 0  # admitting calls (reserve, submit) made there that its reports do not show yet
+    # requests it can still take before reaching its max_num_seqs (running, waiting and in flight
+    # counted); None: not reported, no limit here
+    free_seqs: int | None = None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -132,6 +135,8 @@ def pick_decode(workers: Sequence[WorkerLoad], prompt_tokens: int, max_tokens: i
     best, best_key = None, None
     for w in workers:
         if not (w.accepting and w.role in ("decode", "colocated")):
+            continue
+        if w.free_seqs is not None and w.free_seqs <= 0:  # full: the router's queue holds it
             continue
         need_tokens = admission_tokens(w, prompt_tokens, max_tokens, reserve_fraction, prefix)
         # Tokens still free once the running requests have grown by (the same share of) what

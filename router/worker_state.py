@@ -139,6 +139,7 @@ class Worker:
             return WorkerLoad(self.worker_id, self.role.value, 0, 0, 16, 0, 0, accepting=False)
         free = s.kv_blocks_free - self.reserved_blocks
         queued = s.queued_prompt_tokens + sum(t for _, _, t in self.pending)
+        seqs = s.max_num_seqs - s.running - s.waiting - len(self.pending) if s.max_num_seqs > 0 else None
         return WorkerLoad(self.worker_id, self.role.value, max(0, free), s.kv_blocks_total, s.block_size,
                           queued, s.remaining_decode_tokens, accepting=self.state.accepting,
-                          in_flight=len(self.pending))
+                          in_flight=len(self.pending), free_seqs=seqs)

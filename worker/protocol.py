@@ -196,6 +196,10 @@ class WorkerStatus(msgspec.Struct):
     block_size: int
     running: int = 0
     waiting: int = 0  # for compute or for their KV
+    # the engine's max_num_seqs (0: not reported): placement counts a worker whose running and
+    # waiting requests reach it as full, so a request waits in the router's fair queue (per-token
+    # weights and priorities) instead of first-come in the worker's
+    max_num_seqs: int = 0
     queued_prompt_tokens: int = 0
     remaining_decode_tokens: int = 0
     tokens_per_s: float = 0.0  # over the last TOKEN_RATE_WINDOW_S

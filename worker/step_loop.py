@@ -363,6 +363,7 @@ class StepLoop:
             role=self.role, incarnation=self.incarnation, pid=os.getpid(),
             kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks, block_size=bm.block_size,
             running=len(sch.running), waiting=len(sch.waiting) + len(sch.receiving),
+            max_num_seqs=eng.config.scheduler.max_num_seqs,
             queued_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in reqs
                                      if not r.is_finished and r.status != RequestStatus.WAITING_FOR_KV),
             remaining_decode_tokens=sum(max(0, r.sampling_params.max_tokens - r.num_output_tokens)

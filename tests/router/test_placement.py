@@ -157,3 +157,24 @@ def test_an_idle_decode_worker_with_reservations_in_flight_takes_no_long_prompt(
     w.reported(WorkerStatus("decode", "i", 1, kv_blocks_used=100, kv_blocks_total=1000,
                             block_size=16, remaining_decode_tokens=64, admitted=1))
     assert w.load().in_flight == 0 and prefill_where(1536, w.load(), 64, pool_queued=800) == ("pool", "long")
+
+
+def test_a_worker_at_its_max_num_seqs_takes_no_request_while_its_kv_has_room():
+    """A decode worker whose running, waiting and in-flight requests reach its max_num_seqs is
+    full whatever its free KV: the request waits in the router's queue, where per-token weights
+    and priorities order it, not first-come in the worker's (issue 42's 3:1 check held 1:1 past
+    max_num_seqs). A worker that reports no limit is judged by KV alone, as before."""
+    from router.worker_state import Worker
+    from worker.protocol import WorkerStatus
+    w = Worker("d", "decode", actor=None, state="ready")
+    w.reported(WorkerStatus("decode", "i", 1, kv_blocks_used=0, kv_blocks_total=1000, block_size=16,
+                            running=6, waiting=1, max_num_seqs=8))
+    assert w.load().free_seqs == 1
+    assert pick_decode([w.load()], 32, 16) is not None
+    w.calls += 1
+    w.pending.append((w.calls, 3, 0))  # a reserve made there, not yet reported
+    assert w.load().free_seqs == 0
+    assert pick_decode([w.load()], 32, 16) is None
+    w.reported(WorkerStatus("decode", "i", 1, kv_blocks_used=0, kv_blocks_total=1000, block_size=16,
+                            running=8, waiting=0, max_num_seqs=0))  # an older worker: no limit reported
+    assert w.load().free_seqs is None and pick_decode([w.load()], 32, 16) is not None
