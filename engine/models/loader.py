@@ -231,14 +231,17 @@ def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: boo
                        compile_rows: int | None = 1, min_rows: int = 1,
                        activations: str = "float32") -> LlamaForCausalLM:
     """Attach the fast decode path (if asked for and supported), prepack, build it."""
-    if activations == "int8":  # before the one-token path builds its kernels: they read the flag
-        from engine.quant.linear import set_int8_activations
-        set_int8_activations(model)
     from engine.memory import release_freed_memory
     release_freed_memory()  # the conversion's temporaries, before the layouts below are built
     if single_token and SingleTokenDecoder.supports(model):
         # copies the plain weights: before prepacking
         model.single_token = SingleTokenDecoder(model, compile_rows, min_rows)
+    if activations == "int8":
+        # after the one-token path moved the INT8 weights into its interleaved copy (the modules
+        # then need no reordering of their own), before warm_up builds its kernels (they read
+        # the flag)
+        from engine.quant.linear import set_int8_activations
+        set_int8_activations(model)
     if prepack:
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)

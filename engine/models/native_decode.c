@@ -269,6 +269,12 @@ static inline __m256 lane_scales(const float *s, int n, vidx idx) {
 }
 #endif
 
+/* One activation's code in its group: rint(x * (127 / max|x|)), round half to even, in -127..127. */
+static inline int8_t q8(float x, float inv) {
+    float q = rintf(x * inv);
+    return (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+}
+
 /* Row r's activations quantized into the buffer's three parts (layout above). */
 static void quant_x_a8(const lin_t *L, int R, const float *x, void *buf) {
     const int64_t k = L->k, g = L->group, ng = k / g, na = k / 32;
@@ -287,9 +293,7 @@ static void quant_x_a8(const lin_t *L, int R, const float *x, void *buf) {
                 const int64_t col = 32 * a + i, c0 = col - col % A8_CHUNK, off = col - c0;
                 const int64_t t = off / (2 * VW), wi = off % (2 * VW);
                 const int64_t pos = c0 + (wi < VW ? t * VW + wi : 4 * VW + t * VW + wi - VW);
-                float q = rintf(xr[col] * inv);
-                q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
-                qr[pos] = (int8_t)q;
+                qr[pos] = q8(xr[col], inv);
             }
         }
         float *dr = xd + (int64_t)r * (k / 8);
@@ -387,10 +391,8 @@ static void quant_x_i8a8(const lin_t *L, int R, const float *x, void *buf) {
             int sq = 0;
             for (int64_t i = 8 * a; i < 8 * a + 8; i++)
                 for (int j = 0; j < 4; j++) {
-                    float q = rintf(xr[j * k4 + i] * inv);
-                    q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
-                    qr[4 * i + j] = (int8_t)q;
-                    sq += (int)q;
+                    qr[4 * i + j] = q8(xr[j * k4 + i], inv);
+                    sq += qr[4 * i + j];
                 }
             xd[(int64_t)r * na + a] = d;
             c += d * (float)sq;
