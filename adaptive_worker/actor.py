@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ray
 
+from adaptive_worker.worker import AdaptiveWorker
 from decode_worker.actor import DecodeCalls
 from prefill_worker.actor import PrefillCalls
 from worker.actor import WorkerActor
@@ -22,7 +23,6 @@ class AdaptiveActor(DecodeCalls, PrefillCalls, WorkerActor):
     role = "adaptive"
 
     def _make(self, engine, new_transport, lease_s, options, auth):
-        from adaptive_worker.worker import AdaptiveWorker
         cpus = set(options.transfer_cpus)
         return AdaptiveWorker(engine, new_transport(), new_transport(), lease_s, auth, transfer_thread=bool(cpus),
                               transfer_cpus=cpus or None)

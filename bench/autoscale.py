@@ -49,6 +49,7 @@ def trace(args, vocab: int) -> list[tuple[float, float, list[RequestSpec]]]:
 
 
 def one_run(args, autoscale: bool, vocab: int) -> dict:
+    # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import BackgroundCluster
     from router.config import load_config
     over = {"metrics.port": 0, "prefill.kv_cache_gb": 0.2, "decode.kv_cache_gb": 0.3}
@@ -123,8 +124,10 @@ def summarize(run_: dict, args) -> dict:
 
 
 def plot(runs: dict[str, dict], args, path: str) -> None:
+    # (optional: matplotlib, the `bench` extra)
     import matplotlib
     matplotlib.use("Agg")
+    # (optional: matplotlib, the `bench` extra)
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
     for label, r in runs.items():
@@ -163,6 +166,7 @@ def main() -> int:
     args = p.parse_args()
     if min(args.base_rate, args.step_rate) <= 0:
         p.error("rates must be > 0")
+    # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import init_ray
     from router.config import load_config
     init_ray(load_config(None, {"prefill.replicas": args.max_replicas, "decode.replicas": args.max_replicas}))
@@ -171,6 +175,7 @@ def main() -> int:
         log(f"{label} run: {args.before:g} s at {args.base_rate:g}/s, {args.during:g} s at {args.step_rate:g}/s of "
             f"{args.long_tokens}-token prompts, {args.after:g} s at {args.base_rate:g}/s ...")
         runs[label] = one_run(args, auto, 49152)
+    # (heavy: Ray and a cluster, loaded only by what uses them)
     import ray
     ray.shutdown()
     flat: dict = {}

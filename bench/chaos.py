@@ -34,6 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 FAULT_KINDS = ("kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "corrupt", "drop", "sever")
@@ -110,7 +111,8 @@ class Chaos:
     """Load, faults and checks against a running ``router.app.BackgroundCluster``."""
 
     def __init__(self, cluster, args) -> None:
-        from cli.client import connect
+        # (heavy: gRPC, loaded only by what uses them)
+        from router.client import connect
         self.cluster, self.args = cluster, args
         self.stub = connect(f"127.0.0.1:{cluster.port}")
         self.rng = random.Random(args.seed)
@@ -132,16 +134,17 @@ class Chaos:
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, spec: Spec, rid: str) -> list[int]:
-        from cli.client import collect, make_request
+        # (heavy: gRPC, loaded only by what uses them)
+        from router.client import collect, make_request
         return collect(self.stub.Generate(make_request(spec.prompt, request_id=rid, **spec.sampling),
                                           timeout=self.args.hang_s))["token_ids"]
 
     def reference(self) -> list[list[int]]:
-        from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(self.args.concurrency) as pool:
             return list(pool.map(lambda i: self.generate(self.specs[i], f"ref{i}"), range(len(self.specs))))
 
     def _client(self, n: int, want: list[list[int]], counter: list[int]) -> None:
+        # (heavy: gRPC, loaded only by what uses them)
         import grpc
         while True:
             with self.run.lock:
@@ -167,6 +170,7 @@ class Chaos:
 
     def inject(self, kind: str) -> Fault | None:
         """One fault now; None if it has no victim now (every worker of the role is down)."""
+        # (heavy: Ray and a cluster, loaded only by what uses them)
         import ray
         role = "decode" if kind.endswith("decode") else "prefill"
         w = self._victim(role)
@@ -248,6 +252,7 @@ class Chaos:
         """KV blocks still held once every worker is back and the router tracks no request
         (waited for up to a lease plus the stall bound: every path frees sooner), and those the
         block check attributes to no live request."""
+        # (heavy: gRPC, loaded only by what uses them)
         from pdserve.v1 import pdserve_pb2 as pb
         end = time.monotonic() + self.args.lease_s + self.args.stall_s + 30
         while True:
@@ -264,6 +269,7 @@ class Chaos:
             time.sleep(0.25)
 
     def summary(self, leaked: int, stranded: int | None, wall: float) -> dict:
+        # (heavy: numpy, loaded only by what uses them)
         import numpy as np
         with self.run.lock:  # (a client that outlived its join may still be finishing)
             f, status, requests, in_flight = list(self.run.faults), Counter(self.run.status), self.run.requests, \
@@ -358,6 +364,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def cluster_config(args):
+    # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.config import load_config
     return load_config(args.config, {**CLUSTER, "router.stall_s": args.stall_s, "kv_transfer.lease_s": args.lease_s,
                                      "kv_transfer.transport": args.transport})
@@ -384,6 +391,7 @@ def run_chaos(cluster, args, make=None) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import BackgroundCluster, init_ray
     cfg = cluster_config(args)
     init_ray(cfg)
@@ -391,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = run_chaos(BackgroundCluster(cfg), args)
     finally:
+        # (heavy: Ray and a cluster, loaded only by what uses them)
         import ray
         ray.shutdown()
     print(table(out))

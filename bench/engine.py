@@ -136,6 +136,7 @@ def engine_prefill(eng: LLMEngine, prompts: Prompts, length: int, reps: int) -> 
 
 def profile_decode(eng: LLMEngine, prompts: Prompts, steps: int = 20, rows: int = 25) -> str:
     """torch.profiler over ``steps`` batch-1 decode steps; the top ops by self CPU time."""
+    # (heavy: torch.profiler, only with --profile, loaded only by what uses them)
     from torch.profiler import ProfilerActivity, profile
 
     sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -376,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     res["read_bandwidth_gb_s"] = read_bandwidth_gb_s()
 
     progress("load HF transformers model")
+    # (heavy: transformers, which the engine does not load, loaded only by what uses them)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

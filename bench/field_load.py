@@ -29,6 +29,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.loadgen import make_workload, run, summarize
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -76,7 +78,6 @@ def guidellm_round(exe: str, http_base: str, model: str, tokenizer: Path, args) 
 
 def pdserve_round(server: str, vocab: int, args, seed: int) -> dict:
     """One round of pdserve's own loadgen over gRPC, the same shape of workload."""
-    from bench.loadgen import make_workload, run, summarize
     specs = make_workload(args.requests, "random", vocab, seed, str(args.prompt_tokens), str(args.max_tokens))
     results, wall = asyncio.run(run(server, specs, concurrency=args.concurrency, seed=seed))
     s = summarize(results, wall, float("inf"), float("inf"))
@@ -112,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench.field_load: error: no guidellm at {args.guidellm!r} (install it in its own venv: "
               "see --help)", file=sys.stderr)
         return 2
-    from cli.client import connect
+    # (heavy: gRPC, Ray and a cluster, loaded only by what uses them)
+    from router.client import connect
     from pdserve.v1 import pdserve_pb2 as pb
     from router.app import BackgroundCluster, init_ray
     from router.config import load_config
@@ -124,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server, http_base = f"127.0.0.1:{cluster.port}", f"http://127.0.0.1:{cluster.http_port}"
         info = connect(server).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        # (heavy: torch and the engine, loaded only by what uses them)
         from engine.models.loader import resolve_model_path
         tokenizer = resolve_model_path(cfg.model, progress=False)
         model = cluster.router.served_model_name
@@ -135,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rounds["pdserve_grpc"].append(pdserve_round(server, info.vocab_size, args, seed=i))
     finally:
         cluster.stop()
+        # (heavy: Ray and a cluster, loaded only by what uses them)
         import ray
         ray.shutdown()
     print(json.dumps(report(rounds, args)))

@@ -34,6 +34,10 @@ from collections.abc import Sequence
 import torch
 
 from bench.vs_llamacpp import MODELS, model_tag, served_as_shipped
+from engine.layers.attention import get_attention_backend
+from engine.models.loader import load_model, resolve_model_path
+from engine.quant.linear import base as linear  # DEQUANT_ROWS: the kinds read it there
+from engine.quant.eval import HELDOUT, perplexity, read_text
 
 # choice -> (quantization, dequantize, activations)
 CHOICES = {"float": (None, True, "float32"), "shipped": (None, False, "float32"), "int8": ("int8", False, "float32"),
@@ -76,11 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.max_tokens, args.window, args.stride = 64, 64, 32
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from engine.layers.attention import get_attention_backend
-    from engine.models.loader import load_model, resolve_model_path
-    from engine.quant.eval import HELDOUT, perplexity, read_text
+    from transformers import AutoTokenizer  # (heavy: transformers, which the engine does not load)
 
     text_path = args.text or str(HELDOUT["prose"])
     text = read_text(text_path)
@@ -90,7 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{args.model}: {n} tokens of {text_path}, windows of {args.window} by {args.stride}")
     ppl: dict[str, float] = {}
     secs: dict[str, float] = {}
-    from engine.quant import linear
     for c in choices:
         quant, deq, act = CHOICES[c]
         t0 = time.perf_counter()

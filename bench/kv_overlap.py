@@ -52,8 +52,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 def _receiver_main(conn, transport: str, layout, num_blocks: int, cpus: set[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)  # before any thread starts: they all inherit it
+    # (heavy: torch and the engine; imported after the affinity above, which torch's threads inherit)
     import torch
 
+    # (heavy: as above)
     from engine.kv_cache import BlockManager, allocate_kv_tensors
     from kvtransfer.base import TransferState, get_transport
     from kvtransfer.receiver import KVReceiver
@@ -114,9 +116,11 @@ def measure_overlap(transport: str, prompt_len: int = 2048, reps: int = 2, progr
 
 
 def _measure(transport, prompt_len, reps, progress, cores, threads, rx_cpus) -> dict:
+    # (heavy: torch and the engine, loaded only by what uses them)
     import torch
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
 
+    # (heavy: as above)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from engine.request import Request, SamplingParams

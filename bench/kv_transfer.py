@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     overlap: dict = {}
     if args.overlap_transport != "none":
         # First: a real prefill computes while KV streams (inline, transfer thread, after).
+        # (heavy: torch and the engine, loaded only by what uses them)
         from bench.kv_overlap import measure_overlap, split_cores
         cores = args.overlap_cores or ("split" if split_cores() else "shared")
         log(f"overlap: real prefill of {args.overlap_prompt} tokens, {args.overlap_transport}, cores {cores}: "

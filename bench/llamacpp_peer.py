@@ -74,6 +74,7 @@ def requant(src: Path, dst: Path, kind: str) -> Path:
         return dst
     if kind not in ("F32", "Q8_0"):
         raise ValueError(f"requant kind must be F32 or Q8_0, got {kind!r}")
+    # (heavy: numpy, loaded only by what uses them; optional: the gguf package, only to requantize for llama.cpp)
     import gguf
     import numpy as np
     log(f"writing {dst} (every tensor of {src.name} as {kind}; once) ...")

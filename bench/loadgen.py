@@ -163,9 +163,11 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
 
 # ---- running -----------------------------------------------------------------------------------
 async def _one(stub, spec: RequestSpec, results: list[Result], done: Callable[[], None]) -> None:
+    # (heavy: gRPC, loaded only by what uses them)
     import grpc
 
-    from cli.client import make_request
+    # (heavy: gRPC, loaded only by what uses them)
+    from router.client import make_request
     kw = dict(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     req = make_request(spec.prompt, **kw) if spec.prompt is not None else make_request(token_ids=spec.token_ids, **kw)
     r = Result(spec, time.perf_counter())
@@ -193,8 +195,10 @@ async def run(server: str, specs: Sequence[RequestSpec], rate: float | None = No
     Returns:
         (one Result per request sent, wall seconds from the first send to the last end)
     """
+    # (heavy: gRPC, loaded only by what uses them)
     import grpc
 
+    # (heavy: gRPC, loaded only by what uses them)
     from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
     if (rate is None) == (concurrency is None):
         raise BenchError("give exactly one of a rate (open loop) or a concurrency (closed loop)")

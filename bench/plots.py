@@ -9,10 +9,12 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
     """Latency CDFs, per-token latency over time, (for sweeps) goodput vs rate and (for an
     adaptive cluster) its prefill workers over time."""
     try:
+        # (optional: matplotlib, the `bench` extra)
         import matplotlib
     except ImportError:
         raise SystemExit("--plot-dir needs matplotlib: pip install 'pdserve[bench]'") from None
     matplotlib.use("Agg")
+    # (optional: matplotlib, the `bench` extra)
     import matplotlib.pyplot as plt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

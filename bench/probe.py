@@ -226,6 +226,7 @@ class Attacks:
         await held
 
     async def _watches(self) -> None:
+        # (heavy: gRPC, loaded only by what uses them)
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         per_channel = 200  # below the server's streams per connection: each channel its own connection
@@ -286,6 +287,7 @@ class Attacks:
 
 async def malformed(t: Target, tally: Tally, model: str, nesting_kb: int) -> None:
     """The bodies that used to be 500s, and the requests a web page could make (greedy token)."""
+    # (heavy: gRPC, loaded only by what uses them)
     import grpc
     p = "/v1/completions"
     chat = "/v1/chat/completions"
@@ -322,9 +324,11 @@ async def malformed(t: Target, tally: Tally, model: str, nesting_kb: int) -> Non
 
 async def victim_round(t: Target, c: Counts, tally: Tally, phase: str, model: str) -> None:
     """``victim_requests`` HTTP completions and as many gRPC Generates, one at a time."""
+    # (heavy: gRPC, loaded only by what uses them)
     import grpc
 
-    from cli.client import make_request
+    # (heavy: gRPC, loaded only by what uses them)
+    from router.client import make_request
     from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": c.victim_max_tokens, "temperature": 0,
                        "ignore_eos": True}).encode()
@@ -470,9 +474,11 @@ class Fairness:
 
 async def fairness(t: Target, f: Fairness) -> dict:
     """Each token's generated tokens per second while both overload the server; flat summary."""
+    # (heavy: gRPC, loaded only by what uses them)
     import grpc
 
-    from cli.client import make_request
+    # (heavy: gRPC, loaded only by what uses them)
+    from router.client import make_request
     from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
     names = {"greedy": t.greedy, "victim": t.victim}
     tokens = collections.Counter()

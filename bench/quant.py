@@ -41,14 +41,19 @@ import torch
 from torch import nn
 
 from engine.config import CacheConfig, EngineConfig
+from engine.layers.linear import PackedLinear
 from engine.llm_engine import LLMEngine
+from engine.models.gguf_convert import default_model_path
 from engine.quant import QuantConfig, quantize
 from engine.quant.calib import calib_sequences, load_calib_texts
 from engine.quant.checkpoint import save_quantized
-from engine.quant.cpu_kernels import cpu_class, report
+from engine.quant.cpu_kernels import cpu_class, w8a8_available
+from engine.quant.kernel_report import report
 from engine.quant.eval import AGREEMENT_PROMPTS, HELDOUT, greedy_agreement, perplexity
-from engine.quant.linear import QuantLinear, choose_act_dtype
-from engine.quant.offline import load_plain
+from engine.quant.formats import quantize_weight
+from engine.quant.linear import Int4Linear, Int8Linear, QuantLinear, W8A8Linear
+from engine.quant.linear.activations import choose_act_dtype
+from engine.quant.offline import convert, load_plain
 from engine.request import SamplingParams
 
 
@@ -98,10 +103,6 @@ def decode_tok_s(eng: LLMEngine, batch: int, new_tokens: int, reps: int, seed: i
 
 def kernel_table(reps: int = 30) -> dict[str, float]:
     """Microseconds per call, one row, per distinct SmolLM2 linear shape and kernel."""
-    from engine.layers.linear import PackedLinear
-    from engine.quant.formats import quantize_weight
-    from engine.quant.cpu_kernels import w8a8_available
-    from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
 
     def best_us(fn) -> float:
         fn()
@@ -161,9 +162,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
-
-    from engine.models.gguf_convert import default_model_path
+    from transformers import AutoTokenizer  # (heavy: transformers, which the engine does not load)
     path = default_model_path(progress=True)
     tok = AutoTokenizer.from_pretrained(str(path))
     texts = {k: tok(f.read_text())["input_ids"][:args.heldout_tokens] for k, f in HELDOUT.items()}
@@ -191,7 +190,6 @@ def main() -> int:
                    "int4-gptq-prot": QuantConfig(bits=4, method="gptq"),
                    "w8a8": QuantConfig(bits=8, activations="int8")}[v]
             if v == "int4-gptq-prot":
-                from engine.quant.offline import convert
                 model, cfg, rep = convert(path, cfg, None, auto_protect=args.max_ppl_increase, scan_unit="layer",
                                           calib_tokens=args.calib_tokens, heldout_tokens=256, log=log)
                 extra = {"protected": len(rep["auto_protected"]),

@@ -158,6 +158,7 @@ def _rates(args) -> list[float | None]:
 
 
 def _bar(total: int, desc: str):
+    # (optional: tqdm comes with transformers, not a dependency of ours)
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
 
@@ -220,6 +221,7 @@ def _workload(args, vocab: int, run: int = 0, n: int | None = None, seed: int | 
 
 
 def _start(cfg):
+    # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import BackgroundCluster
     cluster = BackgroundCluster(cfg)
     return cluster, f"127.0.0.1:{cluster.port}"
@@ -245,7 +247,8 @@ def _compare_modes(args) -> dict[str, dict]:
 
 
 def _main(args) -> int:
-    from cli.client import connect
+    # (heavy: gRPC, Ray and a cluster, loaded only by what uses them)
+    from router.client import connect
     from router.config import load_config
     _rates(args)  # refuse nonsense before starting anything
     if args.prefix_compare:
@@ -277,6 +280,7 @@ def _main(args) -> int:
                                            if name == "adaptive" else {}),
                                         **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
         if server is None:
+            # (heavy: Ray and a cluster, loaded only by what uses them)
             from router.app import init_ray
             if not started:
                 init_ray(cfg if name is None or args.prefix_compare
@@ -285,6 +289,7 @@ def _main(args) -> int:
             log(f"starting a {name or cfg.mode} cluster ...")
             cluster, server = _start(cfg)
         try:
+            # (heavy: gRPC, loaded only by what uses them)
             from pdserve.v1 import pdserve_pb2 as pb
             stub = connect(server, tls_ca=args.tls_ca if args.server else None)
             try:
@@ -300,6 +305,7 @@ def _main(args) -> int:
                 results[label]["role_switches"] = list(cluster.router.roles_controller.switches)
                 results[label]["roles_trace"] = list(cluster.router.roles_controller.trace)
             if args.ttft_overhead:
+                # (heavy: torch and the engine, loaded only by what uses them)
                 from bench.ttft_overhead import http_overhead, ttft_overhead
                 out.update(ttft_overhead(stub, cfg, info.vocab_size, log))
                 if cluster is not None and cluster.http_port:
@@ -308,10 +314,12 @@ def _main(args) -> int:
             if cluster is not None:
                 cluster.stop()
     if started:
+        # (heavy: Ray and a cluster, loaded only by what uses them)
         import ray
         ray.shutdown()
     out.update(_report(results, args))
     if args.plot_dir:
+        # (optional: matplotlib, the `bench` extra)
         from bench.plots import plot_all
         for path in plot_all(results, args.plot_dir):
             log(f"wrote {path}")
@@ -409,6 +417,7 @@ def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None
     fixed = {label: goodput(label) for label in results if label in COMPARE and label != "adaptive"}
     flat["role_switches"] = len(results["adaptive"].get("role_switches", []))
     if "role_switches" in results["adaptive"] and "started" in results["adaptive"]["runs"][0]:
+        # (optional: matplotlib, the `bench` extra)
         from bench.plots import roles_over_time
         # [seconds since the first measured request, prefill workers from then on]
         t0, pts = roles_over_time(results["adaptive"])

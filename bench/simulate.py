@@ -19,6 +19,7 @@ The pieces (bench/sim/): ``costs`` (the cost model and its JSON), ``profile`` (m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -131,7 +132,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _with(spec: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
-    import dataclasses
     return dataclasses.replace(spec, local_prefill_tokens=args.local_prefill_tokens,
                                prefix_aware=not args.prefix_blind)
 
@@ -144,6 +144,7 @@ def recommend(cost: CostModel, workload: str, workers: int, slo: dict, duration_
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    # (heavy: torch and the engine, loaded only by what uses them)
     from bench.sim.profile import profile
     cost = profile(args.model, threads=args.threads, transfer_gbps=args.transfer_gbps,
                    log=lambda s: print(s, file=sys.stderr))

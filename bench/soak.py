@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 
 from bench.chaos import FAULT_KINDS, Chaos, cluster_config, log, run_chaos
+from bench.chaos import build_parser as chaos_parser
 
 
 # /proc/<pid>/status fields, in kB: the resident set and its split. Anonymous memory is the
@@ -57,6 +58,7 @@ def memory(pid: int) -> dict[str, float]:
 
 def slope_per_h(series: list[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares slope of (seconds, MB) in MB/h, and its standard error."""
+    # (heavy: numpy, loaded only by what uses them)
     import numpy as np
     t = np.array([s for s, _ in series]) / 3600
     y = np.array([m for _, m in series])
@@ -149,7 +151,6 @@ class Soak(Chaos):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench.chaos import build_parser as chaos_parser
     p = argparse.ArgumentParser(prog="python -m bench.soak", parents=[chaos_parser()], add_help=False,
                                 conflict_handler="resolve", description=(
                                     "Soak run: chaos's load with a fault every few minutes for a long time, RSS of "
@@ -173,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.kinds or set(args.kinds) - set(FAULT_KINDS):
         raise SystemExit(f"soak: unknown fault kinds {sorted(set(args.kinds) - set(FAULT_KINDS))}; "
                          f"valid: {', '.join(FAULT_KINDS)}")
+    # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import BackgroundCluster, init_ray
     cfg = cluster_config(args)
     init_ray(cfg)
@@ -186,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = run_chaos(BackgroundCluster(cfg), args, make=make)
     finally:
+        # (heavy: Ray and a cluster, loaded only by what uses them)
         import ray
         ray.shutdown()
     growth = soak.growth()

@@ -32,6 +32,7 @@ import bench  # noqa: F401
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -39,8 +40,11 @@ from pathlib import Path
 
 import torch
 
+import engine.llm_engine as le
+import engine.models.loader as loader
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
+from engine.models.gguf_convert import default_model_path
 from engine.request import SamplingParams
 
 
@@ -94,9 +98,7 @@ WORKLOADS = {"repetitive": REPETITIVE, "chat": CHAT}
 
 def tiny_random_draft(target: Path) -> Path:
     """A 2-layer random Llama with the target's tokenizer: the deliberately bad draft."""
-    import shutil
-
-    import transformers as tf
+    import transformers as tf  # (heavy: transformers, which the engine does not load)
     path = Path(tempfile.mkdtemp(prefix="pdserve-bad-draft-"))
     cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
@@ -127,8 +129,6 @@ def run_once(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple
 def share_weights() -> None:
     """Engines built here share one copy of each (path, dtype, quantization) model: a bench-only
     shortcut so every configuration can live at once (weights are read-only)."""
-    import engine.llm_engine as le
-    import engine.models.loader as loader
     cache: dict = {}
     real = loader.load_model
 
@@ -156,13 +156,12 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None)
     args = ap.parse_args()
 
-    from engine.models.gguf_convert import default_model_path
     target = default_model_path(progress=False)
     draft_path = Path(args.draft_model) if args.draft_model else tiny_random_draft(target)
     sources = args.sources.split(",")
     if "quant_self" in sources:
         try:
-            import engine.quant  # noqa: F401
+            import engine.quant  # noqa: F401  (optional: the check below is for a tree without it)
         except ImportError:
             print("quant_self: skipped (engine/quant, the INT4 format of issue 5, is not there yet)",
                   file=sys.stderr)

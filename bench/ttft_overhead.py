@@ -16,7 +16,8 @@ def _client_ttft(stub, ids: list[int]) -> tuple[float, float]:
     """(time to the first token, time from it to the second) of one 2-token request. The gap
     is the first decode step as a client sees it: the decode worker must have the KV and the
     first token before it can run."""
-    from cli.client import make_request
+    # (heavy: gRPC, loaded only by what uses them)
+    from router.client import make_request
     t0 = time.perf_counter()
     times = []
     for r in stub.Generate(make_request(token_ids=ids, max_tokens=2, ignore_eos=True)):
@@ -40,6 +41,7 @@ def _http_ttft(client, model: str, ids: list[int]) -> float:
 def http_overhead(stub, http_base: str, vocab: int, log: Callable[[str], None] = print, reps: int = 9) -> dict:
     """Median TTFT of fresh 512-token prompts over gRPC and over the OpenAI API, interleaved
     (gRPC, HTTP, gRPC, ...) so that a noisy neighbour hits both."""
+    # (optional: the openai client, a test extra)
     import openai
     client = openai.OpenAI(base_url=http_base, api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
@@ -63,8 +65,10 @@ def ttft_overhead(stub, cfg, vocab: int, log: Callable[[str], None] = print, rep
     in this process on an engine built like its prefill worker (same engine config and thread
     count). Returns ms values and their difference, and the cluster's median gap from the first
     token to the second (``cluster_first_decode_gap_ms_512``)."""
+    # (heavy: torch and the engine, loaded only by what uses them)
     import torch
 
+    # (heavy: torch and the engine, loaded only by what uses them)
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
     from router.pools import engine_configs

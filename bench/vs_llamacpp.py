@@ -221,6 +221,7 @@ def csv(value: str, valid: Sequence[str], what: str) -> list[str]:
 # ---- pdserve -------------------------------------------------------------------------------------
 def load_engine(model: str | None, quantization: str | None, threads: int, num_blocks: int = 64,
                 activations: str = "float32"):
+    # (heavy: torch and the engine, loaded only by what uses them)
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
     return LLMEngine(EngineConfig(model=model, quantization=quantization, num_threads=threads, activations=activations,
@@ -230,6 +231,7 @@ def load_engine(model: str | None, quantization: str | None, threads: int, num_b
 def served_as_shipped(name: str) -> str:
     """What ``EngineConfig.model`` takes to serve catalogue model ``name``'s GGUF as shipped: the
     name, or for the bundled model (which its name serves as the fp32 folder) its GGUF file."""
+    # (heavy: torch and the engine, loaded only by what uses them)
     from engine.models import catalog
     entry = catalog.lookup(name)
     if entry is None:
@@ -239,6 +241,7 @@ def served_as_shipped(name: str) -> str:
 
 # ---- the runs ------------------------------------------------------------------------------------
 def machine_meta(args: argparse.Namespace) -> dict:
+    # (heavy: torch and the engine, loaded only by what uses them)
     from engine.quant.cpu_kernels import cpu_class
     return {"isa": args.isa, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
             "prompt_tokens": PROMPT_LEN, "quick": args.quick, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -247,6 +250,7 @@ def machine_meta(args: argparse.Namespace) -> dict:
 
 def run_model(args: argparse.Namespace, script: Path) -> dict:
     """The --model run; returns the JSON object (and prints the table)."""
+    # (heavy: torch and the engine, loaded only by what uses them)
     from bench.engine import Prompts, copy_bandwidth_gb_s, engine_decode, engine_prefill, read_bandwidth_gb_s
     from engine.models import catalog
 
@@ -314,6 +318,7 @@ def run_model(args: argparse.Namespace, script: Path) -> dict:
 
 def run_precisions(args: argparse.Namespace, script: Path) -> dict:
     """The run without --model (the old default); returns the JSON object (and prints the table)."""
+    # (heavy: torch and the engine, loaded only by what uses them)
     from bench.engine import Prompts, copy_bandwidth_gb_s, engine_decode, read_bandwidth_gb_s
     from engine.models.gguf_convert import bundled_gguf_path
 

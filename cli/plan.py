@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench.sim.traces import WORKLOADS
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    from bench.sim.traces import WORKLOADS
     p = sub.add_parser(
         "plan", help="recommend a mode and P:D split by simulating every one on a workload",
         description="Simulate every mode (colocated, colocated+chunked, disaggregated, disaggregated-local, "
@@ -31,6 +32,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    # (heavy: the simulator and the router's policies, loaded only for `pdserve plan`)
     from bench.sim.costs import load
     from bench.sim.report import table
     from bench.simulate import GOOD_COLS, cost_path, parse_slo, recommend

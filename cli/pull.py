@@ -43,7 +43,7 @@ def assemble(entry: CatalogEntry, part_paths: Sequence[Path], progress: bool = T
         ModelLoadError: a part is missing, or the result's size or sha256 differs from the entry;
             nothing is left behind then (no file, temp file or marker of this pull).
     """
-    from tqdm import tqdm
+    from tqdm import tqdm  # (optional: it comes with transformers, not a dependency of ours)
 
     missing = [str(p) for p in part_paths if not Path(p).is_file()]
     if missing:

@@ -100,6 +100,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    # (heavy: torch and the engine, loaded only by the command that runs them)
     from engine.models.loader import resolve_model_path
     from engine.quant.config import QuantConfig
     from engine.quant.offline import convert
@@ -117,7 +118,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                       activations="int8" if args.w8a8 else "none", smooth_alpha=args.smooth_alpha,
                       act_order=not args.no_act_order, damp=args.damp)
     path = resolve_model_path(args.model, progress=True)
-    from engine.models import gguf
+    from engine.models import gguf  # (heavy: the engine)
     if gguf.source(path) is not None:  # the offline methods start from full-precision linears
         raise ValueError(f"{args.model!r} is a GGUF model, quantized already: it is served as shipped (INT4/INT8 "
                          "per tensor), or dequantized with --dtype; quantize takes a full-precision HF-format folder")
@@ -129,9 +130,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    # (heavy: torch, transformers and the engine, loaded only by the command that runs them)
     import torch
     from transformers import AutoTokenizer
 
+    # (heavy: the engine)
     from engine.layers.attention import get_attention_backend
     from engine.models.loader import load_model, resolve_model_path
     from engine.quant.eval import HELDOUT, perplexity, read_text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ray
 
+from decode_worker.worker import DecodeWorker
 from engine.request import SamplingParams
 from worker.actor import WorkerActor
 from worker.protocol import Key, Record, Reservation
@@ -81,7 +82,6 @@ class DecodeActor(DecodeCalls, WorkerActor):
     role = "decode"  # "colocated" when it also prefills
 
     def _make(self, engine, new_transport, lease_s, options, auth):
-        from decode_worker.worker import DecodeWorker
         self.role = "colocated" if options.colocated else "decode"
         return DecodeWorker(engine, new_transport(), lease_s, auth)
 

@@ -270,7 +270,7 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "quant_self":
-            from engine.quant.config import QuantConfig  # lazy: only this method needs it
+            from engine.quant.config import QuantConfig  # heavy: engine.quant's package imports torch
             if QuantConfig.parse(self.draft_quantization) is None:
                 raise ValueError("quant_self needs a draft_quantization other than 'none' (e.g. int4, int8)")
 
@@ -298,8 +298,8 @@ class EngineConfig:
     dequantize: bool = False
     # "int8": INT4/INT8 linears' small steps (native kernels, < 128 rows) quantize their inputs
     # per group of 32 and multiply bytes, llama.cpp's arithmetic on its K-quants: faster, not
-    # token-identical to HF (engine/quant/linear.py set_int8_activations; README says what it
-    # costs in perplexity). "float32": fp32 activations, exact against the reference
+    # token-identical to HF (engine/quant/linear/activations.py set_int8_activations; README says
+    # what it costs in perplexity). "float32": fp32 activations, exact against the reference
     activations: str = "float32"
     # small decode steps (one request, a small batch, a verify step) through the fast path over
     # plain weights in huge pages (engine/models/single_token.py): native kernels built at load
@@ -311,6 +311,13 @@ class EngineConfig:
     # (they beat the eager forward at 8 and 32 rows: bench/decode_rows.py), 4 with the compiled
     # graphs (each row count is its own set of graphs, compiled at load; past 4 oneDNN keeps up)
     compile_decode_rows: int | None = None
+    # on CPU, the converted model is kept in and mapped from the served-weights cache
+    # (engine/weight_cache.py): restarts skip the conversion and a node's workers of one model
+    # share its pages. Where it is on, the one-token path's layouts are built even without
+    # compile_decode (a prefill worker maps its decode worker's entry): INT8 linears then read
+    # their interleaved copy (the same products, summed in another order). PDSERVE_WEIGHT_CACHE=0
+    # turns it off for the whole process.
+    weight_cache: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -331,5 +338,5 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.quantization is not None:
-            from engine.quant.config import QuantConfig
+            from engine.quant.config import QuantConfig  # heavy: engine.quant's package imports torch
             QuantConfig.parse(self.quantization)  # raises ValueError listing the valid names

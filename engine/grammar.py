@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import llguidance
 import torch
 from torch import Tensor
 
@@ -82,7 +83,6 @@ def grammar_text(g: Guided) -> str:
     Raises:
         InvalidRequestError: unknown kind, too long, not JSON where JSON is needed, too deep.
     """
-    import llguidance
     LL = llguidance.LLMatcher
     if g.kind not in KINDS:
         raise InvalidRequestError(f"guided kind must be one of {', '.join(KINDS)}; got {g.kind!r}")
@@ -94,9 +94,8 @@ def grammar_text(g: Guided) -> str:
     if g.kind == "regex":
         return LL.grammar_from_regex(g.spec)
     if g.kind == "grammar":
-        from llguidance._grammar_from import grammar_from
         try:
-            return grammar_from("grammar", g.spec)  # Lark, or GBNF (llama.cpp's EBNF) converted
+            return llguidance.grammar_from("grammar", g.spec)  # Lark, or GBNF (llama.cpp's EBNF) converted
         except ValueError as e:
             raise InvalidRequestError(f"grammar: {e}") from None
     try:
@@ -121,7 +120,6 @@ def grammar_text(g: Guided) -> str:
 
 
 def _limits():
-    import llguidance
     return llguidance.LLParserLimits(**_LIMIT_ARGS)
 
 
@@ -134,7 +132,6 @@ def check(g: Guided) -> None:
         InvalidRequestError: naming the problem (an invalid schema, an uncompilable grammar, a
             bad regex, a grammar past the limits).
     """
-    import llguidance
     text = grammar_text(g)
     err = llguidance.LLMatcher.validate_grammar(text, None, limits=_limits())
     if err:
@@ -241,7 +238,7 @@ class GrammarCompiler:
 
     def _tokenizer(self) -> Any:
         if self._ll is None:
-            import llguidance.hf
+            import llguidance.hf  # heavy: it imports transformers; only once a guided request compiles
             n = len(self._hf)
             self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=max(n, self.vocab_size),
                                                     eos_token=list(self.eos) or None)
@@ -255,7 +252,6 @@ class GrammarCompiler:
         """
         base = self._cache.get(g)
         if base is None:
-            import llguidance
             base = llguidance.LLMatcher(self._tokenizer(), grammar_text(g), log_level=0, limits=_limits())
             if base.is_error():
                 raise InvalidRequestError(f"{g.kind}: {base.get_error().strip()[:500]}")

@@ -134,7 +134,7 @@ def estimate_weights_bytes(path: str | Path, dtype: str, dequantize: bool = Fals
     Raises:
         KVBudgetError: no weights found to estimate from.
     """
-    from engine.models import gguf
+    from engine.models import gguf  # heavy: torch (this module is imported torch-free)
     path, per = Path(path), DTYPE_BYTES[dtype]
     src = gguf.source(path)
     if src is not None:

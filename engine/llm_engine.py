@@ -22,12 +22,17 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import TextStream, tokens_through_stop
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockManager, allocate_kv_tensors, kv_bytes_per_block
 from engine.layers.attention import get_attention_backend
+from engine.memory import release_freed_memory
 from engine.models.loader import load_model, read_generation_eos, resolve_model_path
+from engine.quant.kernel_report import report
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledRequest, Scheduler, StepPlan
+from engine.spec.decoder import build_spec_decoder
+from engine.spec.registry import extra_kv_bytes_per_block
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +84,14 @@ class LLMEngine:
         self.model = load_model(self.model_path, backend, self.dtype, config.device,
                                 quantization=config.quantization, single_token=config.compile_decode,
                                 compile_rows=config.compile_decode_rows, min_rows=config.verify_rows,
-                                dequantize=config.dequantize, activations=config.activations)
-        from transformers import AutoTokenizer
+                                dequantize=config.dequantize, activations=config.activations,
+                                cache=config.weight_cache)
+        from transformers import AutoTokenizer  # heavy: transformers
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
 
         cc = config.cache
         per_block = kv_bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         if config.speculative is not None:  # a draft with its own KV shares the cache's memory
-            from engine.spec.registry import extra_kv_bytes_per_block
             per_block += extra_kv_bytes_per_block(config.speculative, self.model_path, cc.block_size, self.dtype)
         num_blocks = cc.num_blocks or max(1, int(cc.memory_gb * 2**30) // per_block)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -98,25 +103,21 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.spec = None
         if config.speculative is not None:
-            from engine.spec.decoder import build_spec_decoder
             self.spec = build_spec_decoder(config.speculative, self)
 
         eos = set(mc.eos_token_ids) | set(read_generation_eos(self.model_path))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        from engine.grammar import GrammarCompiler
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self._text: dict[str, TextStream] = {}
         # which kernel each format runs on this CPU class (they differ in speed and, for W8A8,
         # in activation width): logged once, reported in model info
-        from engine.quant.cpu_kernels import report
         st = getattr(self.model, "single_token", None)
         self.kernels = report(self.model, single_token=st.kernel if st is not None else None,
                               rows=st.max_rows if st is not None else 1)
         log.info("kernels: %s", self.kernels)
-        from engine.memory import release_freed_memory
         release_freed_memory()  # the load's freed temporaries: not the worker's to keep
         self.load_seconds = time.monotonic() - t0
 

@@ -146,7 +146,7 @@ class SamplingParams:
             g = self.guided
             if not isinstance(g, Guided) or not isinstance(g.kind, str) or not isinstance(g.spec, str):
                 bad(f"guided must be a Guided(kind, spec) of strings, got {g!r}")
-            from engine.grammar import check
+            from engine.grammar import check  # heavy: torch and llguidance (the router imports this module)
             check(g)  # cached per constraint: a schema seen before costs a dict lookup
 
 

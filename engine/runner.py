@@ -18,6 +18,7 @@ from torch import nn
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.sampler import Sampler, apply_penalties, make_generator, prompt_token_logprobs, token_logprobs
 from engine.scheduler import StepPlan, StepResult
+from engine.spec.verify import verify
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per slice (SamplingParams.prompt_logprobs)
@@ -84,7 +85,6 @@ class ModelRunner:
         if verified:  # verify rows first (1+k per request), then the plain sampling rows
             vrows = [i for s in verified for i in range(s.first_row, s.first_row + s.num_new_tokens)]
             logits = self.model.compute_logits(hidden[torch.tensor(vrows + sample_rows, device=self.device)])
-            from engine.spec.verify import verify
             masks = self.grammars.draft_masks(verified) if self.grammars is not None else None
             result.sampled.update(verify(logits[:len(vrows)], verified, self.generator, masks))
             logits = logits[len(vrows):]

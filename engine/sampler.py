@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.grammar import apply_bitmask
 from engine.request import SamplingParams
 
 # Slack on the top-p comparison: a cumulative sum that equals top_p in exact arithmetic but
@@ -322,7 +323,6 @@ class Sampler:
             raise ValueError(f"expected {logits.shape[0]} generators, got {len(generators)}")
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
         if masks is not None:
-            from engine.grammar import apply_bitmask
             logits = apply_bitmask(logits, *masks)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:

@@ -187,10 +187,17 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """This step's plan: ``running`` first, then ``waiting`` while budget, seats and blocks last."""
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
-        bs = self.bm.block_size
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        # Admit waiting requests, but not in a step that had to preempt: memory is short.
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
+        return plan
 
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        """Give each running request its tokens (a chunk of them at most the budget left),
+        preempting the newest when blocks run out. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -211,20 +218,14 @@ class Scheduler:
             plan.scheduled.append(ScheduledRequest(req, n, max_spec_tokens=k))
             budget -= n + k
             i += 1
+        return budget
 
-        # Admit waiting requests, but not in a step that had to preempt: memory is short.
-        while self.waiting and budget > 0 and not plan.preempted \
-                and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        """Move the head of ``waiting`` to ``running`` while budget, seats and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             resumed = bool(req.block_ids)
-            if resumed:  # its KV arrived from a prefill worker: resume where it is
-                hits, cached = [], req.num_computed_tokens
-            elif req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
-                hits, cached = [], 0  # every prompt position's logits are wanted: compute them all
-            else:
-                # Leave at least one token to compute: its logits pick the next token.
-                hits = self.bm.match_prefix(req.all_token_ids, req.num_tokens - 1)
-                cached = len(hits) * bs
+            hits, cached = self._cached_prefix(req)
             n = req.num_tokens - cached
             if n > budget:
                 # Unchunked, a request waits to go whole, unless it could never fit one step
@@ -233,16 +234,9 @@ class Scheduler:
                     break
                 n = budget
             if not self.bm.allocate(req.block_ids, cached + n, hits):
-                # Waiting requests holding KV (arrived from prefill) may pin the memory the
-                # head needs; with nothing running, nothing else would ever free it: drop the
-                # newest holder's KV (it recomputes, like a preemption) and try again.
-                holder = next((r for r in reversed(self.waiting) if r.block_ids), None)
-                if self.running or holder is None:
-                    break
-                self.bm.free(holder.block_ids)
-                holder.num_computed_tokens = 0
-                holder.num_preemptions += 1
-                continue
+                if self._drop_held_kv():
+                    continue
+                break
             self.waiting.popleft()
             if not resumed:
                 req.num_cached_tokens = cached
@@ -251,7 +245,32 @@ class Scheduler:
             self.running.append(req)
             plan.scheduled.append(ScheduledRequest(req, n))
             budget -= n
-        return plan
+
+    def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        """(prefix-cache blocks to share, tokens already computed) for a waiting request."""
+        if req.block_ids:  # its KV arrived from a prefill worker: resume where it is
+            return [], req.num_computed_tokens
+        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+            return [], 0  # every prompt position's logits are wanted: compute them all
+        # Leave at least one token to compute: its logits pick the next token.
+        hits = self.bm.match_prefix(req.all_token_ids, req.num_tokens - 1)
+        return hits, len(hits) * self.bm.block_size
+
+    def _drop_held_kv(self) -> bool:
+        """Free the newest waiting holder's KV when nothing else could free memory. Returns
+        False (changing nothing) when something runs or no waiting request holds KV.
+
+        Waiting requests holding KV (arrived from prefill) may pin the memory the head needs;
+        with nothing running, nothing else would ever free it: the newest holder's KV goes (it
+        recomputes, like a preemption) and the head tries again.
+        """
+        holder = next((r for r in reversed(self.waiting) if r.block_ids), None)
+        if self.running or holder is None:
+            return False
+        self.bm.free(holder.block_ids)
+        holder.num_computed_tokens = 0
+        holder.num_preemptions += 1
+        return True
 
     def _spec_room(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens a decoding request may verify this step (0: plain decode).

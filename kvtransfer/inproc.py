@@ -3,7 +3,7 @@
 For tests and single-process setups. Every endpoint gets a unique address
 ``inproc://<n>`` when it is built and is listed in a process-global registry under it;
 ``bind`` returns that address and ``connect`` just checks it exists. A message is delivered
-by appending ``(sender address, frames)`` to the destination's inbox, so the peer id a
+by the destination's ``deliver`` (``(sender address, frames)`` into its inbox), so the peer id a
 receiver sees is the sender's address, which is also what the sender's ``connect`` returned:
 replies need no extra bookkeeping.
 
@@ -72,7 +72,12 @@ class InprocTransport(FrameTransport):
         self._check_open()
         dest = _REGISTRY.get(peer)
         if dest is not None:
-            dest._inbox.append((self.address, [bytes(f) for f in frames]))
+            dest.deliver(self.address, [bytes(f) for f in frames])
+
+    def deliver(self, sender: str, frames: list[Buffer] | None) -> None:
+        """A message from ``sender`` arrives here (another endpoint's ``send``), or with None
+        a drop mark (its ``disconnect``)."""
+        self._inbox.append((sender, frames))
 
     def recv(self) -> tuple[str, list[Buffer]] | None:
         """Returns:
@@ -93,7 +98,7 @@ class InprocTransport(FrameTransport):
         self._connected.discard(peer)
         dest = _REGISTRY.get(peer)
         if dest is not None and not self._closed:
-            dest._inbox.append((self.address, None))
+            dest.deliver(self.address, None)
 
     def dropped(self) -> list[tuple[str, str]]:
         out = list(self._dropped)

@@ -13,6 +13,8 @@ import ray
 
 from engine import PREFILL_ONEDNN_CACHE_ENTRIES
 from engine.request import SamplingParams
+from kvtransfer.base import TransferState
+from prefill_worker.worker import PrefillWorker
 from worker.actor import WorkerActor
 from worker.protocol import Key, Record, Reservation
 
@@ -22,7 +24,6 @@ class PrefillCalls:
     over a worker core with ``submit``, ``connect``, ``sender``, ``transfers`` and ``abort``."""
 
     def _prefill_records(self, outputs, ended) -> list[Record | None]:
-        from kvtransfer.base import TransferState
         # (the worker already freed the ended transfers' blocks)
         # A request leaves here when its transfer ends (its blocks are freed then), not when
         # its first token is out: the transfer may still fail, and the router must hear of it.
@@ -64,7 +65,6 @@ class PrefillActor(PrefillCalls, WorkerActor):
     onednn_cache_entries = PREFILL_ONEDNN_CACHE_ENTRIES  # its row counts are prompt lengths
 
     def _make(self, engine, new_transport, lease_s, options, auth):
-        from prefill_worker.worker import PrefillWorker
         cpus = set(options.transfer_cpus)
         return PrefillWorker(engine, new_transport(), lease_s, auth, transfer_thread=bool(cpus),
                              transfer_cpus=cpus or None)

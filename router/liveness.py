@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from router.config import ClusterConfig
 from router.worker_state import Role, Worker, WorkerState
 from worker.protocol import ModelInfo
 
@@ -36,11 +38,28 @@ MAX_GONE = 16  # workers Ray cannot bring back, kept for `pdserve status`; older
 
 
 class Liveness:
-    """What :class:`router.pools.Pools` does to keep its workers alive and their KV connected.
-    Uses the pools' ``cfg``, ``workers``, ``model_info``, ``_weights``, ``on_lost``,
-    ``_spawn`` and ``_notify``."""
+    """Keeps the pools' workers alive and their KV connected (owned by :class:`router.pools.Pools`).
 
-    def _forget_address(self, w: Worker) -> None:
+    Args:
+        cfg: the cluster config (``router.stall_s`` is read at each use).
+        workers: the pools' workers by id (shared: liveness changes their state, and forgets
+            the oldest gone ones).
+        on_lost: called with the worker when it is lost; its requests must move elsewhere.
+        spawn: runs a coroutine in the background under a name (the pools cancel it at stop).
+        notify: capacity may have changed (a worker came or went): wakes admission.
+        actor_state: (state, restart count) of an actor in Ray's GCS, blocking (tests replace it).
+    """
+
+    def __init__(self, cfg: ClusterConfig, workers: dict[str, Worker], on_lost: Callable[[Worker], None],
+                 spawn: Callable[[Any, str], Any], notify: Callable[[], None],
+                 actor_state: Callable[[Any], tuple[str, int | None]] | None = None) -> None:
+        self.cfg, self.workers, self.on_lost = cfg, workers, on_lost
+        self._spawn, self._notify = spawn, notify
+        self.actor_state = actor_state or _actor_state
+        self.model_info: ModelInfo | None = None  # the first worker's; every other must match it
+        self._weights: dict[str, str] = {}  # model folder name -> the weights digest the first worker loaded
+
+    def forget_address(self, w: Worker) -> None:
         """A decode (or adaptive) worker's KV receiver address is dead (lost, retired): every
         worker that sends KV forgets it, so their per-peer tables do not grow with restarts."""
         if w.role is Role.COLOCATED or w.address is None:
@@ -93,12 +112,12 @@ class Liveness:
         w.reported(None)
         w.restarts += 1
         self.on_lost(w)
-        self._forget_address(w)
+        self.forget_address(w)
         self._notify()
         if back:
-            self._spawn(self._bring_up(w), f"up-{w.worker_id}")
+            self._spawn(self.bring_up(w), f"up-{w.worker_id}")
 
-    async def _bring_up(self, w: Worker) -> None:
+    async def bring_up(self, w: Worker) -> None:
         # (heavy: Ray, loaded when the cluster starts)
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
         while True:
@@ -143,7 +162,7 @@ class Liveness:
         """Ray cannot bring ``w`` back, or it cannot serve here (another model or weights): its
         process, if any, is ended, so that it holds no GPU, no pool resource and no memory."""
         w.state = WorkerState.GONE
-        self._forget_address(w)
+        self.forget_address(w)
         self._spawn(asyncio.to_thread(_kill, w.actor, False), f"kill-{w.worker_id}")
         gone = [x for x in self.workers.values() if x.state is WorkerState.GONE]
         for x in gone[:max(0, len(gone) - MAX_GONE)]:  # the oldest first (insertion order)
@@ -154,7 +173,6 @@ class Liveness:
         """Check the worker's model and wire its KV connections; returns its model info. A
         peer that does not connect (it died or restarts meanwhile) is skipped: when it comes
         back up, its own bring-up connects it to every ready worker of the other pool."""
-        from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
         info = await self.call(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
         if self.model_info and info.fingerprint != self.model_info.fingerprint:
             raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
@@ -167,12 +185,12 @@ class Liveness:
         self.model_info = self.model_info or info
         if w.role is not Role.PREFILL or w.adaptive:  # (an adaptive worker may decode later)
             w.address = await self.call(w, w.actor.address.remote())
-        await self._wire(w)
+        await self.wire(w)
         w.reported(None)
         w.reported(await self.call(w, w.actor.status.remote()))  # placement needs a load now
         return info
 
-    async def _wire(self, w: Worker) -> None:
+    async def wire(self, w: Worker) -> None:
         """Connect ``w``'s KV for its role: every ready prefill worker to a decode worker, a
         prefill worker to every ready decode worker."""
         from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
@@ -195,7 +213,7 @@ class Liveness:
                 except RayTaskError as e:  # that decode worker went away meanwhile; back, it connects
                     log.warning("%s did not connect to %s: %s", w.worker_id, d.worker_id, e.cause)
 
-    async def _health(self) -> None:
+    async def health(self) -> None:
         """Ask Ray about workers whose heartbeat went quiet (a long step is not death)."""
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
@@ -210,7 +228,6 @@ class Liveness:
                         # answered, and a process already restarted must not be killed.
                         self.stalled(w, f"no report for {now - w.last_seen:.0f}s (router.stall_s)")
 
-
     async def check_restart(self, w: Worker) -> bool:
         """Ask Ray whether ``w``'s actor restarted (RESTARTING, DEAD, or a restart count above
         the one before its bring-up); if so it is lost. Returns whether it was."""
@@ -224,11 +241,6 @@ class Liveness:
         else:
             return False
         return True
-
-    def actor_state(self, actor: Any) -> tuple[str, int | None]:
-        """(state, restart count) of the actor in Ray's GCS; blocking (call it in a thread).
-        Tests replace it."""
-        return _actor_state(actor)
 
 
 def _kill(actor: Any, restart: bool = True) -> None:
@@ -245,6 +257,8 @@ def _actor_state(actor: Any) -> tuple[str, int | None]:
     ("UNKNOWN", None) if unavailable."""
     try:
         from ray._private import state  # (heavy: Ray) no public API answers this without the dashboard
+        # Ray 2.60's ActorHandle has no public id accessor (``_actor_id`` is all it offers;
+        # ``get_runtime_context().get_actor_id()`` answers only inside the actor itself).
         info = state.actors(actor_id=actor._actor_id.hex())
         restarts = info.get("NumRestarts")
         return info.get("State", "UNKNOWN"), restarts if isinstance(restarts, int) else None

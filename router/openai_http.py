@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
 with ``stream: true``, ending ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Every
 request goes through ``Router.generate``, as gRPC's do: the same validation, admission queue,
-placement, limits and tokens (``Authorization: Bearer``). Shapes: router.openai_api.
+placement, limits and tokens (``Authorization: Bearer``). Shapes: router.openai_api (requests),
+router.openai_answer (responses).
 
 Errors are OpenAI's JSON with the matching status: 400 bad input (``param`` names it; a body
 too deep, not JSON or with a lone surrogate too: router.http_body), 401 no valid token, 403 a
@@ -47,8 +48,9 @@ from router.auth import is_loopback
 from router.http_body import read_json
 from router.http_conn import guarded
 from router.http_guard import Guard
-from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, Shaper, api_error,
-                               check_logprob_budget, models_list, parse, requests_for)
+from router.openai_answer import Shaper, models_list
+from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, api_error, check_logprob_budget,
+                               parse, requests_for)
 from router.reject import Reject, retry_after
 
 log = logging.getLogger("pdserve.router")
@@ -96,93 +98,114 @@ async def until_disconnect(receive, coro):
 def build_app(router):
     """The FastAPI app over ``router`` (a router.server.Router, started)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    limits, door_cfg = router.cfg.limits, router.cfg.front_door
-    started = int(time.time())
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)  # Starlette's own: 404 unknown path, 405, ...
+    routes = _Routes(router)
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    return app
 
-    def error(e: ApiError) -> Response:
-        headers = {"www-authenticate": "Bearer"} if e.status == 401 else \
-            {"connection": "close"} if e.status in (408, 413) else None  # (the body's rest unread)
-        if getattr(e, "retry_after", None) is not None:  # (a refusal's hint: _refusal)
-            headers = {**(headers or {}), "retry-after": e.retry_after}
-        # (ASCII JSON: a message may quote the client's input, lone surrogates included)
-        return Response(json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json")
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, e: ApiError):
-        return error(e)
+def error_response(e: ApiError) -> Response:
+    """OpenAI's JSON error with its status and headers (a 401's challenge, a refusal's hint)."""
+    headers = {"www-authenticate": "Bearer"} if e.status == 401 else \
+        {"connection": "close"} if e.status in (408, 413) else None  # (the body's rest unread)
+    if getattr(e, "retry_after", None) is not None:  # (a refusal's hint: _refusal)
+        headers = {**(headers or {}), "retry-after": e.retry_after}
+    # (ASCII JSON: a message may quote the client's input, lone surrogates included)
+    return Response(json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json")
 
-    @app.exception_handler(HTTPException)  # Starlette's own: 404 unknown path, 405, ...
-    async def _http_error(request, e: HTTPException):
-        return error(ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
 
-    def caller(request: Request) -> str:
+async def _api_error(request, e: ApiError) -> Response:
+    return error_response(e)
+
+
+async def _http_error(request, e: HTTPException) -> Response:
+    return error_response(ApiError(e.status_code, str(e.detail), type_="invalid_request_error"))
+
+
+class _Routes:
+    """The app's handlers over one router (its config read once, when the app is built)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+        self.limits, self.door_cfg = router.cfg.limits, router.cfg.front_door
+        self.started = int(time.time())
+
+    def caller(self, request: Request) -> str:
+        """The owner of the request's token; ApiError 401 without a valid one."""
         value = request.headers.get("authorization")
-        owner = router.door.auth.caller([("authorization", value)] if value else [])
+        owner = self.router.door.auth.caller([("authorization", value)] if value else [])
         if owner is None:
             raise ApiError(401, "this token is not valid here" if value else
                            "this server needs `Authorization: Bearer TOKEN`", code="invalid_api_key")
         return owner
 
-    @app.get("/health")
-    async def health():
+    async def health(self) -> Response:
+        router = self.router
         ok = not router.door.gate.draining and router.limits is not None and \
             all(router.pools.any_alive(r) for r in router.roles)
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        caller(request)
-        return models_list(router.served_model_name, router.limits.context_length, started)
+    async def models(self, request: Request):
+        self.caller(request)
+        return models_list(self.router.served_model_name, self.router.limits.context_length, self.started)
 
-    async def complete(request: Request, kind):
-        owner = caller(request)
+    async def completions(self, request: Request):
+        return await self.complete(request, CompletionRequest)
+
+    async def chat_completions(self, request: Request):
+        return await self.complete(request, ChatCompletionRequest)
+
+    async def complete(self, request: Request, kind) -> Response:
+        owner = self.caller(request)
         try:
-            raw = await read_json(request, limits.message_bytes, door_cfg.json_depth, door_cfg.body_timeout_s)
+            raw = await read_json(request, self.limits.message_bytes, self.door_cfg.json_depth,
+                                  self.door_cfg.body_timeout_s)
         except ClientDisconnect:  # gone while sending the body: nothing started
             return Response(status_code=499)
-        req = parse(kind, raw, limits.choices)
+        req = parse(kind, raw, self.limits.choices)
+        reqs, shaper = await self._shape(req, kind is ChatCompletionRequest)
+        return await _answer(request, req, _merged(self.router, reqs, owner, req.n), shaper)
+
+    async def _shape(self, req, chat: bool) -> tuple[list, Shaper]:
+        """The request's choices as router requests, checked, and the shaper of its answer."""
+        router = self.router
         if req.model != router.served_model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist here; this server serves "
                                 f"{router.served_model_name!r} (GET /v1/models)", "model", code="model_not_found")
-        chat = kind is ChatCompletionRequest
-        rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", limits.choices)
+        rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", self.limits.choices)
         check_logprob_budget(reqs, chat, router.limits.context_length, router.limits.default_max_tokens,
-                             door_cfg.logprob_entries)
+                             self.door_cfg.logprob_entries)
         echo = None
         if not chat and req.echo:  # the prompt's text before each choice's completion
             echo = [g.prompt if g.WhichOneof("input") == "prompt" else await _decode(router, g.token_ids.ids)
                     for g in reqs]
-        shaper = Shaper(chat, rid, router.served_model_name, len(reqs), router.token_text, echo,
-                        tools=chat and req.tools_offered)
-        events = _merged(router, reqs, owner, req.n)
-        try:
-            if not req.stream:
-                return await until_disconnect(request.receive, _whole(events, shaper, req.n))
-            # The status is decided by the first event: an error before any token (bad input, a
-            # full queue, no worker) is a plain error answer, not a 200 stream.
-            first = await until_disconnect(request.receive, anext(events, None))
-        except Reject as e:
-            await events.aclose()
-            raise _refusal(e) from None
-        except ClientGone:  # its requests are freed; nobody reads an answer (499: nginx's "client closed")
-            await events.aclose()
-            log.info("event=client_disconnected before the answer")
-            return Response(status_code=499)
-        except BaseException:
-            await events.aclose()
-            raise
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _SSE(_sse(first, events, shaper, req.n, include_usage))
+        return reqs, Shaper(chat, rid, router.served_model_name, len(reqs), router.token_text, echo,
+                            tools=chat and req.tools_offered)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await complete(request, CompletionRequest)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await complete(request, ChatCompletionRequest)
-
-    return app
+async def _answer(request: Request, req, events, shaper: Shaper) -> Response:
+    """The whole answer, or a stream whose status the first event decides: an error before any
+    token (bad input, a full queue, no worker) is a plain error answer, not a 200 stream."""
+    try:
+        if not req.stream:
+            return await until_disconnect(request.receive, _whole(events, shaper, req.n))
+        first = await until_disconnect(request.receive, anext(events, None))
+    except Reject as e:
+        await events.aclose()
+        raise _refusal(e) from None
+    except ClientGone:  # its requests are freed; nobody reads an answer (499: nginx's "client closed")
+        await events.aclose()
+        log.info("event=client_disconnected before the answer")
+        return Response(status_code=499)
+    except BaseException:
+        await events.aclose()
+        raise
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return _SSE(_sse(first, events, shaper, req.n, include_usage))
 
 
 def _refusal(e: Reject) -> ApiError:

@@ -11,7 +11,8 @@ Lifecycle of a worker here (``Worker.state``, a ``WorkerState``: router.worker_s
     model, other weights than the other workers), or lost while draining: GONE (its process is
     ended; the last ``liveness.MAX_GONE`` gone workers stay listed for `pdserve status`).
 
-Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, which :class:`Pools` builds on.
+Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, a component :class:`Pools` owns
+(``pools.liveness``).
 
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
 step with outputs and at least every 50 ms (worker.step_loop); one PULL socket here receives
@@ -75,7 +76,7 @@ def _least_loaded(workers: Iterable[Worker]) -> Worker | None:
                else (0, 0, w.worker_id), default=None)
 
 
-class Pools(Liveness):
+class Pools:
     """Creates the actors, keeps their loads current, notices deaths and restarts.
 
     Args:
@@ -89,10 +90,8 @@ class Pools(Liveness):
                  on_records: Callable[[Worker, list[Record]], None],
                  on_lost: Callable[[Worker], None]) -> None:
         self.cfg, self.model_path = cfg, model_path
-        self.on_records, self.on_lost = on_records, on_lost
+        self.on_records = on_records
         self.workers: dict[str, Worker] = {}
-        self.model_info: ModelInfo | None = None  # the first worker's; every other must match it
-        self._weights: dict[str, str] = {}  # model folder name -> the weights digest the first worker loaded
         self.bad_reports = 0  # messages on the report socket that were not a Report of a worker (or a replay)
         self.stale_reports = 0  # reports of another incarnation than a worker's current one (ignored)
         self.clock = time.monotonic  # (injectable: tests)
@@ -103,6 +102,12 @@ class Pools(Liveness):
         self._tasks: set[asyncio.Task] = set()  # running background tasks (each removes itself)
         self._sock = None
         self._next_index = dict.fromkeys(Role, 0)
+        self.liveness = Liveness(cfg, self.workers, on_lost, self._spawn, self._notify)
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """The first worker's model info (every other must match it); None before one is up."""
+        return self.liveness.model_info
 
     # ---- start / stop ------------------------------------------------------------------------
     async def start(self, progress: Callable[[str], None] = lambda s: None) -> None:
@@ -121,13 +126,13 @@ class Pools(Liveness):
         progress(f"starting {len(self.workers)} workers ({cfg.mode}) ...")
         # Decode workers first: a prefill worker coming up connects to every ready decode worker.
         decode = [w for w in self.workers.values() if w.role is not Role.PREFILL]
-        await asyncio.gather(*(self._bring_up(w) for w in decode))
-        await asyncio.gather(*(self._bring_up(w) for w in self.workers.values() if w.role is Role.PREFILL))
+        await asyncio.gather(*(self.liveness.bring_up(w) for w in decode))
+        await asyncio.gather(*(self.liveness.bring_up(w) for w in self.workers.values() if w.role is Role.PREFILL))
         bad = [w.worker_id for w in self.workers.values() if not w.state.accepting]
         if bad:
             raise RuntimeError(f"workers failed to start: {', '.join(bad)}")
         progress(f"{len(self.workers)} workers ready")
-        self._spawn(self._health(), "pools-health")
+        self._spawn(self.liveness.health(), "pools-health")
 
     def _create(self, role: str) -> Worker:
         """Create one worker actor (not yet up). Ray places it by its resources; on a cluster
@@ -166,7 +171,7 @@ class Pools(Liveness):
     def grow(self, role: str) -> Worker:
         """Add a worker to a pool; it takes requests once up (model loaded, connected)."""
         w = self._create(role)
-        self._spawn(self._bring_up(w), f"up-{w.worker_id}")
+        self._spawn(self.liveness.bring_up(w), f"up-{w.worker_id}")
         return w
 
     def drain(self, role: str, holds: Callable[[Worker], bool]) -> Worker | None:
@@ -200,10 +205,10 @@ class Pools(Liveness):
             return
         w.role = w.next_role  # (``next_role`` stays until wired: lost meanwhile, it comes back in it)
         try:
-            await self._wire(w)
+            await self.liveness.wire(w)
         except Exception as e:  # it died or stalled while connecting: replaced, back in the new role
             if w.state is WorkerState.DRAINING:
-                self.lost(w, f"connecting in its new role failed: {e!r}")
+                self.liveness.lost(w, f"connecting in its new role failed: {e!r}")
             return
         if w.state is WorkerState.DRAINING:  # (not lost while it was wired)
             w.state, w.next_role = WorkerState.READY, None
@@ -234,7 +239,7 @@ class Pools(Liveness):
             pass
         ray.kill(w.actor, no_restart=True)
         self.workers.pop(w.worker_id, None)
-        self._forget_address(w)
+        self.liveness.forget_address(w)
         self._notify()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task:
@@ -301,7 +306,7 @@ class Pools(Liveness):
         is its InvalidRequestError, any other error a bug (raised)."""
         from ray.exceptions import RayActorError, RayTaskError  # (heavy: Ray, loaded once the router serves)
         try:
-            return await self.call(w, make())
+            return await self.liveness.call(w, make())
         except asyncio.CancelledError:
             # The client gave up while the worker takes the call: it would hold the blocks (for
             # the lease, or a whole generation) with nobody left to free them. The abort queues
@@ -309,7 +314,7 @@ class Pools(Liveness):
             self.abort(w, key)
             raise
         except RayActorError as e:
-            self.lost(w, f"{what} failed: {e}")
+            self.liveness.lost(w, f"{what} failed: {e}")
             return UNREACHABLE
         except RayTaskError as e:  # (before TimeoutError: Ray makes it one if the cause was)
             if isinstance(e.cause, InvalidRequestError):
@@ -340,7 +345,7 @@ class Pools(Liveness):
 
     async def release(self, w: Worker, engine_ids: list[str]) -> int:
         """Free these requests' blocks on ``w``; returns the blocks freed."""
-        return await self.call(w, w.actor.release.remote(engine_ids))
+        return await self.liveness.call(w, w.actor.release.remote(engine_ids))
 
     def reserved(self, worker_id: str, blocks: int, new_call: bool = True, prompt_tokens: int = 0) -> None:
         """The router is about to make an admitting call (reserve, a submit that prefills there)
@@ -425,4 +430,4 @@ class Pools(Liveness):
         w.checked_at = self.clock()
         log.warning("worker %s: a report of incarnation %s, not its current %s, ignored (%d such so far); "
                     "asking Ray whether it restarted", w.worker_id, incarnation, w.incarnation, self.stale_reports)
-        self._spawn(self.check_restart(w), f"check-{w.worker_id}")
+        self._spawn(self.liveness.check_restart(w), f"check-{w.worker_id}")

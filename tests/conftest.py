@@ -66,12 +66,13 @@ def make_engine(model_path) -> Iterator[Callable[..., LLMEngine]]:
              num_blocks: int | None = None, block_size: int = 16, dtype: str = "float32",
              max_num_seqs: int = 64, model: str | None = None, compile_decode: bool = True,
              quantization: str | None = None, speculative=None, num_threads: int | None = None,
-             compile_decode_rows: int | None = None, activations: str = "float32") -> LLMEngine:
+             compile_decode_rows: int | None = None, activations: str = "float32",
+             weight_cache: bool = True) -> LLMEngine:
         cfg = EngineConfig(
             model=str(model) if model is not None else str(model_path), dtype=dtype,
             compile_decode=compile_decode, compile_decode_rows=compile_decode_rows,
             quantization=quantization, speculative=speculative,
-            num_threads=num_threads, activations=activations,
+            num_threads=num_threads, activations=activations, weight_cache=weight_cache,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_gb=memory_gb,
                               enable_prefix_caching=prefix),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,

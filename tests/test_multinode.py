@@ -80,7 +80,7 @@ def status(port: int) -> dict:
 
 
 def generate_all(port: int) -> list[list[int]]:
-    from cli.client import collect, connect, make_request
+    from router.client import collect, connect, make_request
     stub = connect(f"127.0.0.1:{port}")
     return [collect(stub.Generate(make_request(p, max_tokens=16, temperature=0)))["token_ids"] for p in PROMPTS]
 
@@ -140,7 +140,7 @@ def test_two_decode_workers_on_one_node_and_a_killed_one_recovers_mid_stream(nod
 
     import psutil
 
-    from cli.client import connect, make_request
+    from router.client import connect, make_request
     proc, port = serve(nodes, "decode.replicas=2")
     try:
         st = status(port)
@@ -188,7 +188,7 @@ def test_a_prompt_burst_adds_a_prefill_worker_on_the_prefill_node_and_it_drains_
 
     import psutil
 
-    from cli.client import collect, connect, make_request
+    from router.client import collect, connect, make_request
     from engine.request import SamplingParams
     fast = ["autoscale.enabled=true", "autoscale.interval_s=0.3", "autoscale.window_s=5",
             "autoscale.prefill.max_replicas=2", "autoscale.prefill.up_delay_s=1", "autoscale.prefill.down_delay_s=3",

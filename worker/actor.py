@@ -7,13 +7,21 @@ and which calls it answers; Ray-specific setup lives here once.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import ray
+import torch
+
 from engine import ONEDNN_CACHE_ENTRIES, bound_onednn_caches
 from engine.config import EngineConfig
+from engine.kv_budget import estimate_weights_bytes, kv_budget, node_available_bytes
+from engine.llm_engine import LLMEngine
+from engine.models.loader import resolve_model_path
 from kvtransfer.auth import PlaneAuth
-from kvtransfer.base import LEASE_S, FrameTransport
+from kvtransfer.base import LEASE_S, FrameTransport, get_transport
 from worker.step_loop import StepLoop, WorkerOptions
 
 
@@ -25,19 +33,13 @@ class WorkerActor(StepLoop):
     onednn_cache_entries = ONEDNN_CACHE_ENTRIES
 
     def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
-        import ray
-        import torch
         bound_onednn_caches(self.onednn_cache_entries)
-
-        from engine.llm_engine import LLMEngine
-        from kvtransfer.base import get_transport
         torch.set_num_threads(options.threads)  # several workers share a node's cores
         if options.transfer_cpus:  # the KV transfer's cores: the forward keeps off them
             _pin_forward(set(options.transfer_cpus))
         if options.metrics is not None and not options.metrics[0]:  # "": this node's address
             options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
         if options.resolve_model:
-            from engine.models.loader import resolve_model_path
             config = dataclasses.replace(config, model=str(resolve_model_path(options.model, progress=False)))
         if options.kv_cache_auto:  # this node's memory, before this worker's load takes any of it
             config = _auto_kv_cache(config, self.role)
@@ -63,11 +65,6 @@ def _auto_kv_cache(config: EngineConfig, role: str) -> EngineConfig:
     """``config`` with the KV cache ``kv_cache_gb: auto`` gives a ``role`` worker on this node
     (engine/kv_budget.py); the workers the node hosts are those its ``prefill``/``decode``
     resources admit (the most it can hold). Raises KVBudgetError when nothing is left."""
-    import sys
-
-    import ray
-
-    from engine.kv_budget import estimate_weights_bytes, kv_budget, node_available_bytes
     node = ray.get_runtime_context().get_node_id()
     res = next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node), {})
     counts = {r: int(res.get(r, 0)) for r in ("prefill", "decode")}
@@ -86,7 +83,6 @@ def _pin_forward(transfer_cpus: set[int]) -> None:
     """Run this thread, and every thread it starts from now on (torch's, the step loop), on
     the process's cores but ``transfer_cpus``. Raises ValueError naming the cores when that
     leaves none, or names a core the process cannot use."""
-    import os
     have = os.sched_getaffinity(0)
     if not transfer_cpus <= have or not have - transfer_cpus:
         raise ValueError(f"prefill.transfer_cpus {sorted(transfer_cpus)}: this worker may use cores "

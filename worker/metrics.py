@@ -58,7 +58,7 @@ def worker_families(workers: Iterable[WorkerView]) -> list:
     """Metric families for ``(labels, status, model info)`` of each worker (labels e.g.
     ``{"worker": "decode-0", "role": "decode"}``; every worker carries the same label names;
     status and info are None until it has reported them)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # (optional: /metrics only)
     workers = list(workers)
     if not workers:
         return []
@@ -107,7 +107,7 @@ def serve_metrics(source: Any, host: str, port: int) -> tuple[Any, int]:
     Returns:
         (the HTTP server, to ``shutdown()``; the bound port)
     """
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, start_http_server  # (optional: /metrics only)
     registry = source
     if not isinstance(source, CollectorRegistry):
         registry = CollectorRegistry(auto_describe=False)

@@ -15,6 +15,8 @@ the admitting call) is dropped here when it passes, even if the router's abort n
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import functools
 import logging
 import os
@@ -22,9 +24,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
+from engine.errors import InvalidRequestError
 from engine.llm_engine import RequestOutput
+from engine.memory import account, process_memory
+from engine.models.loader import weights_digest
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
@@ -58,8 +64,6 @@ def release_heap() -> bool:
 
 @functools.cache
 def _malloc_trim() -> Any:
-    import ctypes
-    import ctypes.util
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
@@ -70,7 +74,6 @@ def load_memory(engine: Any) -> Memory | None:
     """The engine's memory account (engine.memory.account, by category) and this process's
     figures, now: called once the model is up, so its peak RSS is the loading peak. None if the
     account fails (it walks the engine's objects: a new layout must not stop a worker)."""
-    from engine.memory import account, process_memory
     try:
         gb = account(engine).gb()
     except Exception:
@@ -97,9 +100,6 @@ class StepLoop:
         ``options.metrics`` serve ``/metrics``."""
         self.worker = worker
         self.options = options
-        from pathlib import Path
-
-        from engine.models.loader import weights_digest
         self._weights = weights_digest(Path(worker.engine.model_path))
         self.memory = load_memory(worker.engine)
         self._process_memory: tuple[float, float] | None = None  # (rss_gb, pss_gb) as of _memory_at
@@ -126,6 +126,7 @@ class StepLoop:
         self.metrics_address = None
         self._metrics_server = None
         if options.metrics is not None:
+            # (optional: prometheus_client, only for a worker that serves /metrics)
             from worker.metrics import WorkerCollector, serve_metrics
             host, port = options.metrics
             collector = WorkerCollector({"worker": self.worker_id, "role": self.role}, self._metrics_status,
@@ -216,7 +217,6 @@ class StepLoop:
         self.inbox.append((fn, key))
 
     def _run_inbox(self) -> None:
-        from engine.errors import InvalidRequestError
         while self.inbox:
             fn, waiter = self.inbox.popleft()
             try:
@@ -296,7 +296,7 @@ class StepLoop:
                                             f"{MAX_REPORT_BYTES} bytes", invalid=True)])
 
     def _connect(self) -> Any:
-        import zmq
+        import zmq  # (optional: only a worker with a router link reports, over zmq)
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)  # tokens are never dropped; the router drains them
         sock.connect(self.options.router.address)
@@ -379,7 +379,6 @@ class StepLoop:
     def _process_now(self, now: float) -> dict[str, float]:
         """rss_gb, pss_gb for a status: read again every ``MEMORY_REFRESH_S``, else the last reading."""
         if now - self._memory_at >= MEMORY_REFRESH_S:
-            from engine.memory import process_memory
             m = process_memory()
             self._process_memory, self._memory_at = (m["rss_gb"], m["pss_gb"]), now
         rss, pss = self._process_memory

@@ -168,6 +168,7 @@ def load(path: str | Path) -> CostModel:
 def fit_step(prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]]) -> StepCost:
     """Least-squares step coefficients from measured (chunk tokens, past tokens, ms) prefill
     steps and (batch, context sum, ms) decode steps, clipped at 0 (a negative term is noise)."""
+    # (heavy: numpy, loaded only by what uses them)
     import numpy as np
     rows, ys = [], []
     for b, ctx, ms in decode:

@@ -30,6 +30,7 @@ DECODE_STEPS = 3
 
 
 def _engine(model: str | None, threads: int, budget: int):
+    # (heavy: torch and the engine, loaded only by what uses them)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     cfg = EngineConfig(model=model, num_threads=threads, cache=CacheConfig(memory_gb=1.0),
@@ -45,6 +46,7 @@ def _prompt(i: int, n: int, vocab: int) -> list[int]:
 def profile(model: str | None = None, threads: int = 1, transfer_gbps: float | None = None,
             log=print) -> CostModel:
     """Measure and fit (module doc). ``log`` gets one line per measured point."""
+    # (heavy: torch and the engine, loaded only by what uses them)
     import torch
     from engine.request import SamplingParams
     eng = _engine(model, threads, budget=max(PREFILL_CHUNKS))

@@ -188,7 +188,7 @@ class FlashAttnBackend(AttentionBackend):
         if not torch.cuda.is_available():
             raise RuntimeError("attention backend 'flash_attn' needs a CUDA GPU; use 'sdpa' on CPU")
         try:
-            from flash_attn import flash_attn_varlen_func
+            from flash_attn import flash_attn_varlen_func  # optional: the pdserve[gpu] extra
         except ImportError as e:
             raise RuntimeError("attention backend 'flash_attn' needs the flash-attn package: "
                                "pip install 'pdserve[gpu]'") from e

@@ -21,14 +21,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import gguf
 import torch
+from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.memory import release_freed_memory
+from engine.models import gguf_codes as codes
+from engine.models.gguf_convert import cache_dir, unpermute
+from engine.models.hf_weights import our_name
+from engine.quant.linear import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +102,6 @@ def open_reader(path: Path):
     Raises:
         ModelLoadError: not a GGUF file, truncated, an unsupported version or architecture.
     """
-    import gguf
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(4)
@@ -122,7 +129,6 @@ def field(reader, key: str, default=None):
 
 
 def cache_root() -> Path:
-    from engine.models.gguf_convert import cache_dir
     return cache_dir() / "gguf"
 
 
@@ -177,6 +183,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def _write_config(path: Path, reader, out: Path) -> None:
     """config.json, generation_config.json and the tokenizer, as transformers reads them from
     the file (``from_pretrained(dir, gguf_file=...)``: the reference pdserve is checked against)."""
+    # heavy: transformers
     from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -225,10 +232,9 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
 
 def _linear_format(types: list[str], precision: str) -> str:
     """What a (fused) linear becomes: "int4", "int8" or "float" (module docstring)."""
-    from engine.models.gguf_codes import precision_class
     if precision != "as-shipped":
         return precision
-    classes = {precision_class(t) for t in types}
+    classes = {codes.precision_class(t) for t in types}
     return "float" if classes == {"float"} else "int4" if classes == {"int4"} else "int8"
 
 
@@ -241,12 +247,6 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
     Raises:
         ModelLoadError: unknown precision, a tensor missing or of a type we cannot read.
     """
-    from tqdm import tqdm
-
-    from engine.models import gguf_codes as codes
-    from engine.models.loader import our_name
-    from engine.quant.linear import Int4Linear, Int8Linear
-
     if precision not in PRECISIONS:
         raise ModelLoadError(f"GGUF precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     path = source(folder)
@@ -254,14 +254,7 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
     arch = field(reader, "general.architecture")
     cfg = json.loads((Path(folder) / "config.json").read_text())
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    # our module/tensor name -> [(part index, reader tensor, hf name)]
-    groups: dict[str, list] = {}
-    for t in reader.tensors:
-        name = hf_name(arch, t.name)
-        if name is None:
-            continue
-        ours, idx, n = our_name(name)
-        groups.setdefault(ours, [None] * n)[idx or 0] = (t, name)
+    groups = _tensor_groups(reader, arch)
     # The metadata (the vocabulary: a numpy view per token, 0.5 GB of objects for a 151k-token
     # file) is read once by prepare(); here only tensors are: freed before the weights convert,
     # it would otherwise sit on top of the loading peak.
@@ -270,37 +263,61 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
     if tied and precision != "float":  # the LM head as its own quantized copy of the embedding
         groups["lm_head.weight"] = groups.get("embed_tokens.weight")
     sd: dict[str, torch.Tensor] = {}
-    qmods: dict[str, object] = {}
+    qws: dict[str, object] = {}
     bar = tqdm(groups.items(), desc=f"loading {path.name}", unit="tensor",
                disable=None if progress else True)  # None: off when stderr is not a terminal
     for ours, parts in bar:
-        if parts is None or any(p is None for p in parts):
-            raise ModelLoadError(f"{str(path)!r} lacks a part of {ours}")
-        module, _, leaf = ours.rpartition(".")
-        is_linear = leaf == "weight" and module.rpartition(".")[2] in _LINEARS
-        fmt = _linear_format([t.tensor_type.name for t, _ in parts], precision) if is_linear else "float"
-        if ours == "embed_tokens.weight" and precision in ("as-shipped", "int4") and len(parts) == 1 \
-                and codes.precision_class(parts[0][0].tensor_type.name) == "int4":
-            fmt = "int4"  # the file's own codes, exactly: rows dequantized at lookup (QuantEmbedding)
-        try:
-            ws = [_one(t, hf, fmt, arch, n_head, n_kv) for t, hf in parts]
-        except NotImplementedError as e:
-            raise ModelLoadError(f"{str(path)!r}: tensor {parts[0][0].name} has a type pdserve cannot read "
-                                 f"({parts[0][0].tensor_type.name}: {e})") from None
+        fmt, ws = _read_group(path, ours, parts, precision, arch, n_head, n_kv)
         if fmt == "float":
             sd[ours] = ws[0] if len(ws) == 1 else torch.cat(ws)
         else:
-            qmods[module] = codes.concat_rows(ws) if len(ws) > 1 else ws[0]
+            qws[ours.rpartition(".")[0]] = codes.concat_rows(ws) if len(ws) > 1 else ws[0]
         del ws
         _release(reader, [t for t, _ in parts])
-    # biases may come after their weights in the file: attach them once all are read
+    out = _quantized_modules(qws, sd)
+    return sd, out, tied and "lm_head" not in out
+
+
+def _tensor_groups(reader, arch: str) -> dict[str, list]:
+    """Our module/tensor name -> [(reader tensor, hf name)] by part index (q, k, v of a fused qkv)."""
+    groups: dict[str, list] = {}
+    for t in reader.tensors:
+        name = hf_name(arch, t.name)
+        if name is None:
+            continue
+        ours, idx, n = our_name(name)
+        groups.setdefault(ours, [None] * n)[idx or 0] = (t, name)
+    return groups
+
+
+def _read_group(path: Path, ours: str, parts: list | None, precision: str, arch: str, n_head: int,
+                n_kv: int) -> tuple[str, list]:
+    """(format, its parts converted) of one of our tensors: "float" or a linear's "int4"/"int8"."""
+    if parts is None or any(p is None for p in parts):
+        raise ModelLoadError(f"{str(path)!r} lacks a part of {ours}")
+    module, _, leaf = ours.rpartition(".")
+    is_linear = leaf == "weight" and module.rpartition(".")[2] in _LINEARS
+    fmt = _linear_format([t.tensor_type.name for t, _ in parts], precision) if is_linear else "float"
+    if ours == "embed_tokens.weight" and precision in ("as-shipped", "int4") and len(parts) == 1 \
+            and codes.precision_class(parts[0][0].tensor_type.name) == "int4":
+        fmt = "int4"  # the file's own codes, exactly: rows dequantized at lookup (QuantEmbedding)
+    try:
+        return fmt, [_one(t, hf, fmt, arch, n_head, n_kv) for t, hf in parts]
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{str(path)!r}: tensor {parts[0][0].name} has a type pdserve cannot read "
+                             f"({parts[0][0].tensor_type.name}: {e})") from None
+
+
+def _quantized_modules(qws: dict[str, object], sd: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Each integer weight as its module, with its bias taken out of ``sd`` (biases may come after
+    their weights in the file: attached once all are read)."""
     out: dict[str, object] = {}
-    for module in list(qmods):  # popped: each integer weight freed once its module holds a copy
-        qw = qmods.pop(module)
+    for module in list(qws):  # popped: each integer weight freed once its module holds a copy
+        qw = qws.pop(module)
         bias = sd.pop(f"{module}.bias", None)
         out[module] = Int8Linear(qw, bias) if qw.bits == 8 else Int4Linear(qw, bias)
         del qw
-    return sd, out, tied and "lm_head" not in out
+    return out
 
 
 def _release(reader, tensors) -> None:
@@ -309,17 +326,14 @@ def _release(reader, tensors) -> None:
     by the last tensor) and the heap its conversion freed (glibc keeps freed temporaries for
     reuse: 3 GB retained by the end of a 1.5B load here). Peak resident memory while loading
     then stays near the weights kept plus one tensor's work."""
-    import mmap as _mmap
-
-    from engine.memory import release_freed_memory
     mm = getattr(reader.data, "_mmap", None)
     if mm is not None and hasattr(mm, "madvise"):
-        page = _mmap.PAGESIZE
+        page = mmap.PAGESIZE
         for t in tensors:
             start = t.data_offset // page * page
             end = t.data_offset + t.n_bytes
             try:
-                mm.madvise(_mmap.MADV_DONTNEED, start, end - start)
+                mm.madvise(mmap.MADV_DONTNEED, start, end - start)
             except (OSError, ValueError):  # beyond the mapping or not allowed: nothing to give back
                 pass
     release_freed_memory()
@@ -327,7 +341,6 @@ def _release(reader, tensors) -> None:
 
 def _one(t, hf: str, fmt: str, arch: str, n_head: int, n_kv: int):
     """One GGUF tensor as float (fp32) or as a QuantizedWeight in ``fmt``, in HF's row order."""
-    from engine.models import gguf_codes as codes
     if fmt == "float":
         w = codes.dequantized(t)
         if len(t.shape) == 1:
@@ -344,7 +357,6 @@ def _one(t, hf: str, fmt: str, arch: str, n_head: int, n_kv: int):
 def _unpermuted(w, hf: str, arch: str, n_head: int, n_kv: int):
     """llama's q/k rows back in HF's order (engine/models/gguf_convert.py ``unpermute``); qwen2
     and gemma3 files are written unpermuted: ``w`` itself comes back."""
-    from engine.models.gguf_convert import unpermute
     if arch != "llama" or not (".q_proj." in hf or ".k_proj." in hf):
         return w
     return unpermute(w, n_head if ".q_proj." in hf else n_kv)

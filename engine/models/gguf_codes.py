@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import dequantize
+from gguf.quants import Q4_K
 
 from engine.quant.formats import QuantizedWeight, quantize_weight
 
@@ -52,7 +54,6 @@ def _q4_1(blocks: np.ndarray):
 
 
 def _q4_k(blocks: np.ndarray):
-    from gguf.quants import Q4_K
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
@@ -81,7 +82,6 @@ CHUNK_ROWS = 4096  # rows dequantized at a time: gguf-py's temporaries stay ~100
 def dequantized(t, rows: slice | None = None) -> torch.Tensor:
     """A GGUF ReaderTensor (or its ``rows``) as fp32 [rows, cols], exactly as gguf-py (and so HF)
     dequantizes it, a chunk of rows at a time."""
-    from gguf import dequantize
     data = t.data if rows is None else t.data[rows]
     if data.ndim < 2 or data.shape[0] <= CHUNK_ROWS:
         # a copy always: an F32 tensor comes back as a view of the file's memory map, which would

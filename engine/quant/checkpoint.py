@@ -23,11 +23,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.layers.linear import can_prepack, prepack_linears
+from engine.models.registry import build_model
 from engine.quant.config import QuantConfig
 from engine.quant.formats import QuantizedWeight, unpack_int4
+from engine.quant.hf_format import hf_quant_config, is_hf_quantized, read_hf_quantized
 from engine.quant.linear import Int4Linear, Int8Linear, QuantLinear, W8A8Linear
+from engine.quant.linear.int4 import QuantEmbedding
+from engine.quant.swap import set_module
 
 META_FILE = "pdserve_quant.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -37,7 +45,6 @@ _SKIP_COPY = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
     """Ours (``pdserve_quant.json``) or a Hugging Face GPTQ/AWQ folder (engine/quant/hf_format.py)."""
-    from engine.quant.hf_format import is_hf_quantized
     return (Path(path) / META_FILE).is_file() or is_hf_quantized(path)
 
 
@@ -45,7 +52,6 @@ def checkpoint_name(path: str | Path) -> str:
     """The format's short name ("int4-g128", ...), what model_info reports."""
     if (Path(path) / META_FILE).is_file():
         return read_meta(path)["name"]
-    from engine.quant.hf_format import hf_quant_config
     return hf_quant_config(path).name
 
 
@@ -75,7 +81,6 @@ def save_quantized(model: nn.Module, cfg: QuantConfig, out_dir: str | Path, sour
         source_dir: the full-precision model folder, whose config/tokenizer files are copied.
         report: extra JSON-able facts to keep (quality before/after, protected layers).
     """
-    from safetensors.torch import save_file
 
     out, src = Path(out_dir), Path(source_dir)
     copy_side_files(src, out)
@@ -120,13 +125,8 @@ def load_quantized(path: str | Path, backend, dtype: torch.dtype, device: str = 
         ModelLoadError: the weights do not match the config or the layer list, or a layout
             our kernels cannot run.
     """
-    from safetensors.torch import load_file
-
-    from engine.errors import ModelLoadError
-
     path = Path(path)
     if not (path / META_FILE).is_file():
-        from engine.quant.hf_format import read_hf_quantized
         sd, qmods, tied = read_hf_quantized(path)
         return assemble(path, sd, qmods, tied, backend, dtype, device, prepack)
     meta = read_meta(path)
@@ -151,34 +151,52 @@ def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLine
     Raises:
         ModelLoadError: tensors missing, unexpected or of the wrong shape.
     """
-    from engine.config import ModelConfig
-    from engine.errors import ModelLoadError
-    from engine.layers.linear import can_prepack, prepack_linears
-    from engine.models.registry import build_model
-    from engine.quant.quantize import set_module
-
     cfg = ModelConfig.from_hf(path)
     model = build_model(cfg, backend, "cpu")
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     elif cfg.tie_word_embeddings:  # the config ties it, but the checkpoint has a head of its own
         model.lm_head.weight = nn.Parameter(torch.empty_like(model.embed_tokens.weight))
-    modules = dict(model.named_modules())
     qmods = dict(qmods)
     embedding = qmods.pop("embed_tokens", None)  # an INT4 table (engine/models/gguf.py): not a linear
+    _check_quantized_shapes(model, path, qmods, embedding)
+    _take_tensors(model, path, sd, qmods, embedding is not None, tied)
+    for name in qmods:  # drop the placeholder fp weights before casting
+        set_module(model, name, nn.Identity())
+    if embedding is not None:
+        model.embed_tokens = QuantEmbedding(embedding)
+    model = model.to(device=device, dtype=dtype)
+    for name, mod in qmods.items():
+        set_module(model, name, mod.to(device))
+    model = model.eval().requires_grad_(False)
+    if prepack and can_prepack(dtype, device):
+        prepack_linears(model)
+    return model
+
+
+def _check_quantized_shapes(model: nn.Module, path: Path, qmods: dict[str, QuantLinear],
+                            embedding: QuantLinear | None) -> None:
+    """Each quantized module replaces a linear of its shape (the table: the embedding's shape)."""
     if embedding is not None and (embedding.out_features, embedding.in_features) != tuple(
             model.embed_tokens.weight.shape):
         raise ModelLoadError(f"embed_tokens: quantized table [{embedding.out_features}, {embedding.in_features}] "
                              f"in {str(path)!r} does not fit the model {tuple(model.embed_tokens.weight.shape)}")
+    modules = dict(model.named_modules())
     for name, mod in qmods.items():
         lin = modules.get(name)
         if not isinstance(lin, nn.Linear) or (lin.out_features, lin.in_features) != (mod.out_features, mod.in_features):
             want = "no such linear" if not isinstance(lin, nn.Linear) else f"[{lin.out_features}, {lin.in_features}]"
             raise ModelLoadError(f"{name}: quantized weight [{mod.out_features}, {mod.in_features}] in {str(path)!r} "
                                  f"does not fit the model ({want})")
+
+
+def _take_tensors(model: nn.Module, path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLinear],
+                  quantized_embedding: bool, tied: bool) -> None:
+    """Every full-precision parameter the quantized modules leave, from ``sd`` (emptied: each
+    tensor taken over where it can be, so no second copy is held while loading)."""
     params = dict(model.named_parameters())
     expected = {n for n in params if n.rpartition(".")[0] not in qmods}
-    if embedding is not None:
+    if quantized_embedding:
         expected.discard("embed_tokens.weight")
     if tied:
         expected.discard("lm_head.weight")
@@ -195,15 +213,3 @@ def assemble(path: Path, sd: dict[str, torch.Tensor], qmods: dict[str, QuantLine
                 params[name].data = w  # take the tensor over: no second copy while loading
             else:
                 params[name].copy_(w)
-    for name in qmods:  # drop the placeholder fp weights before casting
-        set_module(model, name, nn.Identity())
-    if embedding is not None:
-        from engine.quant.linear import QuantEmbedding
-        model.embed_tokens = QuantEmbedding(embedding)
-    model = model.to(device=device, dtype=dtype)
-    for name, mod in qmods.items():
-        set_module(model, name, mod.to(device))
-    model = model.eval().requires_grad_(False)
-    if prepack and can_prepack(dtype, device):
-        prepack_linears(model)
-    return model

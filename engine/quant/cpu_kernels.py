@@ -74,7 +74,7 @@ def cpu_class() -> str:
 @functools.cache
 def native_bf16() -> bool:
     """Whether bf16 GEMMs run natively here (AVX512-BF16 or AMX, torch dispatching at AVX-512):
-    the INT8-activation mode's prefill then multiplies in bf16 (engine/quant/linear.py)."""
+    the INT8-activation mode's prefill then multiplies in bf16 (engine/quant/linear/)."""
     cls = cpu_class()
     return "+BF16" in cls or "+AMX" in cls
 
@@ -117,44 +117,3 @@ def w8a8_reduce_range() -> bool:
                     "about 3x the accuracy loss of a VNNI CPU (README); `int8` (weight-only) keeps it under 1%%",
                     engine, cpu_class())
     return reduce
-
-
-def report(model: torch.nn.Module | None = None, single_token: str | None = None, rows: int = 1) -> str:
-    """One line: the CPU class and the kernel each quantized format of ``model`` runs here, with
-    the small-step decode path where there is one (``single_token``: "native" for
-    engine/models/native_decode.c, "compiled" for the torch.compile'd graphs; steps of up to
-    ``rows`` tokens).
-
-    e.g. ``"cpu AVX2; int8: int8pack bf16-act (batched), native GEMV (steps <= 4 tokens);
-    w8a8: x86 7-bit act (int16 pair sums saturate here)"``.
-    """
-    steps = "one-token" if rows <= 1 else f"steps <= {rows} tokens"
-    from engine.quant.linear import DEQUANT_ROWS, Int4Linear, Int8Linear, W8A8Linear
-    parts = [f"cpu {cpu_class()}"]
-    kinds: dict[str, str] = {}
-    native = single_token == "native"
-    for mod in (model.modules() if model is not None else ()):
-        if isinstance(mod, Int8Linear) and "int8" not in kinds:
-            act = str(mod.act_dtype).removeprefix("torch.")
-            fast = (f", native GEMV ({steps})" if native else f", compiled fp32 GEMV ({steps})") if single_token else ""
-            kinds["int8"] = f"{mod.kernel} {act}-act (batched){fast}"
-        elif isinstance(mod, Int4Linear) and "int4" not in kinds:
-            act = str(mod.act_dtype).removeprefix("torch.")
-            if mod.kernel == "native":  # one copy, in the native layout, for every path
-                small = f"native GEMV ({steps})" if native else "native GEMV"
-                kinds["int4"] = (f"{small}, batched < {DEQUANT_ROWS} rows the same GEMV, "
-                                 f"from {DEQUANT_ROWS} rows fp32 GEMM on the weight dequantized")
-            elif native:
-                kinds["int4"] = f"{mod.kernel} {act}-act (batched), native GEMV ({steps})"
-            else:
-                fast = f" (batched; {steps}: inside the compiled graphs)" if single_token else ""
-                kinds["int4"] = f"{mod.kernel} {act}-act{fast}"
-        elif isinstance(mod, W8A8Linear) and "w8a8" not in kinds:
-            kinds["w8a8"] = (f"{torch.backends.quantized.engine} "
-                             + ("7-bit act (int16 pair sums saturate here)" if mod.reduce_range else "8-bit act"))
-    parts += [f"{k}: {v}" for k, v in kinds.items()]
-    if getattr(model, "int8_activations", False):
-        parts.append(f"int8 activations (INT4/INT8 GEMVs, steps < {DEQUANT_ROWS} rows)")
-    if not kinds and single_token:
-        parts.append(f"fp32: {single_token} GEMV ({steps})")
-    return "; ".join(parts)

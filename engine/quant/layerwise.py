@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.quant.calib import SequenceForward
+from engine.quant.swap import make_module, set_module
 
 # handle(layer prefix, {linear name: inputs [tokens, in_features] fp32}) -> None
 Handler = Callable[[str, dict[str, torch.Tensor]], None]
@@ -30,7 +31,6 @@ class QuantizedSwap:
         self._originals: dict[str, nn.Module] = {}
 
     def put(self, name: str, lin: nn.Linear, qw) -> None:
-        from engine.quant.quantize import make_module, set_module
         self.weights[name] = qw
         self._originals[name] = lin
         set_module(self.model, name, make_module(qw, lin.bias, self.cfg))
@@ -38,7 +38,6 @@ class QuantizedSwap:
     def finish(self, swap: bool) -> dict:
         """The quantized weights by name; with ``swap=False`` the model gets its linears back."""
         if not swap:
-            from engine.quant.quantize import set_module
             for name, lin in self._originals.items():
                 set_module(self.model, name, lin)
         return self.weights

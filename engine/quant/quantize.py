@@ -16,10 +16,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from engine.quant.awq import awq_model
 from engine.quant.calib import iter_linears
 from engine.quant.config import QuantConfig
 from engine.quant.formats import QuantizedWeight, quantize_weight
-from engine.quant.linear import Int4Linear, Int8Linear, QuantLinear, W8A8Linear
+from engine.quant.gptq import gptq_model
+from engine.quant.smoothquant import smooth_model
+from engine.quant.swap import swap_in
 
 # HF projection names -> our fused modules, so `--protect q_proj` does what the user means.
 ALIASES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
@@ -93,26 +96,6 @@ def rtn_weights(targets: dict[str, nn.Linear], cfg: QuantConfig) -> dict[str, Qu
             for n, m in targets.items()}
 
 
-def make_module(qw: QuantizedWeight, bias: torch.Tensor | None, cfg: QuantConfig,
-                in_scale: torch.Tensor | None = None) -> QuantLinear:
-    if cfg.activations == "int8":
-        return W8A8Linear(qw, bias, in_scale)
-    return Int8Linear(qw, bias) if qw.bits == 8 else Int4Linear(qw, bias)
-
-
-def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
-def swap_in(model: nn.Module, weights: dict[str, QuantizedWeight], cfg: QuantConfig,
-            in_scales: dict[str, torch.Tensor] | None = None) -> None:
-    """Replace each named ``nn.Linear`` by its quantized module (keeping its bias)."""
-    for n, qw in weights.items():
-        lin = model.get_submodule(n)
-        set_module(model, n, make_module(qw, lin.bias, cfg, (in_scales or {}).get(n)))
-
-
 @torch.no_grad()
 def compute_weights(model: nn.Module, cfg: QuantConfig, targets: dict[str, nn.Linear],
                     seqs: list[list[int]] | None = None, progress: Progress | None = None,
@@ -124,16 +107,13 @@ def compute_weights(model: nn.Module, cfg: QuantConfig, targets: dict[str, nn.Li
         (weights by name, per-layer input scales for W8A8 layers that could not fold them).
     """
     if cfg.activations == "int8":
-        from engine.quant.smoothquant import smooth_model
         in_scales = smooth_model(model, targets, _need(seqs, "SmoothQuant"), cfg.smooth_alpha, progress)
         targets = {n: model.get_submodule(n) for n in targets}  # smoothing may have untied lm_head
         return rtn_weights(targets, cfg), in_scales
     if cfg.method == "rtn":
         return rtn_weights(targets, cfg), {}
     if cfg.method == "gptq":
-        from engine.quant.gptq import gptq_model
         return gptq_model(model, cfg, targets, _need(seqs, "GPTQ"), progress, swap=swap), {}
-    from engine.quant.awq import awq_model
     return awq_model(model, cfg, targets, _need(seqs, "AWQ"), progress, swap=swap), {}
 
 

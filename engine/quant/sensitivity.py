@@ -18,7 +18,7 @@ from torch import nn
 from engine.quant.calib import mean_nll
 from engine.quant.config import QuantConfig
 from engine.quant.formats import QuantizedWeight
-from engine.quant.quantize import make_module, set_module
+from engine.quant.swap import make_module, set_module
 
 
 @dataclass

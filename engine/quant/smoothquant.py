@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.quant.awq import _producers, _untie
+from engine.quant.fold import fold_order, own_linear, producers
 from engine.quant.layerwise import run_layerwise
 
 
@@ -38,17 +38,10 @@ def smooth_model(model: nn.Module, targets: dict[str, nn.Linear], seqs: list[lis
     Returns:
         per-layer input scales that could not be folded (none with this model family).
     """
-    from engine.quant.quantize import set_module
-
     def handle(prefix: str, inputs: dict[str, torch.Tensor]) -> None:
-        fold = _producers(model, prefix)
-        for name in sorted(inputs, key=lambda n: not n.endswith("down_proj")):
-            if name not in fold:
-                continue
-            lin = model.get_submodule(name)
-            if lin.weight is model.embed_tokens.weight:
-                lin = _untie(lin)
-                set_module(model, name, lin)
+        fold = producers(model, prefix)
+        for name in fold_order(n for n in inputs if n in fold):
+            lin = own_linear(model, name)
             s = smooth_scale(inputs[name].abs().amax(0), [lin.weight], alpha)
             fold[name](s)
             lin.weight.mul_(s)

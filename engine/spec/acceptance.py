@@ -18,13 +18,44 @@ def accept_draft(draft_ids: list[int], target: Tensor, draft_probs: Tensor | Non
                  generator_at: Callable[[int], torch.Generator | None]) -> list[int]:
     """Accept a prefix of the draft and add one token of the target's own.
 
-    Greedy (temperature 0): keep the longest prefix of the draft that equals the target's
+    Greedy requests keep the draft where it equals the target's argmax (:func:`_accept_greedy`);
+    sampled ones use speculative sampling, whose maths is written beside its code
+    (:func:`_accept_sampled`).
+
+    Args:
+        draft_ids: the k draft tokens d_0..d_{k-1} (k may be 0: plain decoding).
+        target: [k+1, V]. Sampling: the target's probabilities p_0..p_k (row j is the
+            distribution of the token at draft slot j, row k the one after the last draft).
+            Greedy: scores whose argmax is the target's choice (penalized logits suffice).
+        draft_probs: [k, V] draft probabilities q_j, or None for a deterministic draft.
+        greedy: the request decodes greedily.
+        generator_at: the generator for the draws at slot j (None: torch's global RNG).
+
+    Returns:
+        n accepted drafts followed by one token from the target: n + 1 token ids, 0 <= n <= k.
+    """
+    if greedy:
+        return _accept_greedy(draft_ids, target)
+    return _accept_sampled(draft_ids, target, draft_probs, generator_at)
+
+
+def _accept_greedy(draft_ids: list[int], target: Tensor) -> list[int]:
+    """Greedy (temperature 0): keep the longest prefix of the draft that equals the target's
     argmax at each position, then add the target's argmax after it (the "bonus" token when
     every draft was right, the correction otherwise). The output equals plain greedy decoding
-    token for token, whatever the draft proposed.
+    token for token, whatever the draft proposed."""
+    k = len(draft_ids)
+    best = target.argmax(dim=-1).tolist()
+    n = 0
+    while n < k and draft_ids[n] == best[n]:
+        n += 1
+    return list(draft_ids[:n]) + [best[n]]
 
-    Sampling (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023). At draft slot j
-    the draft proposed x ~ q_j and the target's distribution there is p_j (both after the same
+
+def _accept_sampled(draft_ids: list[int], target: Tensor, draft_probs: Tensor | None,
+                    generator_at: Callable[[int], torch.Generator | None]) -> list[int]:
+    """Speculative sampling (Leviathan et al. 2023 / Chen et al. 2023). At draft slot j the
+    draft proposed x ~ q_j and the target's distribution there is p_j (both after the same
     penalties, temperature, top-k, top-p and min-p; the caller builds them identically):
 
         accept x with probability min(1, p_j(x) / q_j(x));
@@ -39,26 +70,7 @@ def accept_draft(draft_ids: list[int], target: Tensor, draft_probs: Tensor | Non
     A deterministic draft (n-gram lookup, a greedy draft model) has q_j = point mass on x: then
     x is accepted with probability p_j(x) and r_j is p_j with x removed. Greedy is the special
     case where p_j is a point mass too.
-
-    Args:
-        draft_ids: the k draft tokens d_0..d_{k-1} (k may be 0: plain decoding).
-        target: [k+1, V]. Sampling: the target's probabilities p_0..p_k (row j is the
-            distribution of the token at draft slot j, row k the one after the last draft).
-            Greedy: scores whose argmax is the target's choice (penalized logits suffice).
-        draft_probs: [k, V] draft probabilities q_j, or None for a deterministic draft.
-        greedy: the request decodes greedily.
-        generator_at: the generator for the draws at slot j (None: torch's global RNG).
-
-    Returns:
-        n accepted drafts followed by one token from the target: n + 1 token ids, 0 <= n <= k.
     """
-    k = len(draft_ids)
-    if greedy:
-        best = target.argmax(dim=-1).tolist()
-        n = 0
-        while n < k and draft_ids[n] == best[n]:
-            n += 1
-        return list(draft_ids[:n]) + [best[n]]
     for j, x in enumerate(draft_ids):
         p = target[j]
         px = float(p[x])
@@ -77,5 +89,6 @@ def accept_draft(draft_ids: list[int], target: Tensor, draft_probs: Tensor | Non
             residual = p
         tok = int(sample_from_probs(residual.unsqueeze(0), [gen])[0])
         return list(draft_ids[:j]) + [tok]
+    k = len(draft_ids)
     tok = int(sample_from_probs(target[k].unsqueeze(0), [generator_at(k)])[0])
     return list(draft_ids) + [tok]

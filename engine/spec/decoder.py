@@ -23,6 +23,7 @@ from engine.request import Request
 from engine.scheduler import StepPlan, StepResult
 from engine.spec.adaptive import AdaptiveK, expected_tokens
 from engine.spec.proposer import Proposer
+from engine.spec.registry import build_proposer
 from engine.spec.verify import GeneratorFn
 
 
@@ -126,5 +127,4 @@ def build_spec_decoder(config: SpeculativeConfig, engine) -> SpecDecoder:
     Raises:
         ModelLoadError: a draft model that cannot be used (e.g. a different tokenizer).
     """
-    from engine.spec.registry import build_proposer
     return SpecDecoder(config, build_proposer(config, engine))

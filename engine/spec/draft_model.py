@@ -10,6 +10,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import allocate_kv_tensors, kv_bytes_per_block
 from engine.layers.attention import get_attention_backend
+from engine.models.loader import load_model, resolve_model_path
 from engine.spec.model_draft import ModelDraft
 
 
@@ -51,9 +52,7 @@ def load_draft_model(path: str | Path, target_tokenizer, target_config: ModelCon
     Raises:
         ModelLoadError: unsupported checkpoint, a different tokenizer, or too short a context.
     """
-    from transformers import AutoTokenizer
-
-    from engine.models.loader import load_model, resolve_model_path
+    from transformers import AutoTokenizer  # heavy: transformers
     path = resolve_model_path(str(path), progress=False)
     cfg = ModelConfig.from_hf(path)
     try:

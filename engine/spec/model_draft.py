@@ -15,9 +15,8 @@ the whole prompt for a new request), then its own drafts one at a time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -75,50 +74,17 @@ class ModelDraft(Proposer):
             return
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list[Tensor]] = [[] for _ in items]
-        bs = self.block_size
         # Step 0 feeds what the draft has not seen, up to the last token; then one draft each.
         # Timing for the adaptive policy: the first forward carries the catch-up tokens.
-        self.catchup_tokens, self.first_seconds, self.rest_seconds = 0, 0.0, 0.0
-        feeds = []
-        for s in items:
-            r = s.request
-            start = self._valid(r)
-            feeds.append((start, r.all_token_ids[start:]))
-            self.catchup_tokens += len(feeds[-1][1]) - 1
+        feeds = [self._unseen(s.request) for s in items]
+        self.catchup_tokens = sum(len(toks) - 1 for _, toks in feeds)
+        self.first_seconds, self.rest_seconds = 0.0, 0.0
         for step in range(max(s.max_spec_tokens for s in items)):
             t0 = time.perf_counter()
             live = [i for i, s in enumerate(items) if s.max_spec_tokens > step]
-            ids, pos, slots, qlens, ctxs, tables, rows = [], [], [], [], [], [], []
-            for i in live:
-                r = items[i].request
-                start, toks = feeds[i]
-                rng = range(start, start + len(toks))
-                ids.extend(toks)
-                pos.extend(rng)
-                slots.extend(r.block_ids[p // bs] * bs + p % bs for p in rng)
-                qlens.append(len(toks))
-                ctxs.append(start + len(toks))
-                tables.append(r.block_ids)
-                rows.append(len(ids) - 1)
-            dev = self.device
-            meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), qlens, ctxs, tables, bs)
-            self.backend.prepare(meta, dev)
-            hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
-                                        self.kv_caches)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
             reqs = [items[i].request for i in live]
-            params = [r.sampling_params for r in reqs]
-            logits = apply_penalties(logits, params, [r.prompt_token_ids for r in reqs],
-                                     [r.output_token_ids + drafts[i] for r, i in zip(reqs, live)])
-            best = logits.argmax(dim=-1).tolist()
-            sampled = [j for j, p in enumerate(params) if not p.greedy]
-            if sampled:
-                q = logits_to_probs(logits[sampled], [params[j] for j in sampled])
-                for row, j in enumerate(sampled):
-                    r, i = reqs[j], live[j]
-                    gen = generator(r, r.num_output_tokens + step, DRAFT_STREAM)
-                    best[j] = int(sample_from_probs(q[row:row + 1], [gen])[0])
-                    probs[i].append(q[row])
+            logits = self._forward(reqs, [feeds[i] for i in live])
+            best = self._choose(logits, reqs, step, generator, [drafts[i] for i in live], [probs[i] for i in live])
             for j, i in enumerate(live):
                 drafts[i].append(best[j])
                 start, toks = feeds[i]
@@ -133,3 +99,45 @@ class ModelDraft(Proposer):
             # Fed positions: up to the last token, then all drafts but the newest.
             self._computed[r.request_id] = (r.num_preemptions, feeds[i][0])
             s.set_draft(drafts[i], torch.stack(probs[i]) if probs[i] else None)
+
+    def _unseen(self, r: Request) -> tuple[int, list[int]]:
+        """(first position the draft has no KV for, the tokens from there on)."""
+        start = self._valid(r)
+        return start, r.all_token_ids[start:]
+
+    def _forward(self, reqs: list[Request], feeds: list[tuple[int, list[int]]]) -> Tensor:
+        """One draft forward over each request's fed tokens; the logits at each one's last."""
+        bs, dev = self.block_size, self.device
+        ids, pos, slots, qlens, ctxs, rows = [], [], [], [], [], []
+        for r, (start, toks) in zip(reqs, feeds):
+            rng = range(start, start + len(toks))
+            ids.extend(toks)
+            pos.extend(rng)
+            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in rng)
+            qlens.append(len(toks))
+            ctxs.append(start + len(toks))
+            rows.append(len(ids) - 1)
+        tables = [r.block_ids for r in reqs]
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), qlens, ctxs, tables, bs)
+        self.backend.prepare(meta, dev)
+        hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
+                                    self.kv_caches)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+
+    def _choose(self, logits: Tensor, reqs: list[Request], step: int, generator: GeneratorFn,
+                drafts: list[list[int]], probs: list[list[Tensor]]) -> list[int]:
+        """Each request's next draft token: the argmax for greedy requests, a draw from q for
+        sampled ones (whose q row is appended to their ``probs``)."""
+        params = [r.sampling_params for r in reqs]
+        logits = apply_penalties(logits, params, [r.prompt_token_ids for r in reqs],
+                                 [r.output_token_ids + d for r, d in zip(reqs, drafts)])
+        best = logits.argmax(dim=-1).tolist()
+        sampled = [j for j, p in enumerate(params) if not p.greedy]
+        if sampled:
+            q = logits_to_probs(logits[sampled], [params[j] for j in sampled])
+            for row, j in enumerate(sampled):
+                r = reqs[j]
+                gen = generator(r, r.num_output_tokens + step, DRAFT_STREAM)
+                best[j] = int(sample_from_probs(q[row:row + 1], [gen])[0])
+                probs[j].append(q[row])
+        return best

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from engine.kv_cache import allocate_kv_tensors
 from engine.layers.attention import get_attention_backend
+from engine.models.loader import load_model
+from engine.quant.checkpoint import is_quantized_checkpoint
 from engine.spec.model_draft import ModelDraft
 
 
@@ -18,8 +20,6 @@ def quant_self_draft(engine, quantization: str = "int4") -> ModelDraft:
     Raises:
         ModelLoadError: the target cannot be reloaded.
     """
-    from engine.models.loader import load_model
-    from engine.quant.checkpoint import is_quantized_checkpoint
     mc = engine.model_config
     backend = get_attention_backend(engine.config.attention_backend)
     # A target that is already a quantized checkpoint is its own cheap copy: load it as saved.

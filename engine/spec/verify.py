@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.grammar import apply_bitmask
 from engine.request import Request
 from engine.sampler import apply_penalties, logits_to_probs
 from engine.scheduler import ScheduledRequest
@@ -51,7 +52,6 @@ def verify(logits: Tensor, items: Sequence[ScheduledRequest], generator: Generat
             outputs.append(r.output_token_ids + d[:j])
     logits = apply_penalties(logits, params, prompts, outputs)
     if masks is not None:
-        from engine.grammar import apply_bitmask
         logits = apply_bitmask(logits, *masks)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     probs = logits_to_probs(logits[sampled_rows], [params[i] for i in sampled_rows]) if sampled_rows else None

@@ -7,8 +7,10 @@ line runs on its progress thread)::
     caller ── connect / send / recv / disconnect / dropped / close
        │
     transport.py   UcxTransport: the caller's queues (_outbox, _inbox), the progress thread,
-       │           the send side (header + one tagged send per frame), worker replacement
+       │           worker replacement; it owns a SendSide and a ReceiveSide
     ───┼──────────────────────────────────────────────────────────────────────────────────
+       ├── send.py        SendSide: header + one tagged send per frame, the caller's buffers
+       │                  kept until each send completes
        ├── recv.py        ReceiveSide: probe headers, check them before allocating, post the
        │                  frames' receives, deliver each sender's messages in order
        ├── peers.py       PeerTable: one record per peer uid, one UCX endpoint per address,
@@ -37,6 +39,6 @@ __all__ = ["UcxTransport"]
 def __getattr__(name: str) -> object:
     # Lazy: ucxx (and UCX itself) loads only for whoever uses the transport, not for wire/peers.
     if name == "UcxTransport":
-        from kvtransfer.ucx.transport import UcxTransport
+        from kvtransfer.ucx.transport import UcxTransport  # (optional: ucxx may be missing; heavy: UCX)
         return UcxTransport
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

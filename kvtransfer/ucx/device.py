@@ -18,6 +18,7 @@ CUDA; the rest is called only on a transport that has a device.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -41,6 +42,23 @@ def check_device(device: str) -> str:
     if not torch.cuda.is_available():
         raise ValueError(f"ucx receive device {device!r} requested but CUDA is not available")
     return f"cuda:{torch.cuda.current_device() if dev.index is None else dev.index}"
+
+
+def receive_device(device: str | None, tls: str | None) -> str | None:
+    """The CUDA device a transport receives device frames into: ``device`` checked, or by
+    default the current one when CUDA is here and the UCX transports (``tls``, else
+    ``UCX_TLS``) include cuda; None: no device frames.
+
+    Raises:
+        ValueError: ``device`` given but not a CUDA device, CUDA missing, or excluded by ``tls``.
+    """
+    cuda_tls = tls_allows_cuda(tls or os.environ.get("UCX_TLS", "all"))
+    if device is None:
+        return default_device() if cuda_tls else None
+    device = check_device(device)
+    if not cuda_tls:
+        raise ValueError(f"ucx device {device!r} requested but UCX transports {tls!r} exclude cuda")
+    return device
 
 
 def tls_allows_cuda(tls: str) -> bool:

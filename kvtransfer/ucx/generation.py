@@ -70,3 +70,21 @@ class Generation:
             logger.exception("ucx worker generation %d shutdown", self.number)
         self.endpoints.clear()
         self.worker = self.ctx = None
+
+
+def close_endpoint(ep: object) -> None:
+    """Close one of our UCX endpoints (sends in flight on it finish or stay until our worker goes)."""
+    try:
+        ep.close()
+    except Exception:  # closing an endpoint whose peer is gone: nothing to do
+        logger.debug("ucx endpoint close", exc_info=True)
+
+
+def request_ok(req, what: str) -> bool:
+    """Whether a completed UCX request succeeded (a failure is logged; the caller reports the peer dropped)."""
+    try:
+        req.check_error()
+        return True
+    except Exception as e:  # any UCX error: the peer's connection is what failed
+        logger.warning("ucx %s failed: %s", what, e)
+        return False

@@ -1,8 +1,8 @@
 """The receiving half of the UCX transport's progress thread (``transport.py`` runs it).
 
-A mixin of :class:`kvtransfer.ucx.transport.UcxTransport`, run by its progress thread only; it uses
-these attributes of the transport: ``_generations()`` (its UCX workers: ``generation.py``), ``_pool``, ``device``, ``_peers``
-(``peers.py``), ``_inbox``, ``refused_device`` and ``_lost``. Its own tables:
+A part :class:`kvtransfer.ucx.transport.UcxTransport` owns, run by its progress thread only;
+what it needs of the transport comes in its constructor (the UCX workers, the peer table, the
+receiving device, where delivered messages go, how a dropped peer is reported). Its own tables:
 ``_receiving`` (uid → that peer's messages in arrival order, kept only while one is on its
 way), ``_cut`` (messages of a dropped connection, kept until UCX no longer writes into their
 buffers) and ``_banned`` (peers that sent a bad header, bounded, oldest out first).
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,8 @@ import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvtransfer.ucx import device as ucx_device, wire
+from kvtransfer.ucx.generation import Generation, request_ok
+from kvtransfer.ucx.peers import PeerTable
 
 logger = logging.getLogger("kvtransfer.ucx")
 
@@ -67,9 +70,24 @@ class _Incoming:
 
 
 class ReceiveSide:
-    """Probe, receive and deliver messages in each sender's order (see the module doc)."""
+    """Probe, receive and deliver messages in each sender's order (see the module doc).
 
-    def _init_receive_side(self, key: bytes | None = None) -> None:
+    Args:
+        generations: the transport's UCX workers, retiring ones first (``generation.py``).
+        peers: the transport's peer table (``peers.py``): a hello records the peer there.
+        device: CUDA device that device frames are received into; None: they are refused.
+        pool_bytes: host receive buffers kept for reuse, in all (``wire.BufferPool``).
+        put: takes ``(peer id, frames)`` of a delivered message, or ``(peer id, why)`` of a drop mark.
+        lost: reports a peer's connection dropped (uid, why).
+        key: the cluster key: only headers sealed under it are taken (None: unsealed ones).
+    """
+
+    def __init__(self, generations: Callable[[], list[Generation]], peers: PeerTable, device: str | None,
+                 pool_bytes: int, put: Callable[[tuple], None], lost: Callable[[int, str], None],
+                 key: bytes | None = None) -> None:
+        self._generations, self._peers, self.device = generations, peers, device
+        self._pool = wire.BufferPool(pool_bytes)
+        self._put, self._lost = put, lost
         self._receiving: dict[int, deque[_Incoming]] = {}
         self._cut: list[_Incoming] = []
         self._banned: dict[int, None] = {}
@@ -77,6 +95,7 @@ class ReceiveSide:
         self.max_frame_bytes, self.max_message_bytes = wire.MAX_FRAME_BYTES, wire.MAX_MESSAGE_BYTES
         self.peer_inflight_bytes = PEER_INFLIGHT_BYTES
         self.refused = 0  # headers refused: no valid MAC, malformed, announcing too much, or a banned peer's
+        self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
 
     def limit_frames(self, max_frame_bytes: int) -> None:
         """Refuse frames above ``max_frame_bytes`` (a receiver's: what its cache can hold of
@@ -84,7 +103,7 @@ class ReceiveSide:
         self.max_frame_bytes = min(wire.MAX_FRAME_BYTES, max_frame_bytes)
         self.max_message_bytes = min(wire.MAX_MESSAGE_BYTES, 2 * max_frame_bytes + (1 << 20))
 
-    def _probe_headers(self) -> bool:
+    def probe_headers(self) -> bool:
         """Post a receive for every header waiting; True if there was one."""
         found = False
         for g in self._generations():
@@ -110,7 +129,7 @@ class ReceiveSide:
             req = w.tag_recv_with_handle(Array(buf), probe)
             self._receiving.setdefault(uid, deque()).append(_Incoming(req, buf, dropped=too_long, worker=w))
 
-    def _deliver(self, now: float) -> tuple[bool, bool]:
+    def deliver(self, now: float) -> tuple[bool, bool]:
         """Parse arrived headers, deliver complete messages in order, release cut ones.
 
         Returns:
@@ -126,14 +145,14 @@ class ReceiveSide:
                 msg = queue.popleft()
                 completed = True
                 if msg.lost is not None:
-                    self._inbox.append((wire.peer_id(uid), msg.lost))
-                elif not all([_check(r, "recv") for r in msg.frame_reqs]):
+                    self._put((wire.peer_id(uid), msg.lost))
+                elif not all([request_ok(r, "recv") for r in msg.frame_reqs]):
                     self._lost(uid, "a receive from it failed")
                 elif not msg.dropped and uid not in self._banned:
                     if (p := self._peers.get(uid)) is not None:
                         p.last = now
                     if not msg.internal:
-                        self._inbox.append((wire.peer_id(uid), msg.frames))
+                        self._put((wire.peer_id(uid), msg.frames))
             if queue:
                 self._admit(uid, queue)  # (what was delivered frees the peer's budget)
                 in_flight = True
@@ -152,7 +171,7 @@ class ReceiveSide:
             msg.dropped = True
             self.refused += 1
             return
-        if not _check(msg.header_req, "header recv"):
+        if not request_ok(msg.header_req, "header recv"):
             msg.dropped = True
             self._lost(uid, "a receive from it failed")
             return
@@ -234,16 +253,37 @@ class ReceiveSide:
             logger.error("ucx peer %s sends GPU frames but this side has no CUDA (or its UCX "
                          "transports exclude cuda); dropping them (counted in refused_device)", wire.peer_id(uid))
 
+    def receiving_from(self, uids: set[int]) -> bool:
+        """Whether a message from one of ``uids`` is on its way here."""
+        return any(u in uids for u in self._receiving)
+
+    def busy_on(self, worker: object) -> bool:
+        """Whether a message that came in on our UCX ``worker`` is still incomplete (cut ones too)."""
+        return any(m.worker is worker for m in self._cut) or \
+            any(m.worker is worker and not m.done() for q in self._receiving.values() for m in q)
+
+    def cut_worker(self, worker: object) -> list[int]:
+        """Forget what came in on ``worker`` (destroyed: its requests are cancelled); returns
+        the uids of the peers whose messages were cut incomplete."""
+        peers = []
+        for uid, queue in self._receiving.items():
+            cut = [m for m in queue if m.worker is worker and not m.done()]
+            for m in cut:
+                queue.remove(m)
+            if cut:
+                peers.append(uid)
+        self._cut = [m for m in self._cut if m.worker is not worker]
+        return peers
+
+    def clear(self) -> None:
+        """Drop every message on its way and the buffer pool (the transport's shutdown, once
+        the UCX workers' requests are gone)."""
+        self._receiving.clear()
+        self._cut.clear()
+        self._pool = wire.BufferPool(0)
+
     def _ban(self, uid: int) -> None:
         self._banned[uid] = None
         while len(self._banned) > MAX_BANNED:
             del self._banned[next(iter(self._banned))]
 
-
-def _check(req, what: str) -> bool:
-    try:
-        req.check_error()
-        return True
-    except Exception as e:  # the caller of _check reports the peer dropped
-        logger.warning("ucx %s failed: %s", what, e)
-        return False

@@ -84,13 +84,13 @@ from collections.abc import Sequence
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before ucxx loads UCX
 
 import ucxx._lib.libucxx as ucx_api  # noqa: E402  (ImportError here: "ucx" stays unregistered)
-from ucxx._lib.arr import Array  # noqa: E402
 
 from kvtransfer.ucx import device as ucx_device, wire  # noqa: E402
 from kvtransfer.base import MAX_DROP_REPORTS, Buffer, FrameTransport, register_transport  # noqa: E402
-from kvtransfer.ucx.generation import Generation  # noqa: E402
+from kvtransfer.ucx.generation import Generation, close_endpoint  # noqa: E402
 from kvtransfer.ucx.peers import PeerTable, this_process  # noqa: E402
-from kvtransfer.ucx.recv import ReceiveSide, _check  # noqa: E402
+from kvtransfer.ucx.recv import ReceiveSide  # noqa: E402
+from kvtransfer.ucx.send import SendSide, frame_views  # noqa: E402
 
 logger = logging.getLogger("kvtransfer.ucx")  # one logger for the whole transport, as before it was a package
 
@@ -100,7 +100,7 @@ _GRACE_S = 0.002  # keep spinning this long after the last completion: the next 
 _SEND, _CONNECT, _DISCONNECT = range(3)  # what an _outbox entry asks the progress thread to do
 
 
-class UcxTransport(ReceiveSide, FrameTransport):
+class UcxTransport(FrameTransport):
     """A FrameTransport over UCX tagged messages (registered as ``"ucx"``).
 
     Args:
@@ -131,14 +131,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
         if progress_cpus is not None and not (progress_cpus and set(progress_cpus) <= set(range(ncpu))):
             raise ValueError(f"progress_cpus {progress_cpus!r}: give cores of this machine (0..{ncpu - 1}), or None")
         self._progress_cpus = set(progress_cpus) if progress_cpus else None
-        cuda_tls = ucx_device.tls_allows_cuda(tls or os.environ.get("UCX_TLS", "all"))
-        if device is not None:
-            device = ucx_device.check_device(device)
-            if not cuda_tls:
-                raise ValueError(f"ucx device {device!r} requested but UCX transports {tls!r} exclude cuda")
-        elif cuda_tls:
-            device = ucx_device.default_device()
-        self.device = device
+        self.device = device = ucx_device.receive_device(device, tls)
         self.device_frames = device is not None  # FrameTransport capability: send/recv GPU memory
         self._config = {"TLS": tls} if tls else None
         self._gen = Generation.make(0, self._config)  # the UCX worker in use (generation.py)
@@ -153,13 +146,10 @@ class UcxTransport(ReceiveSide, FrameTransport):
         self._inbox: deque[tuple[str, list[Buffer] | str]] = deque()  # frames, or why a peer dropped
         self._dropped: deque[tuple[str, str]] = deque(maxlen=MAX_DROP_REPORTS)  # caller's side of the marks
         # Owned by the progress thread only:
-        self._peers = PeerTable(self._make_endpoint, _close_endpoint)
-        # (uid, endpoint, request, buffer kept alive, the generation it went on)
-        self._sending: list[tuple[int, object, object, object, Generation]] = []
-        self._init_receive_side(key)  # _receiving, _cut, _banned, limits (recv.py)
-        self.unroutable = 0  # messages dropped: their peer was unreachable or unknown
-        self.refused_device = 0  # messages with device frames dropped: no CUDA here, or no memory
-        self._pool = wire.BufferPool(pool_bytes)
+        self._peers = PeerTable(self._make_endpoint, close_endpoint)
+        self.sender = SendSide(self.uid, self._process, self._peers, lambda: self._gen, self._lost, key)
+        self.receiver = ReceiveSide(self._generations, self._peers, device, pool_bytes, self._inbox.append,
+                                    self._lost, key)
         self._error: BaseException | None = None
         self._closed = False
         self._stop = threading.Event()
@@ -170,6 +160,25 @@ class UcxTransport(ReceiveSide, FrameTransport):
         self._thread.start()
 
     # ---- caller side ---------------------------------------------------------------------
+    @property
+    def unroutable(self) -> int:
+        """Messages dropped: their peer was unreachable or unknown."""
+        return self.sender.unroutable
+
+    @property
+    def refused(self) -> int:
+        """Headers refused: no valid MAC, malformed, announcing too much, or a banned peer's."""
+        return self.receiver.refused
+
+    @property
+    def refused_device(self) -> int:
+        """Messages with device frames dropped: no CUDA here, or no GPU memory."""
+        return self.receiver.refused_device
+
+    def limit_frames(self, max_frame_bytes: int) -> None:
+        """Refuse frames above ``max_frame_bytes`` (``ReceiveSide.limit_frames``)."""
+        self.receiver.limit_frames(max_frame_bytes)
+
     def bind(self) -> str:
         """Returns:
             ``ucx://<uid>/<worker address, base64>/<process>[/<generation>]``; reachable from
@@ -203,7 +212,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
     def disconnect(self, peer: str) -> None:
         """End our connection to ``peer`` and forget it (queued messages to it still go first;
         sends in flight finish in the background). No-op for an unknown or malformed id."""
-        if not self._closed and (uid := _uid(peer)) is not None:
+        if not self._closed and (uid := wire.peer_uid(peer)) is not None:
             self._outbox.append((_DISCONNECT, uid))
             self._wake()
 
@@ -227,27 +236,13 @@ class UcxTransport(ReceiveSide, FrameTransport):
                 this side can send, or larger than ``wire.MAX_FRAME_BYTES``.
         """
         self._check_open()
-        uid = _uid(peer)
+        uid = wire.peer_uid(peer)
         if uid is None:
             raise ValueError(f"unknown ucx peer {peer!r}: connect() to it first, "
                              "or reply to an id from recv()")
         if not 1 <= len(frames) <= wire.MAX_FRAMES:  # (an empty message is the transport's own)
             raise ValueError(f"{len(frames)} frames in one message; 1 to {wire.MAX_FRAMES}")
-        views, lengths, kinds, events = [], [], "", []
-        for f in frames:
-            if ucx_device.is_device(f):
-                if not self.device_frames:
-                    raise ValueError("ucx device frame given but this transport has no CUDA "
-                                     "(or its UCX transports exclude cuda)")
-                view, n, event = ucx_device.device_frame(f, wire.MAX_FRAME_BYTES)
-                events.append(event)
-                kinds += "d"
-            else:
-                view = wire.byte_view(f)
-                n = view.nbytes
-                kinds += "h"
-            views.append(view)
-            lengths.append(n)
+        views, lengths, kinds, events = frame_views(frames, self.device_frames)
         self._outbox.append((_SEND, uid, views, lengths, kinds, events))
         self._wake()
 
@@ -316,7 +311,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
                     continue
                 time.sleep(0)  # hand the GIL to the caller's thread between rounds
             deadline = time.monotonic() + self.linger_s
-            while (self._outbox or self._sending) and time.monotonic() < deadline:
+            while (self._outbox or self.sender) and time.monotonic() < deadline:
                 self._pump()
         except BaseException as e:  # surfaced to the caller by recv/send
             logger.exception("ucx progress thread failed")
@@ -343,32 +338,21 @@ class UcxTransport(ReceiveSide, FrameTransport):
         while self._outbox and (self._outbox[0][0] != _SEND or all(e.query() for e in self._outbox[0][5])):
             kind, uid, *rest = self._outbox.popleft()
             if kind == _SEND:
-                self._post_send(uid, *rest[:3], now)
+                self.sender.post(uid, *rest[:3], now)
             elif kind == _CONNECT:
                 self._peers.dial(uid, rest[0], rest[1], now, rest[2])
             else:
                 self._peers.forget(uid)
             completed = True
-        completed = self._probe_headers() or completed
-        if self._sending:
-            still = []
-            for uid, ep, req, keep, gen in self._sending:
-                if not req.completed:
-                    still.append((uid, ep, req, keep, gen))
-                elif not _check(req, "send"):
-                    current = (p := self._peers.get(uid)) is not None and p.ep is ep
-                    self._peers.discard(ep)  # broken: the next connection to its address makes a new one
-                    if current:  # the peer's connection is on it (not one already ended)
-                        self._lost(uid, "a send to it failed")
-            completed = completed or len(still) < len(self._sending)
-            self._sending = still
-        received, receiving = self._deliver(now)
+        completed = self.receiver.probe_headers() or completed
+        completed = self.sender.reap() or completed
+        received, receiving = self.receiver.deliver(now)
         self._peers.prune(now)
         if self._peers.superseded:
-            self._peers.close_superseded(lambda ep: any(s[1] is ep for s in self._sending))
+            self._peers.close_superseded(self.sender.uses)
         self._replace_worker_if_due(now)
         self._destroy_retired(now)
-        return completed or received, receiving or bool(self._sending) or bool(self._outbox)
+        return completed or received, receiving or bool(self.sender) or bool(self._outbox)
 
     def _replace_worker_if_due(self, now: float) -> None:
         """A new UCX worker once enough peers are stale and nothing is in flight (module doc);
@@ -378,7 +362,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
         # Nothing in flight to or from a live peer (what a dead one left never completes: it is
         # cancelled with the old worker), so no peer sees our messages out of order.
         live = set(self._peers.live_uids())
-        if any(s[0] in live for s in self._sending) or any(u in live for u in self._receiving):
+        if self.sender.busy(live) or self.receiver.receiving_from(live):
             return
         old = self._gen
         try:
@@ -396,7 +380,7 @@ class UcxTransport(ReceiveSide, FrameTransport):
         logger.info("ucx %s: replaced its UCX worker (generation %d, %d stale peers); telling %d peers",
                     wire.peer_id(self.uid), new.number, stale, len(live := self._peers.live_uids()))
         for uid in live:
-            self._post_send(uid, [], [], "", now)
+            self.sender.post(uid, [], [], "", now)
 
     def _destroy_retired(self, now: float) -> None:
         """Destroy replaced workers once quiet (``generation.py``); what is still in flight
@@ -404,51 +388,13 @@ class UcxTransport(ReceiveSide, FrameTransport):
         for g in list(self._retiring):
             w = g.worker
             live = set(self._peers.live_uids())  # (a send to a peer gone silently never completes)
-            busy = (any(s[4] is g and s[0] in live for s in self._sending) or any(m.worker is w for m in self._cut)
-                    or any(m.worker is w and not m.done() for q in self._receiving.values() for m in q))
-            if not g.due(now, busy):
+            if not g.due(now, self.sender.busy(live, g) or self.receiver.busy_on(w)):
                 continue
             self._retiring.remove(g)
-            g.destroy(_close_endpoint)  # cancels what is in flight on it first: then its buffers go
-            self._sending = [s for s in self._sending if s[4] is not g]
-            for uid, queue in self._receiving.items():
-                cut = [m for m in queue if m.worker is w and not m.done()]
-                for m in cut:
-                    queue.remove(m)
-                if cut:
-                    self._lost(uid, "its messages to our replaced UCX worker were cut")
-            self._cut = [m for m in self._cut if m.worker is not w]
-
-    def _post_send(self, uid: int, views: list, lengths: list[int], kinds: str, now: float) -> None:
-        p = self._peers.get(uid)
-        if p is None:
-            self.unroutable += 1
-            self._lost(uid, "not a known peer: never connected, disconnected, or forgotten when idle")
-            return
-        hello = None
-        if p.ep is None:
-            try:
-                self._peers.new_connection(p)
-            except ucx_api.UCXError as e:  # e.g. the peer's process is gone (its shm with it)
-                logger.warning("ucx peer %s unreachable (%s); dropping the message", wire.peer_id(uid), e)
-                self.unroutable += 1
-                self._lost(uid, f"unreachable ({e})")
-                return
-            # A new connection's first message carries our address; a random first seq keeps its
-            # tags apart from anything of an earlier connection still in flight.
-            hello, p.seq = self._gen.address, secrets.randbits(30)
-        seq = p.seq
-        p.seq, p.last = (seq + 1) & wire.SEQ_MASK, now
-        header = wire.pack_header(seq, lengths, kinds, hello, self._process, self._gen.number)
-        if self._key is not None:
-            header = wire.seal_header(self._key, self.uid, header)
-        head_tag = ucx_api.UCXXTag(wire.tag(wire.HEADER, self.uid, seq))
-        g = self._gen
-        self._sending.append((uid, p.ep, p.ep.tag_send(Array(header), head_tag), header, g))
-        data_tag = ucx_api.UCXXTag(wire.tag(wire.DATA, self.uid, seq))
-        for v, n in zip(views, lengths):
-            if n:
-                self._sending.append((uid, p.ep, p.ep.tag_send(Array(v), data_tag), v, g))
+            g.destroy(close_endpoint)  # cancels what is in flight on it first: then its buffers go
+            self.sender.drop(g)
+            for uid in self.receiver.cut_worker(w):
+                self._lost(uid, "its messages to our replaced UCX worker were cut")
 
     def _lost(self, uid: int, why: str) -> None:
         """Report a dropped connection (after the messages already delivered from the peer) and
@@ -488,29 +434,12 @@ class UcxTransport(ReceiveSide, FrameTransport):
         # Requests and endpoints hold the worker: drop them, then the worker, then buffers.
         self._peers.close_all()  # (again, in case the first call raised)
         for g in self._retiring:
-            g.destroy(_close_endpoint)
-        self._receiving.clear()
-        self._sending.clear()
-        self._cut.clear()
+            g.destroy(close_endpoint)
+        self.receiver.clear()
+        self.sender.drop()
         self._retiring.clear()
         self._gen.worker = self._gen.ctx = None
         self._outbox.clear()
-        self._pool = wire.BufferPool(0)
-
-
-def _close_endpoint(ep: object) -> None:
-    try:
-        ep.close()  # sends in flight on it finish or stay until close (see module doc)
-    except Exception:  # closing an endpoint whose peer is gone: nothing to do
-        logger.debug("ucx endpoint close", exc_info=True)
-
-
-def _uid(peer: str) -> int | None:
-    try:
-        uid = int(peer, 16)
-    except (TypeError, ValueError):
-        return None
-    return uid if 0 <= uid < 1 << 32 else None
 
 
 register_transport("ucx", UcxTransport)

@@ -59,6 +59,15 @@ def peer_id(uid: int) -> str:
     return f"{uid:08x}"
 
 
+def peer_uid(peer: str) -> int | None:
+    """The uid of a peer id (``peer_id``'s inverse); None if it is not one."""
+    try:
+        uid = int(peer, 16)
+    except (TypeError, ValueError):
+        return None
+    return uid if 0 <= uid < 1 << 32 else None
+
+
 class BufferPool:
     """Receive buffers that are handed out again once the caller has dropped every view.
 

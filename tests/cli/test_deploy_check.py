@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.deploy import _excluded, check_cluster_file, invocations
+from cli.deploy import _excluded, check_cluster_file
+from cli.shell import invocations
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 AWS = DEPLOY / "cluster-aws.yaml"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.deploy import invocations
+from cli.shell import invocations
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cli.client import channel, connect, make_request
 from pdserve.v1 import pdserve_pb2 as pb
+from router.client import channel, connect, make_request
 from tests.cli.test_cli import PDSERVE, _run
 
 ALICE, BOB = "alice-" + "a" * 26, "bob-" + "b" * 28

@@ -16,9 +16,9 @@ import time
 import grpc
 
 from bench.probe import PROMPT, http_request, serve, split
-from cli.client import make_request
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.client import make_request
 
 MAX_TOKENS = 48
 GRACE_S = 30.0  # front_door.shutdown_grace_s (its default)

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cli.client import collect, connect, make_request
 from pdserve.v1 import pdserve_pb2 as pb
+from router.client import collect, connect, make_request
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 
-from cli.client import collect, connect, make_request
 from engine.request import SamplingParams
 from pdserve.v1 import pdserve_pb2 as pb
+from router.client import collect, connect, make_request
 
 FAST = {"autoscale__enabled": True, "autoscale__interval_s": 0.3, "autoscale__window_s": 5.0,
         "autoscale__prefill__max_replicas": 2, "autoscale__prefill__up_delay_s": 1.0,

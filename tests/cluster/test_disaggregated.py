@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cli.client import collect, connect, make_request
 from pdserve.v1 import pdserve_pb2 as pb
+from router.client import collect, connect, make_request
 
 
 @pytest.fixture(scope="module")
@@ -441,7 +441,7 @@ def test_the_sweep_frees_blocks_no_request_owns_and_a_lost_worker_that_lives_on_
     # Lost, but the same process answers again (as when killing it failed): it holds nothing.
     assert ray.get(dw.actor.reserve.remote(Key("orphan3"), list(range(100, 140)), SamplingParams(max_tokens=8)))
     incarnation = dw.incarnation
-    cluster.loop.call_soon_threadsafe(router.pools.lost, dw, "test: marked lost, never killed")
+    cluster.loop.call_soon_threadsafe(router.pools.liveness.lost, dw, "test: marked lost, never killed")
     wait_idle(stub, cluster, timeout=60)
     assert dw.incarnation == incarnation and dw.state == "ready" and ray.get(dw.actor.held.remote()) == {}
 

@@ -93,7 +93,7 @@ def test_pools_grow_new_nodes_of_their_type_and_give_them_back(fake_cluster, mak
     ray = fake_cluster
     from pathlib import Path
 
-    from cli.client import collect, connect, make_request
+    from router.client import collect, connect, make_request
     from router.app import BackgroundCluster
     from router.config import load_config
     sc = SCENARIOS[scenario]

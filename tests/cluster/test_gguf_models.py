@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli.client import collect, connect, make_request
+from router.client import collect, connect, make_request
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
 NEW_TOKENS = 12

@@ -14,7 +14,7 @@ import httpx2
 import openai
 import pytest
 
-from cli.client import collect, connect, make_request
+from router.client import collect, connect, make_request
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from cli.client import collect, connect, make_request
 from pdserve.v1 import pdserve_pb2 as pb
+from router.client import collect, connect, make_request
 
 REPETITIVE = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,",
               "The cat sat on the mat. The cat sat on the mat. The cat sat on the"]

@@ -150,7 +150,8 @@ def test_four_bit_embedding_is_served_from_its_codes():
     than max|w|, so 4 ulps of max|w| bound the difference."""
     import gguf as gguf_py
 
-    from engine.quant.linear import Int4Linear, QuantEmbedding
+    from engine.quant.linear import Int4Linear
+    from engine.quant.linear.int4 import QuantEmbedding
     reader = gguf_py.GGUFReader(str(_gguf("qwen2.5-coder-1.5b")))
     t = next(x for x in reader.tensors if x.name == "token_embd.weight")
     assert gguf_codes.precision_class(t.tensor_type.name) == "int4"

@@ -153,7 +153,7 @@ def test_it_costs_under_one_percent_perplexity(model_path, quant, monkeypatch):
 
     from engine.layers.attention import get_attention_backend
     from engine.models.loader import load_model
-    from engine.quant import linear
+    from engine.quant.linear import base as linear  # DEQUANT_ROWS: the kinds read it there
     from engine.quant.eval import HELDOUT, perplexity, read_text
     ids = AutoTokenizer.from_pretrained(str(model_path))(read_text(HELDOUT["prose"]))["input_ids"][:1024]
     ppl = {}
@@ -176,7 +176,8 @@ def test_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatch):
     relative: it returns bf16), the exact fp32 GEMM elsewhere (AVX2)."""
     from engine.quant import cpu_kernels
     from engine.quant.formats import quantize_weight
-    from engine.quant.linear import DEQUANT_ROWS, Int4Linear
+    from engine.quant.linear import Int4Linear
+    from engine.quant.linear.base import DEQUANT_ROWS
     gen = torch.Generator().manual_seed(7)
     n, k = 96, 512
     mod = Int4Linear(quantize_weight(torch.randn(n, k, generator=gen), 4, 32, False), torch.randn(n, generator=gen))
@@ -188,7 +189,7 @@ def test_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatch):
     assert torch.equal(mod(x), exact)  # off: fp32
     mod.int8_activations, mod._kernel = True, None
     for bf16 in (False, True):
-        monkeypatch.setattr("engine.quant.linear.native_bf16", lambda b=bf16: b)
+        monkeypatch.setattr("engine.quant.linear.int4.native_bf16", lambda b=bf16: b)
         if bf16 and not cpu_kernels.native_bf16():
             continue  # torch's bf16 GEMM without native bf16 is emulated: not this path's case
         y = mod(x)
@@ -210,7 +211,9 @@ def test_int8_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatc
     int8pack."""
     from engine.quant import cpu_kernels
     from engine.quant.formats import quantize_weight
-    from engine.quant.linear import DEQUANT_ROWS, Int8Linear, set_int8_activations
+    from engine.quant.linear import Int8Linear
+    from engine.quant.linear.activations import set_int8_activations
+    from engine.quant.linear.base import DEQUANT_ROWS
     gen = torch.Generator().manual_seed(11)
     n, k = 80, 256
     mod = Int8Linear(quantize_weight(torch.randn(n, k, generator=gen), 8, None, sym), torch.randn(n, generator=gen))
@@ -219,14 +222,14 @@ def test_int8_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatc
     holder = torch.nn.Sequential(mod)
     set_int8_activations(holder)
     assert mod.interleaved
-    monkeypatch.setattr("engine.quant.linear.native_bf16", lambda: False)
+    monkeypatch.setattr("engine.quant.linear.int8.native_bf16", lambda: False)
     # int8pack as before: the same sums over reordered columns, each output rounded to bf16 (its
     # activation dtype here) on both sides: two roundings of 2^-8 relative at most
     got = mod(x)
     assert ((got - plain).abs() <= 2 * 2.0 ** -8 * torch.maximum(got.abs(), plain.abs()) + 1e-6).all()
     if not cpu_kernels.native_bf16():
         return
-    monkeypatch.setattr("engine.quant.linear.native_bf16", lambda: True)
+    monkeypatch.setattr("engine.quant.linear.int8.native_bf16", lambda: True)
     qw = mod.quantized_weight()
     w = ((qw.q.float() - qw.zero[:, None]) * qw.scale[:, None]).bfloat16().double()
     xb = x.bfloat16().double()

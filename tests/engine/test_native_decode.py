@@ -46,7 +46,7 @@ def test_tiny_models_match_the_eager_path(case, quant, tmp_path, model_path, mak
     kind, extra = CASES[case]
     _save_tiny(kind, tmp_path, model_path, **extra)
     fast = make_engine(model=tmp_path, memory_gb=0.02, quantization=quant)
-    eager = make_engine(model=tmp_path, memory_gb=0.02, quantization=quant, compile_decode=False)
+    eager = make_engine(model=tmp_path, memory_gb=0.02, quantization=quant, compile_decode=False, weight_cache=False)
     assert fast.model.single_token.kernel == "native"
     _quant_activations(fast, torch.float32)
     _quant_activations(eager, torch.float32)
@@ -58,7 +58,7 @@ def test_tiny_models_match_the_eager_path(case, quant, tmp_path, model_path, mak
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_real_model_matches_the_eager_path(make_engine, quant):
     fast = make_engine(quantization=quant)
-    eager = make_engine(quantization=quant, compile_decode=False)
+    eager = make_engine(quantization=quant, compile_decode=False, weight_cache=False)
     assert fast.model.single_token.kernel == "native"
     _same_as_eager(fast, eager)
 
@@ -68,7 +68,7 @@ def test_verify_steps_run_natively(make_engine):
     positions, read from the paged cache; greedy output is the eager engine's."""
     from engine.config import SpeculativeConfig
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
-    fast, eager = make_engine(speculative=spec), make_engine(speculative=spec, compile_decode=False)
+    fast, eager = make_engine(speculative=spec), make_engine(speculative=spec, compile_decode=False, weight_cache=False)
     assert fast.model.single_token.kernel == "native"
     calls = _count_calls(fast)
     prompt = [11, 12, 13, 14, 15] * 8
@@ -142,7 +142,7 @@ def test_without_a_compiler_the_compiled_graphs_serve(make_engine, monkeypatch, 
         native.library.cache_clear()
     assert eng.model.single_token.kernel == "compiled" and "compiled GEMV" in eng.kernels
     assert "native decode kernels unavailable" in caplog.text
-    ref = make_engine(compile_decode=False)
+    ref = make_engine(compile_decode=False, weight_cache=False)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from engine.models.single_token import COMPILED_ROWS, NATIVE_ROWS, SingleTokenDecoder, hugepage_empty
+from engine.models.hugepages import hugepage_empty
+from engine.models.single_token import COMPILED_ROWS, NATIVE_ROWS, SingleTokenDecoder
 from engine.request import SamplingParams
 
 from tests.engine.test_architectures import CASES, _save_tiny
@@ -55,7 +56,7 @@ def test_logits_equal_the_eager_path(case, tmp_path, model_path, make_engine):
     kind, extra = CASES[case]
     _save_tiny(kind, tmp_path, model_path, **extra)
     fast = make_engine(model=tmp_path, memory_gb=0.02)
-    eager = make_engine(model=tmp_path, memory_gb=0.02, compile_decode=False)
+    eager = make_engine(model=tmp_path, memory_gb=0.02, compile_decode=False, weight_cache=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
     ids = list(range(400, 437))  # 37 tokens: the decode context crosses block boundaries
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -85,7 +86,7 @@ def _batched_same_as_eager(fast, eager, prompts, max_tokens: int = 12, rel: floa
 def test_small_batches_take_the_compiled_path(make_engine):
     """Three requests decoding: 3-token steps through the compiled graphs. Summation order is all
     that differs: the bound of _same_as_eager below."""
-    fast, eager = make_engine(), make_engine(compile_decode=False)
+    fast, eager = make_engine(), make_engine(compile_decode=False, weight_cache=False)
     st = fast.model.single_token
     assert st.max_rows == {"native": NATIVE_ROWS, "compiled": COMPILED_ROWS}[st.kernel]  # the defaults
     prompts = [list(range(300, 340)), list(range(500, 517)), list(range(700, 764))]
@@ -111,7 +112,7 @@ def test_verify_steps_take_the_compiled_path(make_engine):
     output is the eager engine's (speculation never changes greedy tokens)."""
     from engine.config import SpeculativeConfig
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
-    fast, eager = make_engine(speculative=spec), make_engine(speculative=spec, compile_decode=False)
+    fast, eager = make_engine(speculative=spec), make_engine(speculative=spec, compile_decode=False, weight_cache=False)
     assert fast.model.single_token.max_rows >= 5  # at least the 1+4 verify step
     calls = _count_calls(fast)
     prompt = [11, 12, 13, 14, 15] * 8  # repetitive: the n-gram draft always proposes
@@ -157,10 +158,10 @@ def test_compile_failure_falls_back_to_eager(make_engine, monkeypatch):
 
     def broken(name):
         raise RuntimeError("no C++ compiler here")
-    monkeypatch.setattr(st, "_compiled", broken)
+    monkeypatch.setattr(st, "compiled", broken)
     eng = make_engine()
     assert eng.model.single_token is None
-    ref = make_engine(compile_decode=False)
+    ref = make_engine(compile_decode=False, weight_cache=False)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
 
@@ -200,7 +201,7 @@ def test_int4_weights_take_the_compiled_path_too(make_engine, monkeypatch):
     weight moved into the huge-page buffer (shared with the batched path)."""
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
     fast = make_engine(quantization="int4")
-    eager = make_engine(quantization="int4", compile_decode=False)
+    eager = make_engine(quantization="int4", compile_decode=False, weight_cache=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
     assert "inside the compiled graphs" in fast.kernels
     st, qkv = fast.model.single_token, fast.model.layers[0].self_attn.qkv_proj
@@ -214,7 +215,7 @@ def test_int4_weights_take_the_compiled_path_too(make_engine, monkeypatch):
 def test_int8_weights_take_the_compiled_path_too(make_engine, quant, monkeypatch):
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
     fast = make_engine(quantization=quant, compile_decode_rows=1)  # batched steps: the INT8 kernel
-    eager = make_engine(quantization=quant, compile_decode=False)
+    eager = make_engine(quantization=quant, compile_decode=False, weight_cache=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
     assert "compiled fp32 GEMV" in fast.kernels and "compiled" not in eager.kernels
     st = fast.model.single_token
@@ -245,7 +246,7 @@ def test_int8_weights_take_the_compiled_path_too(make_engine, quant, monkeypatch
 def test_interleaved_int8_state_dict_stays_canonical(make_engine):
     """The one-token path moves INT8 weights in interleaved order; the module's state dict (what
     a checkpoint would save or load) keeps the canonical column order."""
-    fast, eager = make_engine(quantization="int8"), make_engine(quantization="int8", compile_decode=False)
+    fast, eager = make_engine(quantization="int8"), make_engine(quantization="int8", compile_decode=False, weight_cache=False)
     mod, ref = fast.model.layers[1].mlp.down_proj, eager.model.layers[1].mlp.down_proj
     assert mod.interleaved and not torch.equal(mod.qweight, ref.qweight)
     assert torch.equal(mod.state_dict()["qweight"], ref.qweight)
@@ -261,7 +262,7 @@ def test_quantized_small_batches_take_the_compiled_path(make_engine, quant, monk
     sides, so only summation order and the fused norms' rounding differ (the bound of
     _same_as_eager)."""
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
-    fast, eager = make_engine(quantization=quant), make_engine(quantization=quant, compile_decode=False)
+    fast, eager = make_engine(quantization=quant), make_engine(quantization=quant, compile_decode=False, weight_cache=False)
     _quant_activations(fast, torch.float32)
     _quant_activations(eager, torch.float32)
     prompts = [list(range(1000, 1006)), list(range(2000, 2011)), list(range(3000, 3004))]

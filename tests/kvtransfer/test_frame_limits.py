@@ -69,8 +69,7 @@ def test_ucx_admits_a_peers_frames_only_within_its_in_flight_budget():
     the peer's messages on their way leave room; a larger one goes alone."""
     pytest.importorskip("ucxx")
     from kvtransfer.ucx.recv import ReceiveSide, _Incoming
-    side = object.__new__(ReceiveSide)
-    side._init_receive_side()
+    side = ReceiveSide(list, None, None, 0, lambda m: None, lambda uid, why: None)
     side.peer_inflight_bytes = 100
     posted = []
     side._post_frames = lambda uid, m: (posted.append(m.nbytes), setattr(m, "pending", None),
@@ -126,14 +125,14 @@ def test_ucx_refuses_a_bad_or_oversized_header_before_allocating(case):
         header = msgpack.packb([1, 0, lengths, raw.worker.address.tobytes()])
         sealed = {"unsealed": header, "wrong-key": ucx_wire.seal_header(b"x" * 32, bogus, header),
                   "over-limit": ucx_wire.seal_header(key, bogus, header)}[case]
-        pool_before = server._pool.bytes
+        pool_before = server.receiver._pool.bytes
         _send_header(raw, bogus, sealed)
         good.send(good.connect(address), [b"fine"])
         sender, frames = _recv(server)
         assert sender == f"{good.uid:08x}" and bytes(frames[0]) == b"fine"
         time.sleep(0.05)
         assert server.recv() is None
-        assert bogus in server._banned and server.refused == 1 and server._pool.bytes == pool_before
+        assert bogus in server.receiver._banned and server.refused == 1 and server.receiver._pool.bytes == pool_before
     finally:
         raw.ep.close()
         good.close()

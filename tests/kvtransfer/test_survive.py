@@ -164,7 +164,7 @@ def transport_tables_empty(tx: KVSender) -> bool:
     if t.name == "zmq":
         return not t._dealers and not t._replies
     if t.name == "ucx":
-        return len(t._peers) == 0 and not t._receiving
+        return len(t._peers) == 0 and not t.receiver._receiving
     return True
 
 
@@ -212,7 +212,7 @@ def test_tables_stay_bounded_while_receivers_and_senders_come_and_go(net):
         pump(hub, until=lambda: not hub.transport._fd_peer and not hub.transport._peer_fd)
         assert not hub.transport._replies
     if hub.transport.name == "ucx":
-        assert not hub.transport._receiving  # heard peers are forgotten when idle: test_ucx_peers.py
+        assert not hub.transport.receiver._receiving  # heard peers are forgotten when idle: test_ucx_peers.py
 
 
 def test_a_handshake_leaves_no_hello_entry_behind(net):

@@ -223,7 +223,7 @@ def test_oversized_announcement_is_refused(make, lengths):
     assert sender == f"{good.uid:08x}" and bytes(frames[0]) == b"fine"
     time.sleep(0.05)
     assert server.recv() is None
-    assert bogus_uid in server._banned
+    assert bogus_uid in server.receiver._banned
     ep.close()
     del ep, worker, ctx
 

@@ -35,7 +35,7 @@ def test_a_new_endpoint_cuts_what_the_old_one_left_incomplete(make):
         assert wait_dropped(server) == [("0c0ffee0", "it reconnected: its earlier connection was cut mid-message")]
         sender, frames = recv_wait(server)
         assert sender == "0c0ffee0" and [bytes(f) for f in frames] == [b"new"]
-        assert len(server._cut) == 1  # kept until UCX is done with its buffer (close cancels it)
+        assert len(server.receiver._cut) == 1  # kept until UCX is done with its buffer (close cancels it)
     finally:
         raw.close()
 

@@ -111,7 +111,7 @@ def test_header_from_an_old_peer_is_read_as_all_host(make):
             assert sender == "0123abcd"
             assert all(isinstance(f, memoryview) for f in frames)
             assert [bytes(f) for f in frames] == want
-        assert server.refused_device == 0 and not server._banned
+        assert server.refused_device == 0 and not server.receiver._banned
     finally:
         raw.close()
 
@@ -127,7 +127,7 @@ def test_device_frames_at_a_side_without_cuda_are_dropped_and_counted(make, monk
     def no_alloc(*args):
         raise AssertionError("allocated device buffers on a side without CUDA")
     monkeypatch.setattr(ucx_device, "alloc_frames", no_alloc)
-    pool_before = server._pool.bytes
+    pool_before = server.receiver._pool.bytes
     raw = _RawPeer(server.bind(), uid=0x0D0D0D0D)
     try:
         # Announces 1 GiB of device memory (never sent): refused before anything is allocated.
@@ -135,8 +135,8 @@ def test_device_frames_at_a_side_without_cuda_are_dropped_and_counted(make, monk
         raw.send([1, 1, [4], None], [b"next"])  # the peer is not banned: host traffic goes on
         sender, frames = recv_wait(server)
         assert sender == "0d0d0d0d" and [bytes(f) for f in frames] == [b"next"]
-        assert server.refused_device == 1 and not server._banned
-        assert server._pool.bytes == pool_before
+        assert server.refused_device == 1 and not server.receiver._banned
+        assert server.receiver._pool.bytes == pool_before
         assert server.recv() is None
     finally:
         raw.close()
@@ -152,7 +152,7 @@ def test_bad_memory_type_list_bans_the_peer(make, kinds):
         _, frames = recv_wait(server)
         assert bytes(frames[0]) == b"fine"
         end = time.monotonic() + 5
-        while 0x0BAD0BAD not in server._banned:
+        while 0x0BAD0BAD not in server.receiver._banned:
             assert time.monotonic() < end
             time.sleep(0.001)
     finally:

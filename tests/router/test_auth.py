@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cli.client import channel
 from router.auth import Auth, SecurityError, front_door, load_tls, load_tokens, parse_tokens
+from router.client import channel
 from router.config import SecurityConfig
 
 ALICE, BOB = "a" * 16 + "-alice-token", "b" * 16 + "-bob-token"

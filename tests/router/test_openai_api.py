@@ -7,8 +7,9 @@ import grpc
 import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
-from router.openai_api import (COMPLETION_MAX_TOKENS, ApiError, ChatCompletionRequest, CompletionRequest, Shaper,
-                               api_error, parse, requests_for, usage)
+from router.openai_answer import Shaper, usage
+from router.openai_api import (COMPLETION_MAX_TOKENS, ApiError, ChatCompletionRequest, CompletionRequest, api_error,
+                               parse, requests_for)
 
 
 def _one(kind, **body):

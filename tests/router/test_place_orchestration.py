@@ -201,7 +201,7 @@ def _pools_with(remote):
     from router.worker_state import Worker
     lost = []
     pools = Pools(load_config(None, {}), "m", lambda w, r: None, lost.append)
-    pools._bring_up = lambda w: asyncio.sleep(0)  # (no Ray to bring it back here)
+    pools.liveness.bring_up = lambda w: asyncio.sleep(0)  # (no Ray to bring it back here)
     aborts: list = []
     actor = SimpleNamespace(reserve=SimpleNamespace(remote=remote), abort=SimpleNamespace(remote=aborts.append))
     w = pools.workers["decode-0"] = Worker("decode-0", "decode", actor, state="ready")

@@ -32,10 +32,10 @@ class Cluster:
         self.records, self.lost, self.asked = [], [], 0
         self.now = 100.0
         self.ray = ("ALIVE", restarts)
-        self.pools = Pools(SimpleNamespace(), "model", on_records=lambda w, rs: self.records.extend(rs),
+        self.pools = Pools(SimpleNamespace(router=SimpleNamespace(stall_s=5.0)), "model", on_records=lambda w, rs: self.records.extend(rs),
                            on_lost=self.lost.append)
         self.pools.clock = lambda: self.now
-        self.pools.actor_state = self._actor_state
+        self.pools.liveness.actor_state = self._actor_state
         self.w = self.pools.workers["decode-0"] = Worker("decode-0", "decode", actor=None, state="ready",
                                                          incarnation=incarnation, ray_restarts=restarts)
 
@@ -81,7 +81,7 @@ def test_an_old_report_cannot_verify_as_one_of_the_current_process():
 
 def test_only_ray_says_a_worker_restarted():
     c = Cluster(restarts=1)
-    c.pools._bring_up = lambda w: asyncio.sleep(0)  # (bring-up has its own test below)
+    c.pools.liveness.bring_up = lambda w: asyncio.sleep(0)  # (bring-up has its own test below)
     c.ray = ("ALIVE", 2)  # Ray restarted the actor: the new process reports
     c.take(encode_report(_report("fresh", 1), c.pools.key))
     assert c.lost == [c.w] and c.w.state == "dead" and c.asked == 1
@@ -109,15 +109,14 @@ def test_the_same_process_back_keeps_its_seq(monkeypatch):
                                {"model_info": info, "address": "kv", "held": {}, "release": 0,
                                 "status": _status("same", 0)}.items()})
     c.w.actor, c.w.state = actor, "dead"
-    c.pools.cfg = SimpleNamespace(router=SimpleNamespace(stall_s=5.0))
-    asyncio.run(c.pools._bring_up(c.w))
+    asyncio.run(c.pools.liveness.bring_up(c.w))
     assert c.w.state == "ready" and c.w.seq == 7
     c.take(encode_report(_report("same", 3, used=0, records=[Tokens(Key("r"), 0, [1], "a", "stop")]), key))
     assert c.records == [] and c.pools.bad_reports == 1
     info2 = msgspec.structs.replace(info, incarnation="next")
     actor.model_info = SimpleNamespace(remote=lambda: answer(info2))
     c.w.state = "dead"
-    asyncio.run(c.pools._bring_up(c.w))
+    asyncio.run(c.pools.liveness.bring_up(c.w))
     assert c.w.incarnation == "next" and c.w.seq == 0
 
 

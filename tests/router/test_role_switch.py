@@ -13,13 +13,13 @@ from router.pools import Pools, Worker
 from worker.protocol import WorkerStatus
 
 
-def _pools() -> Pools:
-    pools = Pools(load_config(None, {"mode": "adaptive"}), "/nowhere", lambda w, r: None, lambda w: None)
+def _pools(on_lost=lambda w: None) -> Pools:
+    pools = Pools(load_config(None, {"mode": "adaptive"}), "/nowhere", lambda w, r: None, on_lost)
     pools.wired: list[tuple[str, str]] = []
 
     async def wire(w):  # (the real one calls the actors: here it records who was wired as what)
         pools.wired.append((w.worker_id, w.role))
-    pools._wire = wire
+    pools.liveness.wire = wire
     return pools
 
 
@@ -72,14 +72,13 @@ def test_a_switch_waits_for_what_the_worker_holds_then_joins_the_other_pool():
 
 def test_a_worker_lost_while_it_switches_comes_back_in_its_new_role():
     async def run():
-        pools = _pools()
         lost = []
-        pools.on_lost = lost.append
-        pools._bring_up = lambda w: asyncio.sleep(0)  # (no actor to bring up here)
+        pools = _pools(lost.append)
+        pools.liveness.bring_up = lambda w: asyncio.sleep(0)  # (no actor to bring up here)
         w = pools.workers["prefill-0"] = Worker("prefill-0", "prefill", None, state="ready", adaptive=True)
         _report(w, running=1)
         pools.switch("prefill", "decode", lambda x: False)
-        pools.lost(w, "test")
+        pools.liveness.lost(w, "test")
         assert (w.state, w.role, w.next_role) == ("dead", "decode", None) and lost == [w]
         await _stop(pools)
     asyncio.run(run())

@@ -13,7 +13,8 @@ from engine.errors import InvalidRequestError
 from engine.grammar import grammar_text
 from engine.request import Guided
 from pdserve.v1 import pdserve_pb2 as pb
-from router.openai_api import ChatCompletionRequest, CompletionRequest, Shaper, parse, requests_for
+from router.openai_answer import Shaper
+from router.openai_api import ChatCompletionRequest, CompletionRequest, parse, requests_for
 from router.requests import Limits, prompt_ids, sampling_params, tool_call_token, with_tool_choice
 from router.tools import call_grammar, parse_calls
 from tests.router.front_door_fakes import CHAT, COMPLETION, Served

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.quant.formats import pack_int4, quantize_weight, unpack_int4
-from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear, reference_forward
+from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
+from engine.quant.linear.base import reference_forward
 
 FORMATS = [(8, None, True), (8, None, False), (4, 32, True), (4, 64, False), (4, 128, True), (4, 128, False)]
 
@@ -113,7 +114,8 @@ _NO_VNNI_PROBE = """
 import json, torch
 from engine.quant.cpu_kernels import w8a8_reduce_range
 from engine.quant.formats import quantize_weight
-from engine.quant.linear import W8A8Linear, reference_forward
+from engine.quant.linear import W8A8Linear
+from engine.quant.linear.base import reference_forward
 w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).abs() * 0.05
 x = torch.rand(4, 256, generator=torch.Generator().manual_seed(4)) + 1.0
 mod = W8A8Linear(quantize_weight(w, 8, None, True), torch.zeros(64))

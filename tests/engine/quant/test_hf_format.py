@@ -21,7 +21,7 @@ from engine.models.loader import load_model
 from engine.quant import QuantConfig, quantization_name, quantize
 from engine.quant.calib import SequenceForward
 from engine.quant.checkpoint import is_quantized_checkpoint, save_quantized
-from engine.quant.hf_format import save_hf_gptq
+from engine.quant.hf_export import save_hf_gptq
 from engine.quant.linear import Int4Linear
 from engine.quant.offline import convert, load_plain
 from engine.request import SamplingParams

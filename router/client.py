@@ -1,4 +1,4 @@
-"""A small gRPC client for pdserve (the CLI, benchmarks and tests use it).
+"""A small gRPC client for pdserve's front door (the CLI, benchmarks and tests use it).
 
     stub = connect("127.0.0.1:50051")
     result = collect(stub.Generate(make_request("Hello", max_tokens=16)))
