@@ -114,9 +114,9 @@ class _Writer(pickle.Pickler):
 
     def reducer_override(self, obj):
         if isinstance(obj, ctypes.CDLL):
-            raise _Unsupported(f"a native library handle ({obj._name})")
+            raise _Unsupported(f"a native library handle ({obj!r})")
         if isinstance(obj, torch.ScriptObject):  # e.g. W8A8's packed params: opaque
-            raise _Unsupported(f"a TorchScript object ({obj._type().qualified_name()})")
+            raise _Unsupported(f"a TorchScript object ({obj!r})")
         return NotImplemented
 
 

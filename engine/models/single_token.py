@@ -150,7 +150,7 @@ class SingleTokenDecoder:
             elif _is_native_int4(mod):  # read by the native kernels as the module holds it
                 self.lin[name] = (weights[name], mod.scale, mod.zero, bias, mod.group_size)
             elif _is_int4(mod):
-                self.lin[name] = (weights[name], mod._scales_zeros, mod.group_size, bias)
+                self.lin[name] = (weights[name], mod.scales_and_zeros, mod.group_size, bias)
             else:
                 self.lin[name] = (weights[name], torch.ones(n), torch.zeros(n), bias)
         if self.native is not None:
@@ -203,7 +203,7 @@ class SingleTokenDecoder:
         def weight(m: nn.Module) -> torch.Tensor:
             if _is_native_int4(m):
                 return m.qweight
-            return m.quantized_weight().q if _is_int8(m) else m._packed if _is_int4(m) else m.weight
+            return m.quantized_weight().q if _is_int8(m) else m.packed if _is_int4(m) else m.weight
 
         # shapes first, each weight fetched only when moved: holding them all until the end
         # would keep every module's old copy alive too (the loading peak, not the steady state)
@@ -232,7 +232,8 @@ class SingleTokenDecoder:
                         out[name] = view
                     elif _is_int4(mod):  # the kernel's own layout, shared with the module
                         view.copy_(w)
-                        mod._packed = out[name] = view
+                        mod.set_packed(view)
+                        out[name] = view
                     else:
                         view.copy_(w)
                         # the module reads this copy from now on: its own (which prepacking

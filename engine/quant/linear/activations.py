@@ -25,13 +25,13 @@ def set_int8_activations(model: nn.Module) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, Int4Linear):
-            mod.int8_activations, mod._kernel = True, None
+            mod.use_int8_activations()
             n += 1
         elif isinstance(mod, Int8Linear) and mod.kernel == "int8pack":
             if not mod.interleaved and mod.qweight.device.type == "cpu":
                 with torch.no_grad():  # the kernel's column order (the one-token path keeps it too)
                     mod.set_interleaved(interleave4(mod.qweight).contiguous())
-            mod.int8_activations, mod._a8 = True, None
+            mod.use_int8_activations()
             n += 1
     return n
 

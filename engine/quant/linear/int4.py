@@ -94,6 +94,28 @@ class Int4Linear(QuantLinear):
             self.qweight, self.scale, self.zero, self.native = pack_int4(q).contiguous(), scale, zero, 0
             self._kernel = None
 
+    def use_int8_activations(self) -> None:
+        """Small steps quantize their inputs to INT8 (set_int8_activations): the kernel is rebuilt."""
+        self.int8_activations, self._kernel = True, None
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """torch's int4pack weight (a module built while the native kernels were off), or None."""
+        return self._packed
+
+    @property
+    def scales_and_zeros(self) -> torch.Tensor | None:
+        """int4pack's [G, N, 2] scales and zero points, in the activation dtype, or None."""
+        return self._scales_zeros
+
+    def set_packed(self, packed: torch.Tensor) -> None:
+        """Hold ``packed`` (a copy of the int4pack weight, e.g. in the one-token path's buffer)
+        instead of its own: one copy for both paths."""
+        if self._packed is None or packed.shape != self._packed.shape or packed.dtype != self._packed.dtype:
+            raise ValueError(f"int4pack weight {tuple(packed.shape)} {packed.dtype} for this module's "
+                             f"{None if self._packed is None else tuple(self._packed.shape)}")
+        self._packed = packed
+
     def set_native_weight(self, qweight: torch.Tensor) -> None:
         """Hold ``qweight`` (a copy of this module's native-layout codes, e.g. in the one-token
         path's huge-page buffer) instead of its own: one copy, read by every path."""

@@ -41,6 +41,10 @@ class Int8Linear(QuantLinear):
         self._a8 = None
         self._prepare()
 
+    def use_int8_activations(self) -> None:
+        """Small steps quantize their inputs to INT8 (set_int8_activations): the kernel is rebuilt."""
+        self.int8_activations, self._a8 = True, None
+
     def set_interleaved(self, qweight: torch.Tensor) -> None:
         """Hold ``qweight`` = interleave4(the weight) (e.g. in the one-token path's huge-page
         buffer, which reads it as int32 words); forward then interleaves the activations the
