@@ -31,6 +31,7 @@ import ctypes
 import fcntl
 import gc
 import hashlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -76,10 +77,19 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _version(package: str) -> str | None:
+    """An installed package's version (the GGUF reader and numpy take part in conversions)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def key(source_digest: str, options: dict) -> str:
     """The entry for these weights loaded with these options on this machine's kind of CPU."""
     lib = enabled_library()
     what = {"v": VERSION, "weights": source_digest, "options": options, "torch": torch.__version__,
+            "libraries": {name: _version(name) for name in ("gguf", "numpy", "safetensors")},
             "cpu": torch.backends.cpu.get_cpu_capability(), "lanes": lib.pd_vector_width() if lib else 0,
             "env": {k: os.environ.get(k) for k in ("PDSERVE_NATIVE_DECODE", "ATEN_CPU_CAPABILITY")},
             "engine": _source_digest()}

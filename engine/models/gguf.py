@@ -23,8 +23,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -34,7 +32,7 @@ from tqdm import tqdm
 from engine.errors import ModelLoadError
 from engine.memory import release_freed_memory
 from engine.models import gguf_codes as codes
-from engine.models.gguf_convert import cache_dir, unpermute
+from engine.models.gguf_convert import cache_dir, staged_dir, unpermute
 from engine.models.hf_weights import our_name
 from engine.quant.linear import Int4Linear, Int8Linear
 
@@ -152,9 +150,7 @@ def prepare(path: str | Path, progress: bool = True, digest: str | None = None) 
             _write_atomic(out / META_FILE, json.dumps(meta, indent=2))
         return out
     reader = open_reader(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         if progress:
             log.info("reading config and tokenizer of %s", path.name)
         _write_config(path, reader, tmp)
@@ -165,12 +161,6 @@ def prepare(path: str | Path, progress: bool = True, digest: str | None = None) 
                 "architecture": field(reader, "general.architecture"), "name": field(reader, "general.name"),
                 "tensor_types": types}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

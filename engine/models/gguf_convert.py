@@ -8,12 +8,14 @@ and HF transformers can load the very same folder as our reference.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -121,19 +123,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
             w = unpermute(w, n_kv)
         tensors[name] = np.ascontiguousarray(w)
     config = _hf_config(reader, gguf_path, tensors)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _save_tokenizer(gguf_path, tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """A fresh folder beside ``out`` to write into; on success it replaces ``out`` whole (one
+    rename), on any failure it is removed: a reader never sees a half-written folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 def _hf_config(reader, gguf_path: Path, tensors: dict[str, np.ndarray]) -> dict:
