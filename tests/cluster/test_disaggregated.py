@@ -369,6 +369,14 @@ def test_clients_giving_up_at_any_point_strand_no_block(stub, cluster, wait_idle
         list(pool.map(one, range(32)))
     assert grpc.StatusCode.DEADLINE_EXCEEDED in outcomes
     wait_idle(stub, cluster, timeout=8)
+    # A prefill whose client left before it ran may still be queued there, holding no block: it
+    # runs, its transfer is refused and it ends. The block check waits for each worker's answer
+    # (10 s at most), which a worker busy with such prefills on a loaded machine may miss: ask
+    # once the workers have drained (a hang guard only; the blocks were all back above).
+    deadline = time.monotonic() + 120
+    while any(w.waiting or w.running for w in stub.GetClusterStatus(pb.GetClusterStatusRequest()).workers):
+        assert time.monotonic() < deadline, "abandoned prefills never drained"
+        time.sleep(0.05)
     st = stub.GetClusterStatus(pb.GetClusterStatusRequest(check_blocks=True))
     assert st.blocks_checked and all(w.stranded_blocks == 0 for w in st.workers)
 
