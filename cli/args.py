@@ -28,8 +28,9 @@ def engine_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
     only = " (--local only; a cluster sets them per pool: --set decode.kv_cache_gb=2 ...)" if cluster else ""
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)" + only)
     g.add_argument("--kv-cache-gb", type=kv_cache_gb, default=None, metavar="GIB|auto",
-                   help="memory for the paged KV cache, GiB (default 1); auto: what this machine has left after "
-                        "the weights and a reserve (engine/kv_budget.py)"
+                   help="memory for the paged KV cache, GiB, or auto (the default): what this machine has left "
+                        "after the weights and a reserve (engine/kv_budget.py); its pages become resident as "
+                        "blocks are first written"
                         + (" (a cluster takes only auto here, for both pools; a number per pool: --set "
                            "decode.kv_cache_gb=2 ...)" if cluster else ""))
     g.add_argument("--max-batched-tokens", type=int, default=None,

@@ -27,8 +27,8 @@ def build_engine(args: argparse.Namespace, chat: bool = False):
         raise ValueError(f"model {args.model or 'bundled'!r} has no chat template (a base model, not "
                          "instruction-tuned): give a plain text prompt (no --chat)")
     # --dtype given: a GGUF model's weights in that dtype, not as shipped (no effect on others)
-    kv_gb = 1.0 if args.kv_cache_gb is None else args.kv_cache_gb
-    if kv_gb == "auto":  # one engine, alone on this machine: all that is left
+    kv_gb = "auto" if args.kv_cache_gb is None else args.kv_cache_gb
+    if kv_gb == "auto":  # one engine, alone on this machine: all that is left (pages resident as used)
         from engine.kv_budget import estimate_weights_bytes, kv_budget, node_available_bytes  # (heavy: the engine)
         budget = kv_budget(node_available_bytes(), estimate_weights_bytes(path, dtype, args.dtype is not None),
                            "colocated", {"colocated": 1})

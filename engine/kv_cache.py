@@ -15,6 +15,8 @@ mean equal whole prefixes, not just equal blocks.
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -211,8 +213,29 @@ def allocate_kv_tensors(num_layers: int, num_blocks: int, block_size: int, num_k
     reads one gather per layer.
     """
     shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    alloc = _zero_pages if device == "cpu" else (lambda s, d: torch.zeros(s, dtype=d, device=device))
+    return [(alloc(shape, dtype), alloc(shape, dtype)) for _ in range(num_layers)]
+
+
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose memory the kernel provides page by page as blocks are first written.
+
+    ``kv_cache_gb: auto`` (engine/kv_budget.py, the default) gives a worker most of its node:
+    ``torch.zeros`` would write every page of it at start (seconds, and the whole budget
+    resident before the first request). An anonymous mapping reads as zeros and costs memory
+    only where written, so resident KV grows with the blocks in use, up to the budget. Advised
+    into transparent huge pages where the kernel allows it (attention gathers whole blocks).
+    """
+    numel = math.prod(shape)
+    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP off in this kernel: 4 KiB pages, still zero until written
+            pass
+    # (the tensor keeps ``buf`` alive: torch.frombuffer holds a reference to its buffer)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -19,6 +19,7 @@ Process-level figures (RSS, PSS, peak) come from /proc and getrusage: ``process_
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -175,5 +176,42 @@ def release_freed_memory() -> None:
     load's resident memory on this machine was such free heap. A no-op without glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def file_mappings(files: list[str]) -> list[tuple[int, int]]:
+    """Address ranges [start, end) where this process maps any of ``files`` (/proc/self/maps;
+    empty where there is none to read)."""
+    names = {str(Path(f).resolve()) for f in files}
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip() in names:
+                    lo, hi = fields[0].split("-")
+                    out.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        pass
+    return out
+
+
+_PAGE = 4096
+_MADV_DONTNEED = 4  # Linux
+
+
+def drop_file_pages(t: torch.Tensor, mappings: list[tuple[int, int]]) -> None:
+    """Unmap from this process the whole pages of ``t``, a view of a read-only file mapping in
+    ``mappings`` (file_mappings), once it has been copied and will not be read again: they stay
+    in the page cache (a later read faults them back unchanged) but leave this process's
+    resident set, so a loader copying a checkpoint holds one copy, not two. Anything else (heap
+    memory, which DONTNEED would zero) is left alone."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    if hi <= lo or not any(a <= start and end <= b for a, b in mappings):
+        return
+    try:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
     except (OSError, AttributeError):
         pass

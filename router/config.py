@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 class PrefillPool:
     replicas: int = 1
     threads: int = 1
-    kv_cache_gb: float | str = 0.5  # GiB, or "auto": what the node has left, by role (engine/kv_budget.py)
+    kv_cache_gb: float | str = "auto"  # GiB, or "auto": what the node has left, by role (engine/kv_budget.py)
     block_size: int = _engine(CacheConfig, "block_size")
     max_batched_tokens: int = _engine(SchedulerConfig, "max_num_batched_tokens")
     # Cores (of its node) for each worker's KV transfer: a thread gathering and sending each
@@ -70,7 +70,7 @@ class DecodeSpeculative:
 class DecodePool:
     replicas: int = 1
     threads: int = 1
-    kv_cache_gb: float | str = 1.0  # GiB, or "auto" (engine/kv_budget.py)
+    kv_cache_gb: float | str = "auto"  # GiB, or "auto" (engine/kv_budget.py)
     block_size: int = _engine(CacheConfig, "block_size")
     max_num_seqs: int = _engine(SchedulerConfig, "max_num_seqs")
     max_batched_tokens: int = _engine(SchedulerConfig, "max_num_batched_tokens")
@@ -127,6 +127,11 @@ class RouterConfig:
     # prompt tokens its running streams wait for (router/placement.py prefill_where). 0: off,
     # every prompt goes through the prefill pool.
     local_prefill_tokens: int = 0
+    # A request waiting for KV whose turn it is preempts running requests of a lower priority
+    # class (router/preempt.py: aborted on their workers, re-queued, re-run from their prompt
+    # plus the tokens streamed); one request is preempted at most this many times, then runs
+    # to its end (no starvation by a stream of higher-priority requests). 0: no preemption.
+    max_preemptions: int = 2
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,10 @@ class FrontDoorConfig:
     grpc_max_age_grace_s: float = 600.0  # ... and end the calls still on it this much later
     health_watches: int = 64  # gRPC: concurrent grpc.health.v1 Watch streams (beyond: RESOURCE_EXHAUSTED)
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish, then are aborted
+    # gRPC and HTTP (SSE): a streamed response whose client takes no next message this long
+    # (flow control holds the writes: it stopped reading) ends its requests on every worker, their
+    # KV and slots freed, with RESOURCE_EXHAUSTED (gRPC) or the connection closed (SSE) (router/unread.py)
+    unread_stream_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -277,6 +286,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.speculative.num_speculative_tokens": (lambda v: 1 <= v <= 8, "an integer in 1..8"),
     "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
     "router.local_prefill_tokens": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "router.max_preemptions": (lambda v: v >= 0, ">= 0 (0: no preemption)"),
     "roles.min_prefill": (lambda v: v >= 0, ">= 0 (0: decode workers prefill their own prompts when none is left)"),
     "roles.max_prefill": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                           "an integer >= 1, or null (no limit)"),
@@ -333,11 +343,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if value is None and path in _NULLABLE:
             kwargs[name] = None
             continue
-        if name == "kv_cache_gb" and isinstance(value, str):  # (a number is checked as any other)
-            if value != "auto":
+        if name == "kv_cache_gb":  # auto (the default) or a number of GiB, checked as any other float
+            if isinstance(value, str) and value != "auto":
                 raise ConfigError(f"{path}: must be a number of GiB or auto, got {value!r}")
-            kwargs[name] = value
-            continue
+            default = value if value == "auto" else 0.0
         if isinstance(default, str) and not isinstance(value, str):
             raise ConfigError(f"{path}: must be a string, got {value!r}")
         if isinstance(default, bool) and not isinstance(value, bool):
@@ -396,6 +405,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if cfg.mode == "adaptive" and cfg.autoscale.enabled:
         raise ConfigError("autoscale.enabled: not with mode: adaptive (its workers switch roles instead; "
                           "the pools' size is prefill.replicas + decode.replicas)")
+    for pool in ("prefill", "decode"):
+        if cfg.device == "cuda" and getattr(cfg, pool).kv_cache_gb == "auto":  # (auto sizes from the node's RAM)
+            raise ConfigError(f"{pool}.kv_cache_gb: auto sizes a CPU worker's cache from its node's memory; "
+                              "with device: cuda give a number of GiB of GPU memory")
     if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":
         raise ConfigError("kv_transfer.transport: inproc works only with mode: colocated")
     return cfg

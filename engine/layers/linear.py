@@ -14,6 +14,13 @@ decoder linears, 30 layers; ms per forward):
 
 Used for fp32 on CPU when torch has oneDNN; anything else keeps ``nn.Linear``.
 
+Where the one-token path already keeps the plain ``[N, K]`` weight (its native kernels read it,
+engine/models/single_token.py), the same oneDNN calls take that plain weight instead of a
+reordered copy (``pack=False``): one resident fp32 layout, mapped from the served-weights cache
+and so shared by every worker of the model on a node (issue 47), for the batched steps paying
+oneDNN's per-call reorder of weight blocks as it goes. Results are the same bits (the same
+kernel runs after the reorder); the cost is in ``docs/bench/`` (memory_fp32_layout).
+
 The elementwise work around the GEMMs rides along as oneDNN post-ops: ``silu(gate(x)) * up(x)``
 is a GEMM with a swish post-op followed by a GEMM with a multiply post-op, and the residual adds
 after ``o_proj``/``down_proj`` are add post-ops. Each saves a pass over the activations; on a
@@ -34,15 +41,21 @@ def can_prepack(dtype: torch.dtype, device: str) -> bool:
     return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-class PackedLinear(nn.Module):
-    """Drop-in for ``nn.Linear`` (same math, fp32) with a oneDNN-prepacked weight."""
+def _onednn_weight(w: torch.Tensor, pack: bool) -> nn.Parameter:
+    """oneDNN's reordered copy of ``w`` (``pack``), or ``w`` itself, its storage shared."""
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if pack else w,
+                        requires_grad=False)
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class PackedLinear(nn.Module):
+    """Drop-in for ``nn.Linear`` (same math, fp32) through oneDNN, its weight prepacked
+    (``pack``) or the plain one as is (the module docstring says when)."""
+
+    def __init__(self, linear: nn.Linear, pack: bool = True) -> None:
         super().__init__()
         w = linear.weight.detach().contiguous()
         self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS),
-                                   requires_grad=False)
+        self.weight = _onednn_weight(w, pack)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=False)
 
@@ -58,15 +71,13 @@ class PackedGateUp(nn.Module):
     """A fused ``gate_up_proj`` [2I, H] split into two prepacked GEMMs so that
     ``silu(gate) * up`` happens inside them (see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, pack: bool = True) -> None:
         super().__init__()
         inter = linear.out_features // 2
-        w = linear.weight.detach()
+        w = linear.weight.detach().contiguous()  # (row slices of it are contiguous views)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.gate = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w[:inter].contiguous(), _PACK_ROWS),
-                                 requires_grad=False)
-        self.up = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w[inter:].contiguous(), _PACK_ROWS),
-                               requires_grad=False)
+        self.gate = _onednn_weight(w[:inter], pack)
+        self.up = _onednn_weight(w[inter:], pack)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x @ gate.T) * (x @ up.T)``."""
@@ -79,14 +90,14 @@ class PackedGateUp(nn.Module):
         return torch.cat([g, torch.ops.mkldnn._linear_pointwise(x, self.up, None, "none", [], "")], -1)
 
 
-def prepack_linears(model: nn.Module) -> nn.Module:
+def prepack_linears(model: nn.Module, pack: bool = True) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (recursively) by a PackedLinear (a bias-free
-    ``gate_up_proj`` by a PackedGateUp)."""
+    ``gate_up_proj`` by a PackedGateUp); ``pack=False`` keeps their plain weights."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear) and name == "gate_up_proj" and child.bias is None:
-            setattr(model, name, PackedGateUp(child))
+            setattr(model, name, PackedGateUp(child, pack))
         elif isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child))
+            setattr(model, name, PackedLinear(child, pack))
         else:
-            prepack_linears(child)
+            prepack_linears(child, pack)
     return model

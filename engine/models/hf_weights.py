@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.errors import ModelLoadError
+from engine.memory import drop_file_pages
 
 _FUSED = {  # HF name suffix -> (our fused name, part index)
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -22,9 +23,15 @@ _FUSED = {  # HF name suffix -> (our fused name, part index)
 }
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The folder's safetensors files (Mistral folders also ship consolidated.safetensors: the
+    same weights, other names)."""
+    return sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    # Mistral folders also ship consolidated.safetensors (the same weights, other names).
-    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    """Every weight of the folder by its HF name; safetensors are views of the mapped files."""
+    files = weight_files(path)
     if files:
         sd: dict[str, torch.Tensor] = {}
         for f in files:
@@ -51,25 +58,47 @@ def our_name(hf_name: str) -> tuple[str, int | None, int]:
     return name, None, 1
 
 
-def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names -> ours, q/k/v and gate/up concatenated along the output dim (rotary buffers
-    dropped: they are recomputed, not weights).
+def fused_parts(sd: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """HF names -> ours, each with its parts in order (q/k/v and gate/up: fused along the output
+    dim; every other weight: one part); rotary buffers dropped (recomputed, not weights). The
+    parts are ``sd``'s tensors, not copies: a loader copies each into its place and drops it,
+    so that no concatenated copy of a whole checkpoint exists at once (the loading peak).
 
     Raises:
         ModelLoadError: a fused module with a part missing.
     """
     parts: dict[str, list[torch.Tensor | None]] = {}
-    ours: dict[str, torch.Tensor] = {}
     for name, w in sd.items():
         if "rotary_emb" in name:
             continue
         key, idx, n = our_name(name)
-        if idx is None:
-            ours[key] = w
-        else:
-            parts.setdefault(key, [None] * n)[idx] = w
+        parts.setdefault(key, [None] * n)[0 if idx is None else idx] = w
     for key, ws in parts.items():
         if any(w is None for w in ws):
             raise ModelLoadError(f"checkpoint is missing a part of {key}")
-        ours[key] = torch.cat(ws, 0)  # type: ignore[arg-type]
-    return ours
+    return parts  # type: ignore[return-value]
+
+
+def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``fused_parts`` with each fused weight concatenated (a new tensor)."""
+    return {k: ws[0] if len(ws) == 1 else torch.cat(ws, 0) for k, ws in fused_parts(sd).items()}
+
+
+def copy_parts(dest: torch.Tensor, ws: list[torch.Tensor], name: str,
+               mappings: list[tuple[int, int]] = ()) -> None:
+    """Write the parts ``ws`` of ``name`` into ``dest`` one after another along dim 0; parts
+    that are views of a mapped file in ``mappings`` leave this process's resident memory once
+    copied (engine.memory.drop_file_pages).
+
+    Raises:
+        ModelLoadError: their shapes do not add up to ``dest``'s.
+    """
+    rows = sum(w.shape[0] for w in ws) if all(w.dim() for w in ws) else -1
+    if rows != dest.shape[0] or any(w.shape[1:] != dest.shape[1:] for w in ws):
+        shape = tuple(ws[0].shape) if len(ws) == 1 else [tuple(w.shape) for w in ws]
+        raise ModelLoadError(f"{name}: checkpoint shape {shape} != {tuple(dest.shape)}")
+    at = 0
+    for w in ws:
+        dest[at:at + w.shape[0]].copy_(w)
+        at += w.shape[0]
+        drop_file_pages(w, mappings)

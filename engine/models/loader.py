@@ -15,10 +15,10 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.layers.attention import AttentionBackend
 from engine.layers.linear import can_prepack, prepack_linears
-from engine.memory import release_freed_memory
+from engine.memory import file_mappings, release_freed_memory
 from engine.models import catalog, gguf
 from engine.models.gguf_convert import default_model_path
-from engine.models.hf_weights import fuse_state_dict, read_state_dict
+from engine.models.hf_weights import copy_parts, fused_parts, read_state_dict, weight_files
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import build_model
 from engine.models.single_token import SingleTokenDecoder
@@ -155,7 +155,7 @@ def _convert(path: Path, backend: AttentionBackend, dtype: torch.dtype, device: 
     cfg = ModelConfig.from_hf(path)
     model = build_model(cfg, backend, device)  # the config's family, tied head, rotary tables
 
-    ours = fuse_state_dict(read_state_dict(path))
+    ours = fused_parts(read_state_dict(path))  # (views of the files: copied in place one by one)
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
     expected = {n for n, _ in model.named_parameters()}
@@ -164,11 +164,12 @@ def _convert(path: Path, backend: AttentionBackend, dtype: torch.dtype, device: 
         raise ModelLoadError(f"weights in {str(path)!r} do not match {cfg.architecture}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     params = dict(model.named_parameters())
+    mapped = file_mappings([str(f) for f in weight_files(path)])
     with torch.no_grad():
-        for name, w in ours.items():
-            if params[name].shape != w.shape:
-                raise ModelLoadError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(params[name].shape)}")
-            params[name].copy_(w)
+        for name in list(ours):
+            copy_parts(params[name], ours.pop(name), name, mapped)
+    del ours, params  # (the files' mappings go with their last tensor; params would keep every
+    # float weight alive through quantization, which frees each as its integer one arrives)
     model = model.to(dtype).eval().requires_grad_(False)
     if quantization is not None:
         quantize(model, quantization, _load_calibration(path, quantization))
@@ -209,11 +210,14 @@ def _serve(model: LlamaForCausalLM, prepack: bool, single_token: bool, compile_r
            min_rows: int) -> LlamaForCausalLM:
     """What each process makes for itself: oneDNN's prepacked copies (opaque, not mappable), the
     one-token path's step sizes, and its native kernels (pointers into this process's memory)."""
+    # The one-token path's plain fp32 layout (built, cached or not, wherever it is supported) is
+    # what the modules read: oneDNN takes it as is, not a packed copy beside it (one resident
+    # layout, mapped from the cache and shared on the node: engine/layers/linear.py).
+    plain = model.single_token is not None
     if not single_token:
         model.single_token = None  # (its layouts stay: the modules read them)
     if prepack:
-        # The LM head gets its own packed copy: the embedding lookup still needs plain rows.
-        prepack_linears(model)
+        prepack_linears(model, pack=not plain)
     st = model.single_token
     if st is not None:
         st.set_rows(compile_rows, min_rows)

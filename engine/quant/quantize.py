@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from engine.memory import release_freed_memory
 from engine.quant.awq import awq_model
 from engine.quant.calib import iter_linears
 from engine.quant.config import QuantConfig
@@ -139,7 +140,25 @@ def quantize(model: nn.Module, cfg: QuantConfig | str, seqs: list[list[int]] | N
     if cfg is None:
         return {}
     targets, _ = plan_targets(model, cfg)
+    if cfg.method == "rtn" and cfg.activations != "int8":  # each weight alone: one at a time
+        return _rtn_in_place(model, targets, cfg)
     weights, in_scales = compute_weights(model, cfg, targets, seqs, progress, swap=True)
     remaining = {n: w for n, w in weights.items() if isinstance(model.get_submodule(n), nn.Linear)}
     swap_in(model, remaining, cfg, in_scales)
     return weights
+
+
+@torch.no_grad()
+def _rtn_in_place(model: nn.Module, targets: dict[str, nn.Linear], cfg: QuantConfig) -> dict[str, QuantizedWeight]:
+    """Round-to-nearest, each linear quantized and swapped before the next: the float weight
+    goes as its integer one arrives, so the loading peak holds one layer's temporaries, not a
+    second model (measured on SmolLM2 int8: 1.90 GB before, see docs/bench/memory_*)."""
+    out = {}
+    for n in list(targets):
+        lin = targets.pop(n)  # (this dict would keep the float module alive)
+        qw = quantize_weight(lin.weight.detach(), cfg.bits, cfg.group_for(lin.in_features, n), cfg.symmetric)
+        del lin
+        swap_in(model, {n: qw}, cfg)
+        out[n] = qw
+        release_freed_memory()
+    return out

@@ -104,8 +104,10 @@ def test_kv_cache_gb_auto_reaches_both_pools_and_a_bad_value_is_refused(monkeypa
     got = []
     monkeypatch.setattr(router.app, "serve", lambda cfg, *a: got.append(cfg) or 0)
     assert main(["serve", "--kv-cache-gb", "auto"]) == 0
-    assert main(["serve"]) == 0  # the default stays the fixed figures
-    assert [(c.prefill.kv_cache_gb, c.decode.kv_cache_gb) for c in got] == [("auto", "auto"), (0.5, 1.0)]
+    assert main(["serve"]) == 0  # auto is the default
+    assert main(["serve", "--set", "prefill.kv_cache_gb=0.5", "--set", "decode.kv_cache_gb=1"]) == 0
+    assert [(c.prefill.kv_cache_gb, c.decode.kv_cache_gb) for c in got] == [("auto", "auto"), ("auto", "auto"),
+                                                                            (0.5, 1.0)]
     with pytest.raises(SystemExit) as e:
         main(["generate", "--local", "hi", "--kv-cache-gb", "lots"])
     assert e.value.code == 2 and "expected a number of GiB > 0 or auto, got 'lots'" in capsys.readouterr().err

@@ -7,11 +7,12 @@ cache -> free) and ends by checking the bookkeeping and that no block is left he
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.kv_cache import BlockManager
+from engine.kv_cache import BlockManager, allocate_kv_tensors
 
 
 def done(bm: BlockManager) -> None:
@@ -537,3 +538,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_kv_tensors_read_as_zeros_and_take_memory_only_where_written() -> None:
+    """``kv_cache_gb: auto`` gives a worker most of its node: the cache's pages become resident
+    as blocks are written, not at allocation (a 1 GiB cache here; the bound is a tenth of it)."""
+    before = _resident_bytes()
+    kv = allocate_kv_tensors(num_layers=8, num_blocks=4096, block_size=16, num_kv_heads=4, head_dim=64,
+                             dtype=torch.float32)
+    total = sum(k.numel() * 4 + v.numel() * 4 for k, v in kv)
+    assert total == 2**30
+    assert _resident_bytes() - before < total // 10
+    k0 = kv[0][0]
+    assert k0.shape == (4096 * 16, 4, 64) and k0.is_contiguous() and not k0[:4096].any()
+    k0[16:32] = 1.5  # one block written: it reads back, its neighbours still zero
+    assert (k0[16:32] == 1.5).all() and not k0[:16].any() and not k0[32:64].any()
+    assert _resident_bytes() - before < total // 10

@@ -125,11 +125,14 @@ def test_kv_cache_gb_auto_per_pool():
     """``kv_cache_gb: auto`` (engine/kv_budget.py) per pool; the engine config keeps a number
     until the worker sizes its cache on its node (WorkerOptions.kv_cache_auto)."""
     from router.pools import engine_configs
-    cfg = load_config(LOCAL, {"decode.kv_cache_gb": "auto"})
-    assert cfg.decode.kv_cache_gb == "auto" and cfg.prefill.kv_cache_gb == 0.5  # the default stays fixed
+    cfg = load_config(LOCAL, {"prefill.kv_cache_gb": 0.5})
+    assert cfg.decode.kv_cache_gb == "auto" and cfg.prefill.kv_cache_gb == 0.5  # auto is the default
     prefill, decode = engine_configs(cfg, "/m")
     assert prefill.cache.memory_gb == 0.5 and decode.cache.memory_gb > 0
-    assert load_config(LOCAL, {"prefill.kv_cache_gb": "auto"}).prefill.kv_cache_gb == "auto"
+    assert ClusterConfig().prefill.kv_cache_gb == ClusterConfig().decode.kv_cache_gb == "auto"
+    with pytest.raises(ConfigError, match="decode.kv_cache_gb: auto sizes a CPU worker's cache"):
+        load_config(LOCAL, {"device": "cuda", "prefill.kv_cache_gb": 1.0})
+    load_config(LOCAL, {"device": "cuda", "prefill.kv_cache_gb": 1.0, "decode.kv_cache_gb": 2.0})
     with pytest.raises(ConfigError, match="decode.kv_cache_gb: must be a number of GiB or auto, got 'lots'"):
         load_config(LOCAL, {"decode.kv_cache_gb": "lots"})
     with pytest.raises(ConfigError, match="prefill.kv_cache_gb: must be > 0"):
