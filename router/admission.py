@@ -103,6 +103,7 @@ class TokenStats:
     tokens: int = 0
     in_flight: int = 0
     waiting: int = 0
+    preempted: int = 0  # running requests preempted for a higher class (router.preempt)
 
 
 class Admission:
@@ -182,6 +183,10 @@ class Admission:
         if (b := self._bucket(lease.name, self.policy.of(lease.name))) is not None:
             b.level -= tokens
 
+    def preempted(self, lease: Lease) -> None:
+        """The lease's request was preempted (router.preempt): it waits again, in its class."""
+        self.stats_of(lease.name).preempted += 1
+
     def release(self, lease: Lease) -> None:
         """The request ended (idempotent)."""
         if lease.held:
@@ -239,5 +244,5 @@ class Admission:
 
     def stats(self) -> dict[str, TokenStats]:
         """A copy of the per-name counters (safe to read from another thread)."""
-        return {name: TokenStats(s.admitted, dict(s.refused), s.tokens, s.in_flight, s.waiting)
+        return {name: TokenStats(s.admitted, dict(s.refused), s.tokens, s.in_flight, s.waiting, s.preempted)
                 for name, s in list(self._stats.items())}

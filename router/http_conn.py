@@ -15,6 +15,9 @@ caps a request's line and headers. What it lacks is added here, per connection:
   the disconnect and ends its requests on every worker (router.openai_http), freeing the slot
   it held under ``limits.concurrent_rpcs`` and its token's ``max_concurrent``. A client that
   reads, however slowly, keeps the buffer draining and is not cut off.
+- **Unread streams** (``front_door.unread_stream_timeout_s``, router.unread): each request's
+  ASGI scope carries its connection's ``abort`` (extension ``ABORT``), so a stream whose client
+  took no next event that long is cut off at once, its requests already ended.
 - **Connection caps**: ``front_door.connections_per_client`` open connections per client
   address, ``front_door.connections`` in all. At a cap, the oldest *idle* connection there (no
   request in progress: waiting for its headers, or kept alive between requests) is closed to
@@ -41,6 +44,10 @@ log = logging.getLogger("pdserve.router")
 _BUSY_BODY = json.dumps({"error": {"message": "too many connections (front_door.connections_per_client, "
                                               "front_door.connections); retry shortly", "type": "server_error",
                                    "param": None, "code": "service_unavailable"}}).encode()
+# The ASGI scope extension under which each request finds its connection's ``abort`` (a stream
+# its client stopped reading is cut off at once: router.unread; no ASGI message can abort)
+ABORT = "pdserve.abort"
+
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"retry-after: %d\r\ncontent-length: %d\r\n\r\n%s" % (RETRY_AFTER_S, len(_BUSY_BODY), _BUSY_BODY))
 
@@ -115,6 +122,15 @@ class GuardedH11(H11Protocol):
             return
         super().data_received(data)
         self._watch_head()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        # A request just begun has its cycle, whose app task has not run yet: it finds the hook
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.scope.setdefault("extensions", {})[ABORT] = self._abort_stream
+
+    def _abort_stream(self) -> None:
+        self.transport.abort()  # (connection_lost follows: the response sees a disconnect)
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -11,11 +11,14 @@ Lifecycle (``Job.state``; the router's ``Generate`` drives it, router.server)::
     RUNNING ──a record with a final finish, Abort, a stop string across a re-run──► DONE
     RUNNING ──worker lost, transfer failed──► PLACING again (attempt + 1; the prompt is now
               prompt + every token already streamed) ... after MAX_ATTEMPTS: DONE (UNAVAILABLE)
+    RUNNING ──preempted for a higher class (router.preempt)──► PLACING again, the same way
+              (preemptions are bounded there, and do not count toward MAX_ATTEMPTS)
 
 Events (``Job.events``), each ``(attempt, worker or None, event)``: a worker's record
 (``Tokens``/``Failed``), :class:`Lost` when a worker the job runs on was lost, :class:`Aborted`
-from Abort or shutdown. A decode worker's records may overtake the prefill's first token (two
-sockets): :meth:`Job.in_order` puts an attempt's records in output order by their ``start``.
+from Abort or shutdown, :class:`Preempted` (its blocks already freed). A decode worker's
+records may overtake the prefill's first token (two sockets): :meth:`Job.in_order` puts an
+attempt's records in output order by their ``start``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import collections
 import dataclasses
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +58,12 @@ class Aborted:
     """Abort, or the router stops."""
 
 
-Event = Tokens | Failed | Lost | Aborted
+@dataclass(frozen=True)
+class Preempted:
+    """The job was aborted on its workers to make room for a higher class (router.preempt)."""
+
+
+Event = Tokens | Failed | Lost | Aborted | Preempted
 
 
 @dataclass
@@ -69,6 +78,7 @@ class Job:
     lease: Any = None  # router.admission.Lease: its token's admission (limits, priority, usage)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
+    preemptions: int = 0  # attempts ended by preemption (router.preempt), not by a failure
     prefill: Any = None  # pools.Worker, while placed
     decode: Any = None
     prefill_id: str = ""  # the workers of the latest attempt (kept after it ends)
@@ -119,6 +129,13 @@ class Job:
             self.stream = TextStream(tokenizer, self.params.stop)
             self.stream.step(self.generated)
             self.stream.mark_sent(len(self.text))
+
+    def release(self, abort: Callable[[Any, Key], None]) -> None:
+        """Free this attempt wherever it may hold blocks: ``abort(worker, key)`` once on each of
+        its workers (router.pools ``abort``, idempotent there); it is placed nowhere after."""
+        for w in {id(w): w for w in (self.prefill, self.decode) if w is not None}.values():
+            abort(w, self.key)
+        self.prefill = self.decode = None
 
     def placed(self, prefill: Any, decode: Any, placement: str = "") -> None:
         self.prefill, self.decode = prefill, decode

@@ -106,6 +106,10 @@ def token_families(stats: dict) -> list:
                                   labels=["token"])
     waiting = GaugeMetricFamily("pdserve_token_requests_waiting", "Requests waiting for a placement (fair "
                                 "order: router.admission), by token name", labels=["token"])
+    preempted = CounterMetricFamily("pdserve_token_requests_preempted", "Running requests preempted (aborted "
+                                    "on their workers and re-queued, to re-run from their prompt plus the "
+                                    "tokens streamed) for a waiting request of a higher priority class "
+                                    "(router.preempt), by token name", labels=["token"])
     for name, s in sorted(stats.items()):
         label = name or "-"
         admitted.add_metric([label], s.admitted)
@@ -114,4 +118,5 @@ def token_families(stats: dict) -> list:
         used.add_metric([label], s.tokens)
         in_flight.add_metric([label], s.in_flight)
         waiting.add_metric([label], s.waiting)
-    return [admitted, refused, used, in_flight, waiting]
+        preempted.add_metric([label], s.preempted)
+    return [admitted, refused, used, in_flight, waiting, preempted]

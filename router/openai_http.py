@@ -19,8 +19,10 @@ each response watches the connection (not only the next write, which may be far 
 request waits for admission).
 
 Limits: ``limits.message_bytes`` per body, ``limits.choices`` per request (prompts x n),
-``front_door.logprob_entries`` log probabilities per answer (router.openai_api), and
-``limits.concurrent_rpcs`` requests in progress (beyond: 503; idle connections do not count).
+``front_door.logprob_entries`` log probabilities per answer (router.openai_api),
+``limits.concurrent_rpcs`` requests in progress (beyond: 503; idle connections do not count),
+and ``front_door.unread_stream_timeout_s`` for a stream's client to take its next event
+(router.unread: beyond, its requests end and the connection is aborted).
 Connections: router.http_conn (header and write timeouts, caps per client address and in all). ``/health``
 is open, as gRPC's health service is: 200 while a worker of every role serves and the router
 is not stopping (router.drain), 503 otherwise.
@@ -46,12 +48,13 @@ from starlette.requests import ClientDisconnect
 
 from router.auth import is_loopback
 from router.http_body import read_json
-from router.http_conn import guarded
+from router.http_conn import ABORT, guarded
 from router.http_guard import Guard
 from router.openai_answer import Shaper, models_list
 from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, api_error, check_logprob_budget,
                                parse, requests_for)
 from router.reject import Reject, retry_after
+from router.unread import Unread, relay
 
 log = logging.getLogger("pdserve.router")
 
@@ -168,7 +171,8 @@ class _Routes:
             return Response(status_code=499)
         req = parse(kind, raw, self.limits.choices)
         reqs, shaper = await self._shape(req, kind is ChatCompletionRequest)
-        return await _answer(request, req, _merged(self.router, reqs, owner, req.n), shaper)
+        return await _answer(request, req, _merged(self.router, reqs, owner, req.n), shaper,
+                             self.door_cfg.unread_stream_timeout_s)
 
     async def _shape(self, req, chat: bool) -> tuple[list, Shaper]:
         """The request's choices as router requests, checked, and the shaper of its answer."""
@@ -187,9 +191,10 @@ class _Routes:
                             tools=chat and req.tools_offered)
 
 
-async def _answer(request: Request, req, events, shaper: Shaper) -> Response:
+async def _answer(request: Request, req, events, shaper: Shaper, unread_s: float) -> Response:
     """The whole answer, or a stream whose status the first event decides: an error before any
-    token (bad input, a full queue, no worker) is a plain error answer, not a 200 stream."""
+    token (bad input, a full queue, no worker) is a plain error answer, not a 200 stream (one
+    its client stops reading for ``unread_s`` is ended: router.unread)."""
     try:
         if not req.stream:
             return await until_disconnect(request.receive, _whole(events, shaper, req.n))
@@ -205,7 +210,7 @@ async def _answer(request: Request, req, events, shaper: Shaper) -> Response:
         await events.aclose()
         raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return _SSE(_sse(first, events, shaper, req.n, include_usage))
+    return _SSE(_sse(first, events, shaper, req.n, include_usage), unread_s)
 
 
 def _refusal(e: Reject) -> ApiError:
@@ -218,24 +223,30 @@ def _refusal(e: Reject) -> ApiError:
 
 class _SSE(Response):
     """Server-sent events from an async iterator, ended (and the iterator closed, which
-    frees its requests) when the client disconnects, whether or not a write fails."""
+    frees its requests) when the client disconnects, whether or not a write fails, or when it
+    takes no next event for ``unread_s`` (router.unread): then the connection is aborted
+    (router.http_conn's ``ABORT`` extension; without it, uvicorn closes it once we return)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:  # (no Response.__init__: no length)
-        self.chunks, self.background = chunks, None
+    def __init__(self, chunks: AsyncIterator[bytes], unread_s: float) -> None:  # (no Response.__init__)
+        self.chunks, self.unread_s, self.background = chunks, unread_s, None
         self.raw_headers = [(k.encode(), v.encode()) for k, v in SSE_HEADERS.items()]
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        abort = scope.get("extensions", {}).get(ABORT)
 
         async def pump() -> None:
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async with contextlib.aclosing(relay(self.chunks, self.unread_s, abort)) as chunks:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
             await until_disconnect(receive, pump())
         except (ClientGone, OSError):
             log.info("event=client_disconnected during a stream")
+        except Unread:  # its requests were ended (and logged) when it stalled: router.unread
+            pass
         finally:
             await self.chunks.aclose()
 

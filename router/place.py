@@ -7,7 +7,8 @@ Each try takes a snapshot of the pools (``placement.PoolView``), asks the pure
     while True:
         no worker left ─► UNAVAILABLE
         plan(view, demand):
-          Wait   ─► queue (router.max_queue: else RESOURCE_EXHAUSTED), wait for a change
+          Wait   ─► queue (router.max_queue: else RESOURCE_EXHAUSTED), preempt lower-priority
+                    requests if it is this job's turn (router.preempt), wait for a change
                     (router.queue_timeout_s: else RESOURCE_EXHAUSTED)
           Local  ─► submit to the decode (or colocated) worker; not holding the prefix it was
                     sent for ─► the pool prefills it (``missed``), try again
@@ -81,12 +82,15 @@ class Placer:
         metrics: router.metrics.RouterMetrics (its prefix and placement counters).
         prefix: the prefix index (None: prefix-blind).
         adaptive: workers switch roles (router.roles).
+        preemptor: router.preempt.Preemptor, asked to make room when the job whose turn it is
+            finds none (None: no preemption).
     """
 
     def __init__(self, cfg: ClusterConfig, pools: Any, admission: Admission, live: Holdings,
-                 metrics: Any, prefix: PrefixIndex | None = None, adaptive: bool = False) -> None:
+                 metrics: Any, prefix: PrefixIndex | None = None, adaptive: bool = False,
+                 preemptor: Any = None) -> None:
         self.cfg, self.pools, self.admission, self.live, self.metrics = cfg, pools, admission, live, metrics
-        self.prefix, self.adaptive = prefix, adaptive
+        self.prefix, self.adaptive, self.preemptor = prefix, adaptive, preemptor
         self.colocated = cfg.mode == "colocated"
         self.decode_roles = (Role.COLOCATED,) if self.colocated else (Role.DECODE,)
         self.queued = 0  # jobs waiting for a decode worker
@@ -110,9 +114,12 @@ class Placer:
         try:
             while True:
                 self._check_alive()
-                step = plan(self._view(prompt, entry), demand)
+                view = self._view(prompt, entry)
+                step = plan(view, demand)
                 if isinstance(step, Wait):
-                    queued = queued or self._enter_queue()
+                    queued = queued or self._enter_queue(job)
+                    if view.turn and self.preemptor is not None:  # its turn, and no room: router.preempt
+                        self.preemptor.make_room(job, demand, view.decode, view.reserve_fraction)
                     self._check_waited(since)
                     await self._wait_change()
                     continue
@@ -275,9 +282,10 @@ class Placer:
             prefilled(self.prefix, job.prefill_id, job.prefix_hashes, expected, cached_tokens, self._block_size)
 
     # ---- waiting -------------------------------------------------------------------------------
-    def _enter_queue(self) -> bool:
-        """The job starts waiting for a decode worker (router.max_queue bounds them)."""
-        if self.queued >= self.cfg.router.max_queue:
+    def _enter_queue(self, job: Job) -> bool:
+        """The job starts waiting for a decode worker (router.max_queue bounds them; not a
+        preempted one: it was admitted and streams, and the queue bounds arrivals)."""
+        if self.queued >= self.cfg.router.max_queue and not job.preemptions:
             raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"all decode workers are full and {self.queued} requests are already waiting; retry later")
         self.queued += 1

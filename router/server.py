@@ -18,14 +18,16 @@ One request, from ``Generate`` to its last token (the job's states: router.jobs)
 Disaggregated mode places on a prefill and a decode worker; colocated mode on one worker that
 does both. A lost worker (see router.pools) or a failed KV transfer re-runs the job from its
 prompt plus the tokens already streamed (a new attempt; the client sees no token twice), up to
-``MAX_ATTEMPTS``; then UNAVAILABLE. Client cancel and Abort free the job's blocks on both
-sides (abort on each worker that holds it); the client's deadline also travels with the calls,
-so a worker drops the request when it passes even if no abort arrives. Every call awaited from
-a worker has the stall deadline (router.pools, which makes every call to a worker). Every
-``router.sweep_s`` the sweep frees KV blocks held for no live request (router.sweep: the last
-line, expected never to fire). The status RPCs' answers: router.status. The controllers
-(router.autoscale, router.roles) and the metrics read ``Router.view()``, a frozen snapshot
-(router.cluster_view).
+``MAX_ATTEMPTS``; then UNAVAILABLE. A job preempted for a higher priority class (router.preempt:
+aborted on its workers) re-runs the same way, not counted as a failure. A stream its client
+stops reading ends after ``front_door.unread_stream_timeout_s`` (router.unread). Client cancel
+and Abort free the job's blocks on both sides (abort on each worker that holds it); the
+client's deadline also travels with the calls, so a worker drops the request when it passes
+even if no abort arrives. Every call awaited from a worker has the stall deadline
+(router.pools, which makes every call to a worker). Every ``router.sweep_s`` the sweep frees
+KV blocks held for no live request (router.sweep: the last line, expected never to fire). The
+status RPCs' answers: router.status. The controllers (router.autoscale, router.roles) and the
+metrics read ``Router.view()``, a frozen snapshot (router.cluster_view).
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ from router.cluster_view import ClusterView, cluster_view
 from router.config import ClusterConfig
 from router.grpc_guard import server_kwargs  # limits, keepalive, connection age, Watch cap, drain
 from router.holdings import Holdings
-from router.jobs import Aborted, Job, Lost
+from router.jobs import Aborted, Job, Lost, Preempted
 from router.metrics import RouterMetrics
 from router.nodes import served_name
 from router.place import Placer
 from router.pools import Pools
+from router.preempt import Preemptor
 from router.prefix_index import PrefixIndex
 from router.reject import Reject, retry_after
 from router.requests import (Limits, has_constraint, prompt_ids, request_id, sampling_params, tool_call_token,
@@ -64,6 +67,7 @@ from router.requests import (Limits, has_constraint, prompt_ids, request_id, sam
 from router.roles import RoleController
 from router.status import cluster_status, model_info
 from router.sweep import Sweeper
+from router.unread import Unread, relay
 from router.worker_state import Role, Worker
 from worker.protocol import Failed, Record
 
@@ -95,9 +99,11 @@ class Router(pb_grpc.GenerationServicer):
         self.limits: Limits | None = None
         self.colocated = cfg.mode == "colocated"
         self.metrics = RouterMetrics(self.view, self.admission.stats)
+        preemptor = Preemptor(self.pools, self.admission, cfg.router.max_preemptions, lambda: self.jobs.values())
         # What each prefilling worker likely holds in its prefix cache (None: prefix-blind)
         self.placer = Placer(cfg, self.pools, self.admission, Holdings(), self.metrics,
-                             PrefixIndex() if cfg.router.prefix_aware else None, adaptive=cfg.mode == "adaptive")
+                             PrefixIndex() if cfg.router.prefix_aware else None, adaptive=cfg.mode == "adaptive",
+                             preemptor=preemptor)
         self.sweeper = Sweeper(self.pools, lambda: {j.key.engine_id for j in self.jobs.values()},
                                self.metrics.swept_blocks)
         self.recent = Recent(cfg.autoscale.window_s)  # latencies the pool signals read
@@ -177,9 +183,12 @@ class Router(pb_grpc.GenerationServicer):
     # ---- Generate ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         owner = await self._caller(context)
-        try:
-            async for response in self.generate(request, owner, context.time_remaining()):
+        try:  # (a stream its client stops reading ends here: router.unread)
+            async for response in relay(self.generate(request, owner, context.time_remaining()),
+                                        self.cfg.front_door.unread_stream_timeout_s):
                 yield response
+        except Unread as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Reject as e:
             if e.retry_after_s is None:
                 await context.abort(e.code, str(e))
@@ -310,6 +319,9 @@ class Router(pb_grpc.GenerationServicer):
                 self._release(job)
                 yield job.final("abort")
                 return
+            if isinstance(event, Preempted):  # (its blocks were freed then: router.preempt)
+                self._rerun(job, "preempted for a higher priority class", preempted=True)
+                return
             if isinstance(event, (Lost, Failed)) and not job.depends_on(worker):
                 # Queued while the worker still mattered (or a prefill's late transfer error after
                 # decode took over): re-running a healthy stream would only cost it time.
@@ -338,20 +350,21 @@ class Router(pb_grpc.GenerationServicer):
                     yield job.final(r.finish)
                     return
 
-    def _rerun(self, job: Job, why: str) -> None:
-        """Free the attempt's blocks and go back to PLACING (or fail after MAX_ATTEMPTS)."""
+    def _rerun(self, job: Job, why: str, preempted: bool = False) -> None:
+        """Free the attempt's blocks and go back to PLACING (or fail after MAX_ATTEMPTS
+        failures: preemptions are bounded by router.max_preemptions instead)."""
         self._release(job)
         job.rerun(self.tokenizer)
-        if job.attempt >= MAX_ATTEMPTS:
+        if preempted:
+            return
+        if job.attempt - job.preemptions >= MAX_ATTEMPTS:
             raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
         log.warning("rid=%s event=rerun attempt=%d reason=%r", job.request_id, job.attempt, why)
         self.metrics.retries.inc()
 
     def _release(self, job: Job) -> None:
         """Abort the job's current attempt wherever it may hold blocks (idempotent there)."""
-        for w in {id(w): w for w in (job.prefill, job.decode) if w is not None}.values():
-            self.pools.abort(w, job.key)
-        job.prefill = job.decode = None
+        job.release(self.pools.abort)
 
     # ---- the other RPCs ----------------------------------------------------------------------
     async def _caller(self, context) -> str:

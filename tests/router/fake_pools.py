@@ -26,6 +26,7 @@ class FakePools:
         self.calls: list[tuple] = []
         self.answers: dict[str, list[Any]] = {}
         self.waits = 0
+        self.submitted: list[tuple[str, int, list[int], int]] = []  # (request id, attempt, prompt, max_tokens)
 
     def any_alive(self, *roles: str) -> bool:
         return any(w.state.alive for w in self.workers.values() if w.role in roles)
@@ -60,6 +61,7 @@ class FakePools:
         return a(w) if callable(a) else a
 
     async def submit(self, w, key, ids, params, time_left, check) -> Any:
+        self.submitted.append((key.request_id, key.attempt, list(ids), params.max_tokens))
         return await self._answer("submit", w, True)
 
     async def reserve(self, w, key, ids, params, time_left) -> Any:

@@ -27,6 +27,7 @@ from router.auth import FrontDoor
 from router.config import load_config
 from router.requests import Limits, prompt_ids, request_id, sampling_params, tool_call_token, with_tool_choice
 from router.server import Reject
+from router.unread import Unread, relay
 
 
 class FakeRouter(pb_grpc.GenerationServicer):
@@ -44,6 +45,7 @@ class FakeRouter(pb_grpc.GenerationServicer):
         self.finished = 0
         self.answer: list[str] | None = None  # each response's text instead of "a", "b"; the last stops
         self.params: list = []  # each request's SamplingParams, as the router's validation built them
+        self.open = 0  # answers in progress (a request's generator not yet closed)
 
     async def detokenize(self, ids):  # as Router.detokenize
         return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.decode, ids)
@@ -52,6 +54,15 @@ class FakeRouter(pb_grpc.GenerationServicer):
         return self.jobs.get(request_id)
 
     async def generate(self, request, owner, time_left, prefer=None):
+        """``answers``, counted in ``open`` while it runs (closed early too: a request ended)."""
+        self.open += 1
+        try:
+            async for r in self.answers(request):
+                yield r
+        finally:
+            self.open -= 1
+
+    async def answers(self, request):
         try:
             request_id(request, self.limits)
             n = len(prompt_ids(request, self.tokenizer, self.limits)) if self.tokenizer is not None else 1
@@ -83,10 +94,12 @@ class FakeRouter(pb_grpc.GenerationServicer):
                                   finish_reason=pb.FINISH_REASON_LENGTH,
                                   usage=pb.Usage(prompt_tokens=n, completion_tokens=2))
 
-    async def Generate(self, request, context):
+    async def Generate(self, request, context):  # (as Router.Generate: relayed, router.unread)
         try:
-            async for r in self.generate(request, "", None):
+            async for r in relay(self.generate(request, "", None), self.cfg.front_door.unread_stream_timeout_s):
                 yield r
+        except Unread as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Reject as e:
             await context.abort(e.code, str(e))
 

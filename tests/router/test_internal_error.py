@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
 from router.auth import FrontDoor
+from router.config import load_config
 from router.server import Router
 
 
@@ -31,7 +32,7 @@ class Context:
 
 def test_an_unexpected_exception_is_internal_and_logged(caplog):
     router = object.__new__(Router)  # only what Generate touches: the door and generate
-    router.door = FrontDoor()
+    router.door, router.cfg = FrontDoor(), load_config(None)
 
     async def broken(request, owner, time_left):
         raise KeyError("decode-7")

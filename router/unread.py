@@ -1,0 +1,105 @@
+"""Streams whose client stops reading: ended within ``front_door.unread_stream_timeout_s``.
+
+A client that opens streams and never reads them would hold each request's KV blocks, its
+decode seat and its token's ``max_concurrent`` place for as long as flow control holds the
+server's writes (gRPC: the HTTP/2 window; SSE: the socket buffers, then asyncio's high-water
+mark): the write of the next message waits for the client to read. ``relay`` stands between a
+response's source (router.server ``generate``) and the server's writer (its consumer)::
+
+    source ──producer task──► at most one message ahead ──► consumer (the server's write loop)
+
+The producer keeps one message ready; when the next is ready too and the consumer does not
+take the waiting one within the timeout (it is still stuck writing the one before), the
+producer closes the source at once (the requests are aborted on every worker, their blocks
+freed, the admission lease released: router.server), calls ``on_stall`` (SSE: the connection
+is aborted, router.openai_http) and the consumer gets :class:`Unread` when it next asks (gRPC:
+RESOURCE_EXHAUSTED, sent after the messages already queued: grpc sends a status only behind
+them, so the call itself ends when the client reads or its connection ends: docs/security.md).
+
+A slow model never counts: the clock runs only while a ready message waits to be taken, not
+while the source works on the next one. A client that reads, however slowly, takes a message
+now and then and is never cut off for the stream's length alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+log = logging.getLogger("pdserve.router")
+
+AHEAD = 1  # messages the producer keeps ready beyond the one being written
+
+
+class Unread(Exception):
+    """The client took no next message for ``timeout_s``; the request was ended."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the stream was not read for {timeout_s:g} s (front_door.unread_stream_timeout_s): "
+                         "its request was ended and its resources freed")
+        self.timeout_s = timeout_s
+
+
+class _Kind(enum.Enum):
+    ITEM = "item"
+    END = "end"
+    ERROR = "error"  # the source raised (router.reject.Reject, ...): the consumer raises it
+    STALLED = "stalled"
+
+
+async def _produce(source: AsyncGenerator, q: asyncio.Queue, timeout_s: float,
+                   on_stall: Callable[[], None] | None) -> None:
+    try:
+        async for item in source:
+            if q.qsize() >= AHEAD:
+                # Until the consumer took every message ready (``task_done`` at its get). Not
+                # wait_for: on 3.11 it swallows a cancel that meets the join's end, and this task
+                # would outlive its consumer.
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await q.join()
+                except TimeoutError:
+                    await source.aclose()  # frees the requests now, not when the client reads
+                    log.info("event=unread_stream timeout_s=%g: request ended", timeout_s)
+                    q.put_nowait((_Kind.STALLED, None))
+                    if on_stall is not None:
+                        on_stall()
+                    return
+            q.put_nowait((_Kind.ITEM, item))
+        q.put_nowait((_Kind.END, None))
+    except Exception as e:  # (a cancel is not: it is the consumer's, below)
+        q.put_nowait((_Kind.ERROR, e))
+    finally:  # cancelled while a message waited: the source sits at its yield, still holding
+        await source.aclose()
+
+
+async def relay(source: AsyncGenerator, timeout_s: float,
+                on_stall: Callable[[], None] | None = None) -> AsyncIterator[Any]:
+    """``source``'s messages, ended if the consumer stops taking them (module doc).
+
+    Closing (or cancelling) the relay closes ``source``, as closing ``source`` itself would.
+
+    Raises:
+        Unread: the consumer took no next message for ``timeout_s`` (``source`` is closed).
+        Whatever ``source`` raised.
+    """
+    q: asyncio.Queue = asyncio.Queue()  # (unbounded: the producer keeps the bound itself)
+    task = asyncio.create_task(_produce(source, q, timeout_s, on_stall), name="relay")
+    try:
+        while True:
+            kind, value = await q.get()
+            q.task_done()  # taken: the producer may put the next
+            if kind is _Kind.ITEM:
+                yield value
+            elif kind is _Kind.END:
+                return
+            elif kind is _Kind.ERROR:
+                raise value
+            else:
+                raise Unread(timeout_s)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
