@@ -35,6 +35,7 @@ from engine.models import gguf_codes as codes
 from engine.models.gguf_convert import cache_dir, staged_dir, unpermute
 from engine.models.hf_weights import our_name
 from engine.quant.linear import Int4Linear, Int8Linear
+from engine.quant.linear.base import bias_copy
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
     if tied and precision != "float":  # the LM head as its own quantized copy of the embedding
         groups["lm_head.weight"] = groups.get("embed_tokens.weight")
     sd: dict[str, torch.Tensor] = {}
-    qws: dict[str, object] = {}
+    out: dict[str, object] = {}  # integer linears by module name, made as each is read (below)
     bar = tqdm(groups.items(), desc=f"loading {path.name}", unit="tensor",
                disable=None if progress else True)  # None: off when stderr is not a terminal
     for ours, parts in bar:
@@ -261,10 +262,12 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
         if fmt == "float":
             sd[ours] = ws[0] if len(ws) == 1 else torch.cat(ws)
         else:
-            qws[ours.rpartition(".")[0]] = codes.concat_rows(ws) if len(ws) > 1 else ws[0]
+            # its module now: INT4 codes arrive a byte each and the module packs them two to a
+            # byte, so holding every read weight until the end would peak at twice the model
+            out[ours.rpartition(".")[0]] = _module(codes.concat_rows(ws) if len(ws) > 1 else ws[0])
         del ws
         _release(reader, [t for t, _ in parts])
-    out = _quantized_modules(qws, sd)
+    _attach_biases(out, sd)
     return sd, out, tied and "lm_head" not in out
 
 
@@ -298,16 +301,17 @@ def _read_group(path: Path, ours: str, parts: list | None, precision: str, arch:
                              f"({parts[0][0].tensor_type.name}: {e})") from None
 
 
-def _quantized_modules(qws: dict[str, object], sd: dict[str, torch.Tensor]) -> dict[str, object]:
-    """Each integer weight as its module, with its bias taken out of ``sd`` (biases may come after
-    their weights in the file: attached once all are read)."""
-    out: dict[str, object] = {}
-    for module in list(qws):  # popped: each integer weight freed once its module holds a copy
-        qw = qws.pop(module)
+def _module(qw) -> object:
+    return Int8Linear(qw) if qw.bits == 8 else Int4Linear(qw)
+
+
+def _attach_biases(mods: dict[str, object], sd: dict[str, torch.Tensor]) -> None:
+    """Each integer linear's bias, taken out of ``sd`` (biases may come after their weights in
+    the file: attached once all are read)."""
+    for module, mod in mods.items():
         bias = sd.pop(f"{module}.bias", None)
-        out[module] = Int8Linear(qw, bias) if qw.bits == 8 else Int4Linear(qw, bias)
-        del qw
-    return out
+        if bias is not None:
+            mod.bias = bias_copy(bias)
 
 
 def _release(reader, tensors) -> None:

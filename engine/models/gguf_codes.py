@@ -11,11 +11,12 @@ The precision classes of llama.cpp's block formats, and what each becomes here:
 
 The 4-bit formats all have the shape ``w = scale * q + offset`` over 32 inputs, which is exactly
 pdserve's asymmetric INT4 with groups of 32 (``w = (q - zero) * scale``, ``zero = -offset /
-scale``): the codes and scales are taken over unchanged, so serving them adds only the kernel's
-bf16 rounding of scale and offset. 5-bit and wider formats have no 4-bit equivalent without
-losing precision, and pdserve's INT8 keeps one scale per row rather than per block of 32: the
-round trip adds a little error (``bench/gguf_ppl.py`` measures each choice's perplexity against
-the file's own dequantized weights).
+scale``): the codes and scales are taken over unchanged, the offset served as ``-zero * scale``
+(within an ulp of the file's; the native kernels read Q4_K's scales and these offsets in a
+compact exact form, engine/models/int4_blocks.py). 5-bit and wider formats have no 4-bit
+equivalent without losing precision, and pdserve's INT8 keeps one scale per row rather than per
+block of 32: the round trip adds a little error (``bench/gguf_ppl.py`` measures each choice's
+perplexity against the file's own dequantized weights).
 """
 
 from __future__ import annotations
@@ -127,8 +128,13 @@ def as_int4(t) -> QuantizedWeight:
     """INT4 g32: the file's own codes where it has them, else round to nearest (asymmetric)."""
     if precision_class(t.tensor_type.name) == "int4":
         return int4_codes(t)
-    w = dequantized(t)
-    return quantize_weight(w, 4, GROUP if w.shape[1] % GROUP == 0 else None, symmetric=False)
+    n = t.data.shape[0] if t.data.ndim > 1 else 1
+    parts = []
+    for r0 in range(0, n, CHUNK_ROWS):  # a chunk of rows at a time, as as_int8 (the loading peak)
+        w = dequantized(t, slice(r0, r0 + CHUNK_ROWS))
+        parts.append(quantize_weight(w, 4, GROUP if w.shape[1] % GROUP == 0 else None, symmetric=False))
+        del w
+    return parts[0] if len(parts) == 1 else concat_rows(parts)
 
 
 def as_int8(t) -> QuantizedWeight:

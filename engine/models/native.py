@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models import int4_blocks
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_decode.c")
@@ -141,7 +143,7 @@ def enabled_library() -> ctypes.CDLL | None:
 class Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("zs", ctypes.c_void_p), ("b", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("aq", ctypes.c_int64)]
+                ("aq", ctypes.c_int64), ("meta", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -188,13 +190,24 @@ def int8_activations_fit(kind: int, k: int, group: int, lanes: int) -> bool:
     return kind == W_I8 and k % 64 == 0
 
 
+def check_int4_meta(meta: torch.Tensor | None, n: int, k: int, group: int) -> None:
+    """``meta`` is None or the compact scales of an [n, k] INT4 weight (engine/models/int4_blocks.py)."""
+    if meta is None:
+        return
+    want = (n, k // group // int4_blocks.SUPER * int4_blocks.BLOCK_BYTES)
+    if meta.dtype != torch.uint8 or tuple(meta.shape) != want or not meta.is_contiguous():
+        raise ValueError(f"compact INT4 scales {tuple(meta.shape)} {meta.dtype}, want contiguous uint8 {want}")
+
+
 class Int4Kernel:
     """One INT4 linear served by this library from its weights in :func:`int4_weights`' layout
     (the only copy the process holds): any number of rows through the GEMV, or the weights
-    dequantized for a GEMM. The tensors must outlive this object (their owner holds both)."""
+    dequantized for a GEMM. ``meta``: the compact form of s and z (engine/models/int4_blocks.py),
+    which the kernel then reads instead of them. The tensors must outlive this object (their
+    owner holds both)."""
 
     def __init__(self, lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
-                 group: int, int8_activations: bool = False) -> None:
+                 group: int, int8_activations: bool = False, meta: torch.Tensor | None = None) -> None:
         if not (w.is_contiguous() and s.is_contiguous() and z.is_contiguous() and b.is_contiguous()):
             raise ValueError("INT4 kernel tensors must be contiguous")
         if s.dtype != torch.float32 or z.dtype != torch.float32 or w.dtype != torch.uint8:
@@ -203,9 +216,10 @@ class Int4Kernel:
         if int8_activations and not int8_activations_fit(W_I4, 2 * half, group, lib.pd_vector_width()):
             raise ValueError(f"INT8 activations need inputs in chunks of {8 * lib.pd_vector_width()} and groups of "
                              f"a multiple of 32, got {2 * half} inputs in groups of {group}")
+        check_int4_meta(meta, n, 2 * half, group)
         self.lib, self.n, self.k = lib, n, 2 * half
         self.lin = Lin(w.data_ptr(), s.data_ptr(), z.data_ptr(), b.data_ptr(), n, 2 * half, W_I4, group,
-                       int(int8_activations))
+                       int(int8_activations), None if meta is None else meta.data_ptr())
         self.ptr = ctypes.addressof(self.lin)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,7 +250,7 @@ class Int8Kernel:
         if w.dtype != torch.int8 or s.dtype != torch.float32 or zs.dtype != torch.float32:
             raise ValueError(f"INT8 kernel reads int8 weights and fp32 scales, got {w.dtype} {s.dtype} {zs.dtype}")
         self.lib, self.n, self.k = lib, n, k
-        self.lin = Lin(w.data_ptr(), s.data_ptr(), zs.data_ptr(), b.data_ptr(), n, k, W_I8, 0, 1)
+        self.lin = Lin(w.data_ptr(), s.data_ptr(), zs.data_ptr(), b.data_ptr(), n, k, W_I8, 0, 1, None)
         self.ptr = ctypes.addressof(self.lin)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,8 +263,8 @@ class Int8Kernel:
 class NativeLayers:
     """One model's structs and buffers. ``lin``: the linears by name ("{i}.qkv", "{i}.o",
     "{i}.gu", "{i}.d", "head"), each fp32 or INT8 words as single_token.py holds them (w, s,
-    zs, b), or INT4 in the layout of :func:`int4_weights` (w, s, z, b, group); ``ln1``/``ln2``/
-    ``norm``: norm weights."""
+    zs, b), or INT4 in the layout of :func:`int4_weights` (w, s, z, b, group, meta: the compact
+    scales or None); ``ln1``/``ln2``/``norm``: norm weights."""
 
     def __init__(self, lib: ctypes.CDLL, lin: dict[str, tuple], ln1: list[torch.Tensor], ln2: list[torch.Tensor],
                  norm: torch.Tensor, eps: float, nq: int, nkv: int, max_rows: int,
@@ -319,9 +333,12 @@ class NativeLayers:
         kind = {torch.int32: W_I8, torch.uint8: W_I4}.get(w.dtype, W_F32)
         k = w.shape[-1] * {W_I8: 4, W_I4: 2, W_F32: 1}[kind]
         group = lin[4] if kind == W_I4 else 0
+        meta = lin[5] if kind == W_I4 and len(lin) > 5 else None
+        check_int4_meta(meta, w.shape[0], k, group)
         aq = self.int8_activations and int8_activations_fit(kind, k, group, self.lib.pd_vector_width())
-        self._keep.append(w)
-        return Lin(w.data_ptr(), self._ptr(s), self._ptr(zs), self._ptr(b), w.shape[0], k, kind, group, int(aq))
+        self._keep += [w] if meta is None else [w, meta]
+        return Lin(w.data_ptr(), self._ptr(s), self._ptr(zs), self._ptr(b), w.shape[0], k, kind, group, int(aq),
+                   None if meta is None else meta.data_ptr())
 
     def set_threads(self, threads: int) -> None:
         self.ctx.threads = max(1, threads)

@@ -19,10 +19,11 @@
  * A linear is y[r, n] = s[n] * (x[r] . w[n]) - zs[n] * sum(x[r]) + b[n]: fp32 w [N, K] (s = 1,
  * zs = 0), or INT8 w [N, K] with its columns in interleave4 order (engine/quant/formats.py: byte
  * 4i + j is column j*K/4 + i), for which x is permuted the same way first. INT4 (per group of
- * `group` inputs): w = q * s[n, g] - zero[n, g] * s[n, g] (one FMA: (q - zero) * s), y = x . w
- * + b; stored [N, K/2] in blocks of 2 * VW columns, byte i of a block holding column i in its low
- * nibble and column VW + i in its high one (built by native.py for this library's VW), so that
- * VW bytes widen to two full vectors of weights.
+ * `group` inputs): w = q * s[n, g] + o[n, g] (one FMA), o = -zero * s, y = x . w + b, with s and o
+ * read from fp32 scales and zero points or from their compact form (row_scales); codes stored
+ * [N, K/2] in blocks of 2 * VW columns, byte i of a block holding column i in its low nibble and
+ * column VW + i in its high one (built by native.py for this library's VW), so that VW bytes
+ * widen to two full vectors of weights.
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,6 +74,8 @@ typedef struct {
     const float *b;   /* [n] */
     int64_t n, k, kind, group;
     int64_t aq;       /* INT4, INT8: 1 = activations quantized to INT8 on the fly (below), 0 = fp32 */
+    const uint8_t *meta; /* INT4: the compact scales and offsets (row_scales), read instead of s and
+                          * zs; NULL: s and zs */
 } lin_t;
 
 typedef struct {
@@ -131,9 +134,50 @@ dot_block(const void *w, int64_t k, int kind, int nb, int rb, const float *x, in
         }
 }
 
-/* INT4: out[j][r] = w[j] . x[r], the weights dequantized in registers a group at a time. */
+/* INT4 rows' group scales s and offsets o (w = q * s + o) into sv, ov (ng floats per row, rows
+ * row0 .. row0 + nr - 1), from fp32 scales and zero points (o = -zero * s) or from the compact
+ * form (engine/models/int4_blocks.py: per row and superblock of 8 groups, fp32 d and dm, then
+ * uint8 sc[8] and m[8]; s = d * sc, off = dm * m, o = (off / s) * s, or off where s = 0: the
+ * conversion's own zero = -off / s replayed, so that o is bit for bit the fp32 pair's, which
+ * int4_blocks.py checked for every group before choosing this form). Either way every path
+ * applies the same s and o. The compact form reads 0.75 bits per weight here instead of 2 (a
+ * batch-1 step is bound by the bytes it reads); the arrays filled stay in L1 for the dot. */
+static void row_scales(const lin_t *L, int64_t row0, int nr, float *sv, float *ov) {
+    const int64_t ng = L->k / L->group;
+    for (int j = 0; j < nr; j++) {
+        float *s = sv + j * ng, *o = ov + j * ng;
+        if (L->meta != NULL) {
+            /* one superblock per 8-lane vector (both builds have AVX2): written out, since gcc
+             * leaves the division scalar where it cannot mask it (AVX2) */
+            const uint8_t *m = L->meta + (row0 + j) * (ng / 8) * 24;
+            const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+            for (int64_t sb = 0; sb < ng / 8; sb++, m += 24) {
+                float d, dm;
+                memcpy(&d, m, 4);
+                memcpy(&dm, m + 4, 4);
+                const __m256 si = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                  _mm_loadl_epi64((const __m128i *)(m + 8)))));
+                const __m256 off = _mm256_mul_ps(_mm256_set1_ps(dm), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                   _mm_loadl_epi64((const __m128i *)(m + 16)))));
+                const __m256 nz = _mm256_cmp_ps(si, zero, _CMP_NEQ_UQ);  /* s = 0: o = off, no division */
+                const __m256 back = _mm256_mul_ps(_mm256_div_ps(off, _mm256_blendv_ps(one, si, nz)), si);
+                _mm256_storeu_ps(s + 8 * sb, si);
+                _mm256_storeu_ps(o + 8 * sb, _mm256_blendv_ps(off, back, nz));
+            }
+        } else {
+            const float *ps = L->s + (row0 + j) * ng, *pz = L->zs + (row0 + j) * ng;
+            for (int64_t gi = 0; gi < ng; gi++) {
+                s[gi] = ps[gi];
+                o[gi] = -pz[gi] * ps[gi];
+            }
+        }
+    }
+}
+
+/* INT4: out[j][r] = w[j] . x[r], the weights dequantized in registers a group at a time; s, o:
+ * row_scales' arrays for the block's rows. */
 static inline __attribute__((always_inline)) void
-dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_t g, int nb, int rb,
+dot_block_i4(const uint8_t *w, const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
              const float *x, int64_t ldx, float out[NB][RB]) {
     vf acc[NB][RB];
     for (int j = 0; j < nb; j++)
@@ -150,12 +194,12 @@ dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_
         vf tab[NB];
         for (int j = 0; j < nb; j++)
             tab[j] = vfma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                          vset1(s[j * ng + gi]), vset1(-z[j * ng + gi] * s[j * ng + gi]));
+                          vset1(s[j * ng + gi]), vset1(o[j * ng + gi]));
 #else
         vf sv[NB], zv[NB];
         for (int j = 0; j < nb; j++) {
             sv[j] = vset1(s[j * ng + gi]);
-            zv[j] = vset1(-z[j * ng + gi] * s[j * ng + gi]);
+            zv[j] = vset1(o[j * ng + gi]);
         }
 #endif
         for (int64_t c = gi * g; c < (gi + 1) * g; c += 2 * VW) {
@@ -187,11 +231,11 @@ dot_block_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_
 
 #define I4_CASE(NBV, RBV)                                                                      \
     if (nb == NBV && rb == RBV) {                                                              \
-        dot_block_i4(w, s, z, k, g, NBV, RBV, x, ldx, out);                                    \
+        dot_block_i4(w, s, o, k, g, NBV, RBV, x, ldx, out);                                    \
         return;                                                                                \
     }
 
-static void dot_any_i4(const uint8_t *w, const float *s, const float *z, int64_t k, int64_t g, int nb, int rb,
+static void dot_any_i4(const uint8_t *w, const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
                        const float *x, int64_t ldx, float out[NB][RB]) {
     I4_CASE(4, 1) I4_CASE(4, 2) I4_CASE(4, 3) I4_CASE(4, 4)
     I4_CASE(1, 1) I4_CASE(1, 2) I4_CASE(1, 3) I4_CASE(1, 4)
@@ -307,9 +351,10 @@ static void quant_x_a8(const lin_t *L, int R, const float *x, void *buf) {
     }
 }
 
-/* out[j][r] = w[j] . x[r] from the quantized activations (buffer parts xq, xd, xg of R rows). */
+/* out[j][r] = w[j] . x[r] from the quantized activations (buffer parts xq, xd, xg of R rows); s,
+ * o: row_scales' arrays for the block's rows. */
 static inline __attribute__((always_inline)) void
-dot_block_i4a8(const uint8_t *w, const float *s, const float *z, int64_t k, int64_t g, int nb, int rb,
+dot_block_i4a8(const uint8_t *w, const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
                const int8_t *xq, const float *xd, const float *xg, float out[NB][RB]) {
     vf acc[NB][RB];
     for (int j = 0; j < nb; j++)
@@ -336,27 +381,27 @@ dot_block_i4a8(const uint8_t *w, const float *s, const float *z, int64_t k, int6
             for (int r = 0; r < rb; r++) acc[j][r] = vfma(lane_dot(lo, hi, xl[r], xh[r]), vmul(sv, dv[r]), acc[j][r]);
         }
     }
-    /* minus the zero points' term, sum over groups of s * zero * (the group's input sum), VW groups
-     * at a time (a scalar loop here cost more than the dot above: 3 ops per 32 weights) */
+    /* plus the offsets' term, sum over groups of o * (the group's input sum), VW groups at a time
+     * (a scalar loop here cost more than the dot above: 3 ops per 32 weights) */
     for (int j = 0; j < nb; j++) {
         vf zt[RB];
         for (int r = 0; r < rb; r++) zt[r] = vzero();
         for (int64_t gi = 0; gi < ng; gi += VW) {
             const int n = ng - gi < VW ? (int)(ng - gi) : VW;
-            const vf sz = vmul(vload_n(s + j * ng + gi, n), vload_n(z + j * ng + gi, n));
-            for (int r = 0; r < rb; r++) zt[r] = vfma(sz, vload_n(xg + r * ng + gi, n), zt[r]);
+            const vf ov = vload_n(o + j * ng + gi, n);
+            for (int r = 0; r < rb; r++) zt[r] = vfma(ov, vload_n(xg + r * ng + gi, n), zt[r]);
         }
-        for (int r = 0; r < rb; r++) out[j][r] = vsum(acc[j][r]) - vsum(zt[r]);
+        for (int r = 0; r < rb; r++) out[j][r] = vsum(acc[j][r]) + vsum(zt[r]);
     }
 }
 
 #define A8_CASE(NBV, RBV)                                                                      \
     if (nb == NBV && rb == RBV) {                                                              \
-        dot_block_i4a8(w, s, z, k, g, NBV, RBV, xq, xd, xg, out);                              \
+        dot_block_i4a8(w, s, o, k, g, NBV, RBV, xq, xd, xg, out);                              \
         return;                                                                                \
     }
 
-static void dot_any_i4a8(const uint8_t *w, const float *s, const float *z, int64_t k, int64_t g, int nb, int rb,
+static void dot_any_i4a8(const uint8_t *w, const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
                          const int8_t *xq, const float *xd, const float *xg, float out[NB][RB]) {
     A8_CASE(4, 1) A8_CASE(4, 2) A8_CASE(4, 3) A8_CASE(4, 4)
     A8_CASE(1, 1) A8_CASE(1, 2) A8_CASE(1, 3) A8_CASE(1, 4)
@@ -523,6 +568,8 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
         int64_t n0 = bi * NB;
         int nb = n - n0 < NB ? (int)(n - n0) : NB;
         const char *w = (const char *)L->w + n0 * wrow;
+        float sv[L->kind == W_I4 ? NB * ng : 1], ov[L->kind == W_I4 ? NB * ng : 1];
+        if (L->kind == W_I4) row_scales(L, n0, nb, sv, ov);
         for (int r0 = 0; r0 < R; r0 += RB) {
             int rb = R - r0 < RB ? R - r0 : RB;
             float out[NB][RB];
@@ -532,7 +579,7 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
                 if (L->kind == W_I4 && L->aq) {
                     const int8_t *xq = (const int8_t *)x;
                     const float *xd = (const float *)(xq + (int64_t)R * k), *xg = xd + (int64_t)R * (k / 8);
-                    dot_any_i4a8((const uint8_t *)wj, L->s + (n0 + j0) * ng, L->zs + (n0 + j0) * ng, k, L->group,
+                    dot_any_i4a8((const uint8_t *)wj, sv + j0 * ng, ov + j0 * ng, k, L->group,
                                  nb == NB ? NB : 1, rb, xq + r0 * k, xd + r0 * (k / 8), xg + r0 * ng, o1);
                 } else if (L->kind == W_I8 && L->aq) {
                     const int8_t *xq = (const int8_t *)x;
@@ -540,7 +587,7 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
                     dot_any_i8a8((const int8_t *)wj, k, nb == NB ? NB : 1, rb, xq + r0 * k, xd + r0 * (k / 32),
                                  xc + r0, o1);
                 } else if (L->kind == W_I4)
-                    dot_any_i4((const uint8_t *)wj, L->s + (n0 + j0) * ng, L->zs + (n0 + j0) * ng, k, L->group,
+                    dot_any_i4((const uint8_t *)wj, sv + j0 * ng, ov + j0 * ng, k, L->group,
                                nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
                 else
                     dot_any(wj, k, (int)L->kind, nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
@@ -787,9 +834,10 @@ void pd_dequant_i4(const lin_t *L, float *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *w = (const uint8_t *)L->w + r * (k / 2);
-        float *o = out + r * k;
+        float *o = out + r * k, sv[ng], ov[ng];
+        row_scales(L, r, 1, sv, ov);
         for (int64_t c = 0; c < k; c += 2 * VW) {
-            const float s = L->s[r * ng + c / g], z = -L->zs[r * ng + c / g] * s;
+            const float s = sv[c / g], z = ov[c / g];
             for (int i = 0; i < VW; i++) {
                 const uint8_t b = w[c / 2 + i];
                 o[c + i] = fmaf((float)(b & 15), s, z);

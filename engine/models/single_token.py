@@ -51,6 +51,7 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata
 from engine.memory import release_freed_memory
+from engine.models import int4_blocks
 from engine.models.hugepages import hugepage_empty
 from engine.models.native import NativeLayers, int4_weights as native_int4_weights, enabled_library as native_library
 from engine.models.step_graphs import compiled
@@ -148,7 +149,7 @@ class SingleTokenDecoder:
                 zs = torch.zeros(n) if mod.symmetric else (mod.zero * mod.scale).float()
                 self.lin[name] = (weights[name], mod.scale.float(), zs, bias)
             elif _is_native_int4(mod):  # read by the native kernels as the module holds it
-                self.lin[name] = (weights[name], mod.scale, mod.zero, bias, mod.group_size)
+                self.lin[name] = (weights[name], mod.scale, mod.zero, bias, mod.group_size, mod.scale_blocks)
             elif _is_int4(mod):
                 self.lin[name] = (weights[name], mod.scales_and_zeros, mod.group_size, bias)
             else:
@@ -180,8 +181,10 @@ class SingleTokenDecoder:
             n, k = qw.q.shape
             view = buf[pos:pos + n * k // 2].view(n, k // 2)
             pos += n * k // 2
-            w, s, z = native_int4_weights(qw.q, qw.scale.view(n, -1), qw.zero.view(n, -1), qw.group_size, lanes, view)
-            out[name] = (w, s, z, self.lin[name][3], qw.group_size)
+            s, z = qw.scale.view(n, -1), qw.zero.view(n, -1)
+            meta = int4_blocks.compact(qw.q, s, z, qw.group_size)
+            w, s, z = native_int4_weights(qw.q, s, z, qw.group_size, lanes, view)
+            out[name] = (w, s, z, self.lin[name][3], qw.group_size, meta)
         return out
 
     def _native_layers(self, lib) -> NativeLayers:

@@ -19,7 +19,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.errors import ModelLoadError
 from engine.llm_engine import LLMEngine
-from engine.models import catalog, gguf, gguf_codes
+from engine.models import catalog, gguf, gguf_codes, int4_blocks
 from engine.request import SamplingParams
 
 N_NEW = 16
@@ -136,6 +136,14 @@ def test_four_bit_blocks_keep_their_codes(name):
         assert err <= 1e-5 * w.abs().max().item(), (t.name, err)
         step = qw.scale[qw.scale > 0].min().item()
         assert err < step / 4
+        if t.tensor_type.name == "Q4_K":  # its d*sc, dmin*m structure: the compact scales, exact
+            n = qw.q.shape[0]
+            s, z = qw.scale.view(n, -1), qw.zero.view(n, -1)
+            meta = int4_blocks.compact(qw.q, s, z, 32)
+            assert meta is not None, t.name
+            s2, o2 = int4_blocks.expand(meta, s.shape[1])
+            used = qw.q.view(n, -1, 32).amax(-1) > 0
+            assert torch.equal(torch.where(used, s2, s), s) and torch.equal(o2, -z * s), t.name
     flat = [t for t in reader.tensors if gguf_codes.precision_class(t.tensor_type.name) == "int4"
             and (gguf_codes.int4_codes(t).zero == -8).any()][:1]
     for t in flat:  # groups of one value (scale 0 in the file): still exact
@@ -189,6 +197,8 @@ def test_as_shipped_model_serves_the_files_codes():
                 want = gguf_codes.concat_rows([gguf_codes.int4_codes(t) for t in parts])
                 got = lin.quantized_weight()
                 assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+                # Q4_K: the native kernels read its scales in the compact form (int4_blocks.py)
+                assert lin.kernel != "native" or lin.scale_blocks is not None
                 checked["int4"] += 1
             else:
                 assert isinstance(lin, Int8Linear)

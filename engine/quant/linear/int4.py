@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import int4_blocks
 from engine.models.native import (W_I4, Int4Kernel, enabled_library, int4_codes, int4_weights,
                                   int8_activations_fit, library)
 from engine.quant.cpu_kernels import native_bf16
@@ -33,12 +34,15 @@ class Int4Linear(QuantLinear):
     On a CPU with the native kernels (engine/models/native_decode.c) the module holds ONE copy of
     its weight, in their layout (``kernel == "native"``): ``qweight`` the codes in blocks of
     2 x vector-width columns, ``scale`` / ``zero`` as given (fp32), applied as
-    ``q * scale - zero * scale`` (one FMA). Every path reads it: the
-    one-token path's GEMV, batched steps through the same GEMV, prefill-sized steps through a
-    GEMM on the weight dequantized into a scratch buffer (fp32 activations throughout). The
-    state dict always holds the canonical (q, scale, zero). Elsewhere (no library, CUDA) the
-    canonical buffers stay and torch's int4pack kernel serves from its own packed copy, with
-    ``w = (q - 8) * s + z'``, ``z' = (8 - zero) * s``, s and z' rounded to bf16 as it stores them.
+    ``q * scale - zero * scale`` (one FMA); ``scale_blocks``, where exact, the same scales and
+    offsets in 0.75 bits per weight (engine/models/int4_blocks.py), which the kernels then read
+    instead of ``scale`` / ``zero`` (kept for the state dict and embedding rows). Every path
+    reads it: the one-token path's GEMV, batched steps through the same GEMV, prefill-sized
+    steps through a GEMM on the weight dequantized into a scratch buffer (fp32 activations
+    throughout). The state dict always holds the canonical (q, scale, zero). Elsewhere (no
+    library, CUDA) the canonical buffers stay and torch's int4pack kernel serves from its own
+    packed copy, with ``w = (q - 8) * s + z'``, ``z' = (8 - zero) * s``, s and z' rounded to bf16
+    as it stores them.
     """
 
     bits = 4
@@ -52,6 +56,9 @@ class Int4Linear(QuantLinear):
         self.register_buffer("scale", qw.scale.float().contiguous())
         self.register_buffer("zero", qw.zero.float().contiguous())
         self.native = 0  # vector width of the native layout the buffers hold, 0: canonical
+        # compact scales the native kernels read: a weight as served (the memory account counts
+        # buffers so), not in the state dict (which stays canonical)
+        self.register_buffer("scale_blocks", None, persistent=False)
         # the native GEMV quantizes its inputs to INT8 (set_int8_activations; < DEQUANT_ROWS rows)
         self.int8_activations = False
         self._prepare()
@@ -63,8 +70,9 @@ class Int4Linear(QuantLinear):
             if not self.native:
                 n = self.out_features
                 lanes = lib.pd_vector_width()
-                w, _, _ = int4_weights(unpack_int4(self.qweight), self.scale.view(n, -1), self.zero.view(n, -1),
-                                       self.group_size, lanes, torch.empty_like(self.qweight))
+                q, s, z = unpack_int4(self.qweight), self.scale.view(n, -1), self.zero.view(n, -1)
+                self.scale_blocks = int4_blocks.compact(q, s, z, self.group_size)
+                w, _, _ = int4_weights(q, s, z, self.group_size, lanes, torch.empty_like(self.qweight))
                 self.qweight, self.native = w, lanes
             self.kernel, self.act_dtype = "native", torch.float32
             self._packed = self._scales_zeros = None
@@ -92,7 +100,7 @@ class Int4Linear(QuantLinear):
         if self.native:
             q, scale, zero = self._canonical()
             self.qweight, self.scale, self.zero, self.native = pack_int4(q).contiguous(), scale, zero, 0
-            self._kernel = None
+            self._kernel, self.scale_blocks = None, None
 
     def use_int8_activations(self) -> None:
         """Small steps quantize their inputs to INT8 (set_int8_activations): the kernel is rebuilt."""
@@ -134,7 +142,7 @@ class Int4Linear(QuantLinear):
             aq = self.int8_activations and int8_activations_fit(W_I4, self.in_features, self.group_size,
                                                                  lib.pd_vector_width())
             self._kernel = Int4Kernel(lib, self.qweight, self.scale.view(n, -1), self.zero.view(n, -1), b,
-                                      self.group_size, int8_activations=aq)
+                                      self.group_size, int8_activations=aq, meta=self.scale_blocks)
         return self._kernel
 
     # The state dict always holds the canonical (q, scale, zero), whatever this module reads.
@@ -179,7 +187,8 @@ class Int4Linear(QuantLinear):
 
     def weight_bytes(self) -> int:
         if self.native:
-            return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero))
+            scales = (self.scale, self.zero) if self.scale_blocks is None else (self.scale_blocks,)
+            return sum(t.numel() * t.element_size() for t in (self.qweight, *scales))
         return (self._packed.numel() * self._packed.element_size()
                 + self._scales_zeros.numel() * self._scales_zeros.element_size())
 
