@@ -16,7 +16,8 @@
 - The split by role: a decode worker holds every running request's KV (prompt and generated
   tokens) for the request's whole life, and its batch size, so its throughput, is what fits; a
   prefill worker holds a prompt's KV only until the decode worker acknowledges the transfer, a
-  few prompts at a time. So decode weighs 3, prefill 1 (today's fixed defaults are 1.0 vs 0.5 GB);
+  few prompts at a time. So decode weighs 3, prefill 1 (the fixed figures before auto was the
+  default were 1.0 vs 0.5 GB);
   colocated and adaptive workers (one engine in both roles) weigh like decode.
 - A worker whose share is below ``FLOOR_GIB`` does not start: :class:`KVBudgetError` says how
   the node's memory was spent.
@@ -97,6 +98,18 @@ def kv_budget(available: int, weights: int, role: str, workers: dict[str, int], 
             f"{left / 1e9:.2f} GB, its share {share:.3f} of it is below the floor of {floor_gib} GiB; "
             f"free memory, run fewer workers per node, or give kv_cache_gb as a number")
     return budget
+
+
+def host_workers(nodes: list[dict], node_id: str) -> dict[str, int]:
+    """How many prefill and decode workers the machine of Ray node ``node_id`` hosts: the
+    ``prefill``/``decode`` resources of every live Ray node with its hostname (several Ray nodes
+    on one machine, as deploy/onprem-loopback.yaml starts them, share its memory), or of that
+    node alone where Ray names no hostname. ``nodes``: ``ray.nodes()``."""
+    live = [n for n in nodes if n.get("Alive", True)]
+    host = next((n.get("NodeManagerHostname") for n in live if n.get("NodeID") == node_id), None)
+    here = [n.get("Resources", {}) for n in live
+            if n.get("NodeID") == node_id or (host and n.get("NodeManagerHostname") == host)]
+    return {r: sum(int(res.get(r, 0)) for res in here) for r in ("prefill", "decode")}
 
 
 def node_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:

@@ -19,6 +19,7 @@ Process-level figures (RSS, PSS, peak) come from /proc and getrusage: ``process_
 from __future__ import annotations
 
 import ctypes
+import mmap
 from pathlib import Path
 import resource
 from collections.abc import Iterator
@@ -197,7 +198,6 @@ def file_mappings(files: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-_PAGE = 4096
 _MADV_DONTNEED = 4  # Linux
 
 
@@ -208,8 +208,9 @@ def drop_file_pages(t: torch.Tensor, mappings: list[tuple[int, int]]) -> None:
     resident set, so a loader copying a checkpoint holds one copy, not two. Anything else (heap
     memory, which DONTNEED would zero) is left alone."""
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    if hi <= lo or not any(a <= start and end <= b for a, b in mappings):
+    page = mmap.PAGESIZE  # (4 KiB on x86-64; 16 or 64 KiB on some arm64 kernels)
+    lo, hi = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
+    if hi <= lo or not any(a <= lo and hi <= b for a, b in mappings):
         return
     try:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)

@@ -169,6 +169,14 @@ class Job:
     def put(self, worker: Any, event: Event) -> None:
         self.events.put_nowait((self.attempt, worker, event))
 
+    def abort_waiting(self) -> bool:
+        """Whether an Abort (or shutdown) waits among the events, of any attempt (the queue
+        is left as it was)."""
+        items = [self.events.get_nowait() for _ in range(self.events.qsize())]
+        for item in items:
+            self.events.put_nowait(item)
+        return any(isinstance(event, Aborted) for _, _, event in items)
+
     @property
     def finished(self) -> bool:
         """Its last response is out (a rejected job never gets there)."""

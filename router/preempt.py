@@ -25,7 +25,9 @@ new attempt; the client sees one stream, nothing repeated or lost)::
 - Among workers: the one where only the lowest class is touched, then the fewest victims,
   then the least progress lost.
 - Starvation: a request preempted ``router.max_preemptions`` times is no victim any more (it
-  runs to its end); 0 turns preemption off.
+  runs to its end); 0 turns preemption off. While it waits to be placed again it is bound by
+  ``router.queue_timeout_s`` like any waiting request: under higher-class load that outlasts it,
+  it ends with RESOURCE_EXHAUSTED after the tokens it already streamed (docs/security.md).
 - Room on its way: the blocks of victims preempted in the last ``SETTLE_S`` count as free on
   their worker until its reports show them (every 50 ms, after the abort's step), so a
   waiting request does not preempt again for room that is already being freed.

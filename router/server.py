@@ -303,6 +303,9 @@ class Router(pb_grpc.GenerationServicer):
             if len(job.generated) >= job.params.max_tokens:  # lost right after its last token
                 yield job.final("length")
                 return
+            if job.attempt and job.abort_waiting():  # aborted as its attempt ended: not placed again
+                yield job.final("abort")
+                return
             await self.placer.place(job)
             async for response in self._stream(job):
                 yield response
@@ -313,7 +316,9 @@ class Router(pb_grpc.GenerationServicer):
         """RUNNING: this attempt's responses, until the job is DONE or must re-run."""
         while True:
             attempt, worker, event = await job.events.get()
-            if attempt != job.attempt:
+            # Abort and shutdown end the job whichever attempt they were queued in (one queued
+            # before a preemption's re-run would otherwise be skipped as stale and lost)
+            if attempt != job.attempt and not isinstance(event, Aborted):
                 continue
             if isinstance(event, Aborted):
                 self._release(job)

@@ -70,8 +70,12 @@ async def _produce(source: AsyncGenerator, q: asyncio.Queue, timeout_s: float,
                     return
             q.put_nowait((_Kind.ITEM, item))
         q.put_nowait((_Kind.END, None))
-    except Exception as e:  # (a cancel is not: it is the consumer's, below)
+    except BaseException as e:
+        # A cancel is the consumer's own (below: nobody reads this then), or one raised inside
+        # the source: then the consumer, waiting for the next message, must get it too
         q.put_nowait((_Kind.ERROR, e))
+        if not isinstance(e, Exception):
+            raise
     finally:  # cancelled while a message waited: the source sits at its yield, still holding
         await source.aclose()
 

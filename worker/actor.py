@@ -17,7 +17,7 @@ import torch
 
 from engine import ONEDNN_CACHE_ENTRIES, bound_onednn_caches
 from engine.config import EngineConfig
-from engine.kv_budget import estimate_weights_bytes, kv_budget, node_available_bytes
+from engine.kv_budget import estimate_weights_bytes, host_workers, kv_budget, node_available_bytes
 from engine.llm_engine import LLMEngine
 from engine.models.loader import resolve_model_path
 from kvtransfer.auth import PlaneAuth
@@ -64,10 +64,11 @@ class WorkerActor(StepLoop):
 def _auto_kv_cache(config: EngineConfig, role: str) -> EngineConfig:
     """``config`` with the KV cache ``kv_cache_gb: auto`` gives a ``role`` worker on this node
     (engine/kv_budget.py); the workers the node hosts are those its ``prefill``/``decode``
-    resources admit (the most it can hold). Raises KVBudgetError when nothing is left."""
-    node = ray.get_runtime_context().get_node_id()
-    res = next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node), {})
-    counts = {r: int(res.get(r, 0)) for r in ("prefill", "decode")}
+    resources admit (the most it can hold), summed over every Ray node of this machine (several
+    Ray nodes on one host, as in deploy/onprem-loopback.yaml, share its memory: each counting
+    only its own workers would promise the same memory twice). Raises KVBudgetError when
+    nothing is left."""
+    counts = host_workers(ray.nodes(), ray.get_runtime_context().get_node_id())
     if role == "adaptive":  # every worker here runs the same engine in either role
         workers = {"adaptive": max(1, sum(counts.values()))}
     else:

@@ -68,7 +68,7 @@ class PackedLinear(nn.Module):
 
 
 class PackedGateUp(nn.Module):
-    """A fused ``gate_up_proj`` [2I, H] split into two prepacked GEMMs so that
+    """A fused ``gate_up_proj`` [2I, H] split into two oneDNN GEMMs so that
     ``silu(gate) * up`` happens inside them (see the module docstring)."""
 
     def __init__(self, linear: nn.Linear, pack: bool = True) -> None:

@@ -208,8 +208,9 @@ def _attach(model: LlamaForCausalLM, single_token: bool, activations: str = "flo
 
 def _serve(model: LlamaForCausalLM, prepack: bool, single_token: bool, compile_rows: int | None,
            min_rows: int) -> LlamaForCausalLM:
-    """What each process makes for itself: oneDNN's prepacked copies (opaque, not mappable), the
-    one-token path's step sizes, and its native kernels (pointers into this process's memory)."""
+    """What each process makes for itself: oneDNN's linears (prepacked copies, opaque and not
+    mappable, only where no one-token layout holds the plain weight), the one-token path's step
+    sizes, and its native kernels (pointers into this process's memory)."""
     # The one-token path's plain fp32 layout (built, cached or not, wherever it is supported) is
     # what the modules read: oneDNN takes it as is, not a packed copy beside it (one resident
     # layout, mapped from the cache and shared on the node: engine/layers/linear.py).

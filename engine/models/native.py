@@ -195,7 +195,8 @@ def check_int4_meta(meta: torch.Tensor | None, n: int, k: int, group: int) -> No
     if meta is None:
         return
     want = (n, k // group // int4_blocks.SUPER * int4_blocks.BLOCK_BYTES)
-    if meta.dtype != torch.uint8 or tuple(meta.shape) != want or not meta.is_contiguous():
+    whole = k % group == 0 and (k // group) % int4_blocks.SUPER == 0  # (the kernel reads whole superblocks)
+    if not whole or meta.dtype != torch.uint8 or tuple(meta.shape) != want or not meta.is_contiguous():
         raise ValueError(f"compact INT4 scales {tuple(meta.shape)} {meta.dtype}, want contiguous uint8 {want}")
 
 

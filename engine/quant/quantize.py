@@ -134,7 +134,8 @@ def quantize(model: nn.Module, cfg: QuantConfig | str, seqs: list[list[int]] | N
         seqs: calibration token sequences (GPTQ, AWQ and W8A8 need them).
         progress: called with a short message per layer.
     Returns:
-        The integer weights by module name.
+        The integer weights by module name; {} for round-to-nearest, which frees each once its
+        module holds it (the loading peak).
     """
     cfg = QuantConfig.parse(cfg) if isinstance(cfg, str) else cfg
     if cfg is None:
@@ -152,13 +153,13 @@ def quantize(model: nn.Module, cfg: QuantConfig | str, seqs: list[list[int]] | N
 def _rtn_in_place(model: nn.Module, targets: dict[str, nn.Linear], cfg: QuantConfig) -> dict[str, QuantizedWeight]:
     """Round-to-nearest, each linear quantized and swapped before the next: the float weight
     goes as its integer one arrives, so the loading peak holds one layer's temporaries, not a
-    second model (measured on SmolLM2 int8: 1.90 GB before, see docs/bench/memory_*)."""
-    out = {}
+    second model (measured on SmolLM2 int8: 1.90 GB before, see docs/bench/memory_*). Returns
+    nothing: each integer weight (INT4 codes a byte each) is its module's alone once swapped."""
     for n in list(targets):
         lin = targets.pop(n)  # (this dict would keep the float module alive)
         qw = quantize_weight(lin.weight.detach(), cfg.bits, cfg.group_for(lin.in_features, n), cfg.symmetric)
         del lin
         swap_in(model, {n: qw}, cfg)
-        out[n] = qw
+        del qw
         release_freed_memory()
-    return out
+    return {}

@@ -107,3 +107,13 @@ def test_compact_kernel_against_a_float_reference(isa, vnni):
     mass = x.double().abs() @ w.abs().T
     bound = (k / lib.pd_vector_width() + 7) * U * mass + U * b.double().abs()
     assert ((y - want).abs() <= bound).all()
+
+
+def test_compact_scales_are_refused_unless_the_kernel_reads_whole_superblocks():
+    """The kernel reads compact scales a superblock (8 groups) at a time: a weight whose groups
+    do not fill whole superblocks (which compact() never factors) is refused, not half-read."""
+    native.check_int4_meta(torch.zeros((4, 24), dtype=torch.uint8), 4, 256, 32)  # one superblock a row
+    with pytest.raises(ValueError, match="compact INT4 scales"):
+        native.check_int4_meta(torch.zeros((4, 0), dtype=torch.uint8), 4, 128, 32)  # 4 groups: none whole
+    with pytest.raises(ValueError, match="compact INT4 scales"):
+        native.check_int4_meta(torch.zeros((4, 24), dtype=torch.uint8), 4, 384, 32)  # 12 groups

@@ -94,3 +94,17 @@ def test_weights_are_estimated_from_the_headers_at_the_served_dtype(tmp_path):
 def test_the_bundled_models_estimate_is_its_fp32_size(model_path):
     est = estimate_weights_bytes(model_path, "float32")
     assert 0.4 * GB < est < 0.7 * GB  # SmolLM2-135M: 135M parameters (tied embeddings once) x 4 bytes
+
+
+def test_ray_nodes_of_one_machine_count_together():
+    """Two Ray nodes on one host (a prefill and a decode node, deploy/onprem-loopback.yaml) share
+    its memory: each worker's share is of every worker there, not of its own node's alone."""
+    from engine.kv_budget import host_workers
+    nodes = [{"NodeID": "p", "Alive": True, "NodeManagerHostname": "box", "Resources": {"prefill": 4.0, "CPU": 2}},
+             {"NodeID": "d", "Alive": True, "NodeManagerHostname": "box", "Resources": {"decode": 4.0}},
+             {"NodeID": "x", "Alive": True, "NodeManagerHostname": "other", "Resources": {"decode": 8.0}},
+             {"NodeID": "gone", "Alive": False, "NodeManagerHostname": "box", "Resources": {"decode": 2.0}}]
+    assert host_workers(nodes, "p") == host_workers(nodes, "d") == {"prefill": 4, "decode": 4}
+    assert host_workers(nodes, "x") == {"prefill": 0, "decode": 8}
+    unnamed = [{"NodeID": "a", "Resources": {"decode": 1.0}}, {"NodeID": "b", "Resources": {"decode": 1.0}}]
+    assert host_workers(unnamed, "a") == {"prefill": 0, "decode": 1}

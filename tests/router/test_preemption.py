@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from engine.request import SamplingParams
+from pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Admission
 from router.autoscale import Recent
 from router.config import load_config
 from router.holdings import Holdings
-from router.jobs import Job, JobState, Preempted
+from router.jobs import Aborted, Job, JobState, Preempted
 from router.metrics import token_families
 from router.place import Placer
 from router.placement import Demand, WorkerLoad
@@ -159,6 +160,36 @@ def test_a_high_request_preempts_a_low_decode_which_resumes_without_a_gap(tokeni
     families = {f.name: f for f in token_families(r.admission.stats())}
     assert {s.labels["token"]: s.value for s in families["pdserve_token_requests_preempted"].samples} == \
         {"alice": 0, "batch": 1}
+
+
+def test_an_abort_queued_behind_a_preemption_ends_the_job_instead_of_its_rerun(tokenizer):
+    """Abort is job-wide: one queued in the preempted attempt, before the stream took the
+    preemption, is not skipped as stale once the re-run begins (the job would run to its end)."""
+    pools = FakePools(("decode-0", "colocated", 1))
+    r = _router(pools, tokenizer)
+    w = pools.workers["decode-0"]
+
+    async def scenario():
+        low = Job("low", [1, 2, 3], SamplingParams(max_tokens=6), owner="batch",
+                  lease=r.admission.admit("batch", 3))
+        r.jobs["low"] = low
+        out = []
+
+        async def client():
+            async for resp in r._run(low):
+                out.append(resp)
+        task = asyncio.create_task(client())
+        await _until(lambda: low.state is JobState.RUNNING)
+        r._on_records(w, [Tokens(low.key, 0, [10], "", None)])
+        await _until(lambda: len(low.generated) == 1)
+        r.placer.preemptor.preempt(low, why="test")  # queues Preempted (attempt 0) ...
+        low.put(None, Aborted())  # ... and the client's Abort lands behind it, same attempt
+        await task
+        return out
+    out = asyncio.run(scenario())
+    assert [t for resp in out for t in resp.token_ids] == [10]
+    assert out[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert [s[:2] for s in pools.submitted] == [("low", 0)]  # not placed again
 
 
 @pytest.mark.parametrize("max_preemptions", [0, 1])

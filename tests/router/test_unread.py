@@ -93,6 +93,23 @@ def test_closing_the_relay_closes_the_source_and_its_errors_reach_the_consumer()
         asyncio.run(read())
 
 
+def test_a_cancel_raised_inside_the_source_reaches_the_consumer_instead_of_a_hang():
+    """A source whose own await is cancelled (not the consumer's cancel) ends the stream: the
+    consumer, waiting for its next message, gets the CancelledError (bounded here by 5 s)."""
+    async def source():
+        yield "first"
+        raise asyncio.CancelledError()  # as an inner future cancelled by someone else raises it
+
+    async def read():
+        got = []
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(5):
+                async for m in relay(source(), TINY_S):
+                    got.append(m)
+        return got
+    assert asyncio.run(read()) == ["first"]
+
+
 # ---- both front doors, on real sockets -------------------------------------------------------
 BIG = "x" * 16384  # messages big enough to fill flow-control windows and socket buffers quickly
 MANY = 1000  # 16 MB in all: more than any window or buffer holds unread
