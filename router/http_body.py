@@ -5,7 +5,10 @@ In order, before anything is parsed into a request (router.openai_api.parse):
 - ``Content-Type`` other than JSON (``application/json``, ``application/*+json``): 415. A body
   without one is read as JSON (curl without ``-H``); a browser's cross-site "simple request"
   (text/plain, forms) is refused here and by its Origin (router.http_guard).
-- more than ``limits.message_bytes``: 413, from ``Content-Length`` or while reading.
+- more than ``limits.message_bytes``: 413, from ``Content-Length`` or while reading. The rest of
+  the body is read and dropped first, up to ``DRAIN_BYTES`` more: answering and closing with
+  bytes unread makes the kernel reset the connection, and the client may lose the 413 (seen on
+  a loaded machine: a protocol error instead of the answer), as nginx's lingering close avoids.
 - not all in within ``front_door.body_timeout_s`` of its headers (a slow upload): 408.
 - arrays and objects nested deeper than ``front_door.json_depth``: 400, counted on the bytes
   before ``json.loads`` (which would recurse: 100 KB of ``[`` is a RecursionError).
@@ -30,6 +33,7 @@ from router.openai_api import ApiError
 # instead of failing, so that no input makes the scan quadratic (the body is invalid anyway).
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+DRAIN_BYTES = 16 << 20  # of a refused body, read and dropped before the 413 (module doc)
 
 
 def is_json_type(content_type: str) -> bool:
@@ -75,19 +79,31 @@ async def read_json(request, most_bytes: int, most_depth: int, timeout_s: float)
                        code="unsupported_media_type")
     too_big = ApiError(413, f"the request body is over {most_bytes} bytes (limits.message_bytes)")
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > most_bytes):
-        raise too_big if length.isdigit() else ApiError(400, "Content-Length is not a number")
+    if length is not None and not length.isdigit():
+        raise ApiError(400, "Content-Length is not a number")
     data = bytearray()
+    over = length is not None and int(length) > most_bytes
+    if over and request.headers.get("expect", "").lower() == "100-continue":
+        raise too_big  # (its client sends the body only if asked: reading would ask for it)
 
     async def read() -> None:
+        nonlocal over
+        seen = 0
         async for part in request.stream():
-            data.extend(part)
-            if len(data) > most_bytes:
-                raise too_big
+            seen += len(part)
+            if not over:
+                data.extend(part)
+                over = len(data) > most_bytes
+            if over and seen > most_bytes + DRAIN_BYTES:
+                break  # (the rest is dropped with the connection)
 
     try:
         await asyncio.wait_for(read(), timeout_s)
     except asyncio.TimeoutError:
+        if over:
+            raise too_big from None
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
                             "(front_door.body_timeout_s)", code="timeout") from None
+    if over:
+        raise too_big
     return loads(bytes(data), most_depth)

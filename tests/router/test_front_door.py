@@ -94,6 +94,29 @@ def test_bad_content_length_and_bad_json_are_400s(srv):
     assert srv.post("/v1/completions", b"\xff\xfe not utf-8")[0] == 400
 
 
+@pytest.mark.parametrize("declared", [True, False])
+def test_an_oversized_body_is_read_to_its_end_and_answered_413(srv, declared):
+    """Answering 413 and closing while the client still sends would reset the connection over
+    the unread bytes, losing the answer: the refused body is read and dropped first, so the
+    client's whole upload goes through and the 413 arrives (declared by Content-Length, or
+    found while reading a chunked body)."""
+    over = srv.router.cfg.limits.message_bytes + (2 << 20)  # 2 MiB past the limit: more than
+    body = b"x" * over                                       # any socket buffer holds unread
+    s = srv.raw()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n" % srv.http_port
+    if declared:
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % over + body)
+    else:
+        s.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % over + body + b"\r\n0\r\n\r\n")
+    got = b""
+    while b"\r\n\r\n" not in got:
+        part = s.recv(65536)
+        assert part, got
+        got += part
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    s.close()
+
+
 def test_a_foreign_host_is_refused_on_loopback(srv):
     port = srv.http_port
     for host in (f"evil.example:{port}", "evil.example", f"localhost.evil.example:{port}", f"127.0.0.1.nip.io:{port}",
