@@ -194,6 +194,14 @@ def until(cond) -> None:
         time.sleep(0.01)
 
 
+async def until_async(cond) -> None:
+    """``until`` inside an event loop: the loop runs while it waits."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not cond():
+        assert time.monotonic() < deadline, "hang guard"
+        await asyncio.sleep(0.01)
+
+
 def stream(srv) -> socket.socket:
     """A streamed completion in progress (its first token read); the server closes it at the end."""
     body = json.dumps({**COMPLETION, "stream": True}).encode()

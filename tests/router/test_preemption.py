@@ -23,6 +23,7 @@ from router.policy import Policy, TokenPolicy
 from router.preempt import Preemptor, Running, choose
 from router.server import Router
 from tests.router.fake_pools import FakePools
+from tests.router.front_door_fakes import until_async
 from tests.router.test_place_orchestration import Counter
 from worker.protocol import Tokens
 
@@ -120,14 +121,6 @@ def _start(r: Router, rid: str, owner: str, prompt: list[int], max_tokens: int) 
     return job, asyncio.create_task(client())
 
 
-async def _until(cond) -> None:
-    for _ in range(5000):
-        if cond():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("hang guard")
-
-
 def test_a_high_request_preempts_a_low_decode_which_resumes_without_a_gap(tokenizer):
     pools = FakePools(("decode-0", "colocated", 1))  # one block: one request of <= 16 tokens
     r = _router(pools, tokenizer)
@@ -135,22 +128,22 @@ def test_a_high_request_preempts_a_low_decode_which_resumes_without_a_gap(tokeni
 
     async def scenario():
         low, low_task = _start(r, "low", "batch", [1, 2, 3], 6)
-        await _until(lambda: low.state is JobState.RUNNING)
+        await until_async(lambda: low.state is JobState.RUNNING)
         for k, t in enumerate([10, 11]):  # the worker streams two tokens of the first attempt
             r._on_records(w, [Tokens(low.key, k, [t], "", None)])
-        await _until(lambda: len(low.generated) == 2)
+        await until_async(lambda: len(low.generated) == 2)
         high, high_task = _start(r, "high", "alice", [4, 5, 6], 4)
-        await _until(lambda: pools.of("abort"))  # preempted: aborted on its worker at once
+        await until_async(lambda: pools.of("abort"))  # preempted: aborted on its worker at once
         late = Tokens(low.key, 2, [99], "", None)  # the old attempt's last record, after the abort
         pools.free["decode-0"] += 1  # ... which the worker's next report shows
-        await _until(lambda: high.state is JobState.RUNNING and low.attempt == 1)
+        await until_async(lambda: high.state is JobState.RUNNING and low.attempt == 1)
         r._on_records(w, [late])  # (of attempt 0: dropped)
         assert low.preemptions == 1 and low.state is JobState.PLACING
         r._on_records(w, [Tokens(high.key, 0, [20, 21, 22, 23], "", "length")])
         assert await high_task == [20, 21, 22, 23]
         r.jobs.pop("high")
         pools.free["decode-0"] += 1  # high ended: its block is back; low re-runs there
-        await _until(lambda: low.state is JobState.RUNNING)
+        await until_async(lambda: low.state is JobState.RUNNING)
         assert pools.submitted[-1] == ("low", 1, [1, 2, 3, 10, 11], 4)  # prompt + streamed, what is left
         r._on_records(w, [Tokens(low.key, 0, [12, 13, 14, 15], "", "length")])
         return await low_task
@@ -179,9 +172,9 @@ def test_an_abort_queued_behind_a_preemption_ends_the_job_instead_of_its_rerun(t
             async for resp in r._run(low):
                 out.append(resp)
         task = asyncio.create_task(client())
-        await _until(lambda: low.state is JobState.RUNNING)
+        await until_async(lambda: low.state is JobState.RUNNING)
         r._on_records(w, [Tokens(low.key, 0, [10], "", None)])
-        await _until(lambda: len(low.generated) == 1)
+        await until_async(lambda: len(low.generated) == 1)
         r.placer.preemptor.preempt(low, why="test")  # queues Preempted (attempt 0) ...
         low.put(None, Aborted())  # ... and the client's Abort lands behind it, same attempt
         await task

@@ -10,6 +10,7 @@ import time
 
 from router.config import load_config
 from router.pools import Pools, Worker
+from tests.router.front_door_fakes import until_async
 from worker.protocol import WorkerStatus
 
 
@@ -39,13 +40,6 @@ async def _stop(pools: Pools) -> None:
     await asyncio.gather(*pools._tasks, return_exceptions=True)
 
 
-async def _until(cond, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout  # hang guard only: each step below takes a few polls
-    while not cond():
-        assert time.monotonic() < end
-        await asyncio.sleep(0.01)
-
-
 def test_a_switch_waits_for_what_the_worker_holds_then_joins_the_other_pool():
     async def run():
         pools = _pools()
@@ -64,7 +58,7 @@ def test_a_switch_waits_for_what_the_worker_holds_then_joins_the_other_pool():
         await asyncio.sleep(0.6)
         assert w.state == "draining"  # the reserve's call is not in any report yet
         _report(w, admitted=1)
-        await _until(lambda: w.state == "ready")
+        await until_async(lambda: w.state == "ready")
         assert (w.role, w.next_role) == ("prefill", None) and pools.wired == [("decode-0", "prefill")]
         await _stop(pools)
     asyncio.run(run())

@@ -16,7 +16,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.reject import Reject
 from router.unread import Unread, relay
-from tests.router.front_door_fakes import Served, until
+from tests.router.front_door_fakes import Served, until, until_async
 
 TINY_S = 0.2
 
@@ -40,14 +40,6 @@ class Source:
             self.closed = True
 
 
-async def _wait(cond) -> None:
-    for _ in range(3000):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("hang guard")
-
-
 def test_a_reader_gets_every_message_even_from_a_slow_source():
     """The clock runs only while a ready message waits to be taken: a source slower than the
     timeout is never cut off."""
@@ -64,7 +56,7 @@ def test_a_consumer_that_stops_taking_messages_ends_the_source_then_gets_unread(
     async def stop_reading():
         stream = relay(src.gen(), TINY_S, on_stall=lambda: stalls.append(1))
         assert await anext(stream) == 1
-        await _wait(lambda: src.closed)  # ended while the consumer still holds message 1
+        await until_async(lambda: src.closed)  # ended while the consumer still holds message 1
         assert stalls == [1]
         got = []
         with pytest.raises(Unread, match="unread_stream_timeout_s"):
