@@ -79,6 +79,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
     preemptions: int = 0  # attempts ended by preemption (router.preempt), not by a failure
+    aborted: bool = False  # an Abort (or shutdown) was put: the job ends, whichever attempt runs
     prefill: Any = None  # pools.Worker, while placed
     decode: Any = None
     prefill_id: str = ""  # the workers of the latest attempt (kept after it ends)
@@ -167,15 +168,8 @@ class Job:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
     def put(self, worker: Any, event: Event) -> None:
+        self.aborted = self.aborted or isinstance(event, Aborted)
         self.events.put_nowait((self.attempt, worker, event))
-
-    def abort_waiting(self) -> bool:
-        """Whether an Abort (or shutdown) waits among the events, of any attempt (the queue
-        is left as it was)."""
-        items = [self.events.get_nowait() for _ in range(self.events.qsize())]
-        for item in items:
-            self.events.put_nowait(item)
-        return any(isinstance(event, Aborted) for _, _, event in items)
 
     @property
     def finished(self) -> bool:

@@ -303,7 +303,7 @@ class Router(pb_grpc.GenerationServicer):
             if len(job.generated) >= job.params.max_tokens:  # lost right after its last token
                 yield job.final("length")
                 return
-            if job.attempt and job.abort_waiting():  # aborted as its attempt ended: not placed again
+            if job.aborted:  # aborted as its attempt ended (behind a preemption): not placed again
                 yield job.final("abort")
                 return
             await self.placer.place(job)
