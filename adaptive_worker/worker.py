@@ -14,6 +14,8 @@ step; ``transfers`` (outgoing) tells the first kind from the rest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 from kvtransfer.auth import PlaneAuth
@@ -42,7 +44,7 @@ class AdaptiveWorker:
 
     @property
     def transfers(self) -> dict:
-        """Outgoing transfers: request id -> where its KV goes (``PrefillWorker.transfers``)."""
+        """Outgoing transfers: engine id -> where its KV goes (``PrefillWorker.transfers``)."""
         return self.prefiller.transfers
 
     @property
@@ -50,39 +52,44 @@ class AdaptiveWorker:
         """Requests whose incoming KV failed (``DecodeWorker.failed``), until reported."""
         return self.decoder.failed
 
-    @failed.setter
-    def failed(self, value: dict[str, str]) -> None:
-        self.decoder.failed = value
+    def take_failed(self) -> dict[str, str]:
+        """``DecodeWorker.take_failed``."""
+        return self.decoder.take_failed()
 
     def connect(self, decode_address: str) -> None:
         self.prefiller.connect(decode_address)
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Reservation | None:
-        """Decode side: ``DecodeWorker.reserve``."""
-        return self.decoder.reserve(request_id, prompt_ids, params)
+    def disconnect(self, decode_address: str) -> None:
+        self.prefiller.disconnect(decode_address)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, decode_address: str,
+    def reserve(self, engine_id: str, prompt_ids: list[int], params: SamplingParams) -> Reservation | None:
+        """Decode side: ``DecodeWorker.reserve``."""
+        return self.decoder.reserve(engine_id, prompt_ids, params)
+
+    def submit(self, engine_id: str, prompt_ids: list[int], params: SamplingParams, decode_address: str,
                reservation: Reservation | None = None) -> None:
         """Prefill side: ``PrefillWorker.submit``."""
-        self.prefiller.submit(request_id, prompt_ids, params, decode_address, reservation)
+        self.prefiller.submit(engine_id, prompt_ids, params, decode_address, reservation)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, engine_id: str) -> None:
         """Stop a request whichever side holds it (its transfers fail: peers free their blocks)."""
-        if request_id in self.prefiller.transfers:
-            self.prefiller.abort(request_id)
-        self.decoder.abort(request_id)
+        if engine_id in self.prefiller.transfers:
+            self.prefiller.abort(engine_id)
+        self.decoder.abort(engine_id)
 
-    def step(self) -> tuple[list[RequestOutput], list[RequestOutput], list[tuple[str, TransferState]]]:
+    def step(self, beat: Callable[[], None] | None = None
+             ) -> tuple[list[RequestOutput], list[RequestOutput], list[tuple[str, TransferState]]]:
         """Receive and admit KV, run one engine step (streaming the KV of what it prefills for
         others), then transfer bookkeeping.
 
         Returns:
             (outputs of requests decoding here, first tokens of requests prefilled for other
-            workers, outgoing transfers that ended: their blocks are freed)
+            workers, outgoing transfers that ended: their blocks are freed); ``beat`` as in
+            ``PrefillWorker.step``
         """
         outputs = self.decoder.receive()
         sending = set(self.prefiller.transfers)  # (submits come between steps: this is every one)
-        stepped, ended = self.prefiller.step()
+        stepped, ended = self.prefiller.step(beat)
         outputs += [o for o in stepped if o.request_id not in sending]
         return outputs, [o for o in stepped if o.request_id in sending], ended
 

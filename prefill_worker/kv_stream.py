@@ -39,7 +39,7 @@ log = logging.getLogger("pdserve.worker")
 class LayerJob:
     """Send tokens [start, end) of one request's layer ``layer`` (its blocks as of this step)."""
 
-    request_id: str
+    engine_id: str
     layer: int
     block_ids: tuple[int, ...]
     start: int
@@ -49,7 +49,7 @@ class LayerJob:
 def send_job(sender: KVSender, kv_caches: Sequence, block_size: int, job: LayerJob) -> None:
     """Gather one layer's token range out of the paged cache and send it (inline or on the thread)."""
     k, v = gather_layer(kv_caches[job.layer], job.block_ids, block_size, job.start, job.end)
-    sender.send_layer(job.request_id, job.layer, k, v, token_start=job.start)
+    sender.send_layer(job.engine_id, job.layer, k, v, token_start=job.start)
 
 
 class LayerStreamer:
@@ -101,7 +101,7 @@ class LayerStreamer:
             try:
                 if job is None:
                     return
-                if job.request_id not in self._errors:  # an earlier layer failed: skip the rest
+                if job.engine_id not in self._errors:  # an earlier layer failed: skip the rest
                     self._send(job)
             finally:
                 self._jobs.task_done()
@@ -111,4 +111,4 @@ class LayerStreamer:
             send_job(self.sender, self.kv_caches, self.block_size, job)
             self.sender.progress()  # take acks, renew leases, as the inline path does per layer
         except Exception as e:  # one request's bad transfer: never the thread (it serves all)
-            self._errors[job.request_id] = e
+            self._errors[job.engine_id] = e

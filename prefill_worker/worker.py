@@ -5,7 +5,8 @@ Lifecycle of a request here (the engine's queues plus one table):
     KV goes to the decode worker) -> prefilled (first token out, and to the decode worker as
     the transfer's trailer; blocks held) -> the transfer ends (ack or failure) -> released
     (blocks freed).
-``transfers`` maps request id -> (decode address, tokens sent so far). The Ray actor around
+``transfers`` maps engine id -> (decode address, tokens sent so far); a request is known here
+by its engine id (``worker.protocol``: the engine's request id and the KV transfer's id). The Ray actor around
 this class (the cluster issue) only forwards calls; everything here is testable in-process.
 
 Where a layer's KV is gathered and sent: on the step's own thread between two layers
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -58,7 +60,11 @@ class PrefillWorker:
         """Handshake with a decode worker (blocks until it answers; once per worker)."""
         self.sender.connect(decode_address)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def disconnect(self, decode_address: str) -> None:
+        """Forget a decode worker that is gone (its transfers fail; its tables go)."""
+        self.sender.disconnect(decode_address)
+
+    def submit(self, engine_id: str, prompt_ids: list[int], params: SamplingParams,
                decode_address: str, reservation: Reservation | None = None) -> None:
         """Queue a prompt whose KV goes to the decode worker at ``decode_address`` (connected
         here first if it is not yet), which has already reserved blocks for it
@@ -87,20 +93,20 @@ class PrefillWorker:
                 self._unreachable[key] = now + UNREACHABLE_S
                 raise
             self._unreachable.pop(key, None)
-        self.engine.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
+        self.engine.add_request(prompt_ids, params, request_id=engine_id, prefill_only=True)
         try:
-            self.sender.begin(request_id, decode_address, len(prompt_ids) - r.token_start, token_start=r.token_start,
+            self.sender.begin(engine_id, decode_address, len(prompt_ids) - r.token_start, token_start=r.token_start,
                               secret=r.secret or None)
         except ValueError:
-            self.engine.abort(request_id)  # never half-admitted: its blocks go back at once
+            self.engine.abort(engine_id)  # never half-admitted: its blocks go back at once
             raise
-        self.transfers[request_id] = _Outgoing(decode_address, start=r.token_start)
+        self.transfers[engine_id] = _Outgoing(decode_address, start=r.token_start)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, engine_id: str) -> None:
         """Stop a request here and fail its transfer (the decode side frees its blocks)."""
-        if request_id in self.transfers:
-            self.sender.abort(request_id)
-        self.engine.abort(request_id)
+        if engine_id in self.transfers:
+            self.sender.abort(engine_id)
+        self.engine.abort(engine_id)
 
     def _send_layer(self, layer: int, plan: StepPlan) -> None:
         """The engine's ``layer_done`` hook: send (or, with the transfer thread, queue) this
@@ -130,15 +136,17 @@ class PrefillWorker:
         if self.streamer is None:
             self.sender.progress()
 
-    def _transfer_failed(self, request_id: str, error: Exception) -> None:
+    def _transfer_failed(self, engine_id: str, error: Exception) -> None:
         """A request whose KV could not be sent: its transfer FAILS (the step after aborts it
         and frees its blocks). It fails that request only, never the step (i.e. the worker)."""
-        log.warning("rid=%s event=transfer_error error=%r", request_id, error)
-        if self.transfers.pop(request_id, None) is not None:
-            self.sender.abort(request_id)
+        log.warning("engine_id=%s event=transfer_error error=%r", engine_id, error)
+        if self.transfers.pop(engine_id, None) is not None:
+            self.sender.abort(engine_id)
 
-    def step(self) -> tuple[list[RequestOutput], list[tuple[str, TransferState]]]:
-        """One engine step with KV streaming, then transfer bookkeeping.
+    def step(self, beat: Callable[[], None] | None = None
+             ) -> tuple[list[RequestOutput], list[tuple[str, TransferState]]]:
+        """One engine step with KV streaming, then transfer bookkeeping; ``beat`` is called
+        between layers (the step loop's mid-step report).
 
         Returns:
             (outputs: first tokens, finish_reason "prefilled" — or a normal finish when the
@@ -146,23 +154,30 @@ class PrefillWorker:
         """
         try:
             # (no transfer: a step of requests decoding here, on an adaptive worker, streams nothing)
-            hook = self._send_layer if self.transfers else None
+            send = self._send_layer if self.transfers else None
+
+            def layer_done(i: int, plan) -> None:
+                if send is not None:
+                    send(i, plan)
+                if beat is not None:
+                    beat()
+            hook = layer_done if send is not None or beat is not None else None
             outputs = self.engine.step(layer_done=hook) if self.engine.scheduler.has_work() else []
         finally:  # every queued layer is out before any block may move, even after an error
             errors = self.streamer.flush() if self.streamer is not None else {}
-        for rid, e in errors.items():
-            self._transfer_failed(rid, e)
+        for eid, e in errors.items():
+            self._transfer_failed(eid, e)
         for o in outputs:  # the first token follows the last layer's KV: decode starts from both
             if o.request_id in self.transfers and o.new_token_ids:
                 self.sender.end(o.request_id, {"first_token": o.new_token_ids[0]})
         self.sender.progress()
         ended = self.sender.pop_finished()
-        for rid, _ in ended:
-            self.transfers.pop(rid, None)
+        for eid, _ in ended:
+            self.transfers.pop(eid, None)
             # A prefilled request's blocks are freed now; one still prefilling (its transfer
             # failed early) stops and frees them too; one aborted meanwhile is already freed.
-            if not self.engine.release(rid):
-                self.engine.abort(rid)
+            if not self.engine.release(eid):
+                self.engine.abort(eid)
         return outputs, ended
 
     def close(self) -> None:

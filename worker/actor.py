@@ -1,7 +1,15 @@
-"""What both worker actors share: build the engine and the KV transport, start the step loop.
+"""What every worker actor shares: load the engine and make the KV transports (``load``), and
+answer the calls every role answers (``WorkerActor``, over the actor's ``StepLoop``).
 
-An actor class says only which role it plays (``_make``: the worker core around the engine)
-and which calls it answers; Ray-specific setup lives here once.
+An actor class wires its parts with explicit arguments, each built once::
+
+    loaded = load(config, options, role)                 # this process set up, the engine up
+    core = DecodeWorker(loaded.engine, loaded.new_transport(), ...)
+    requests, inbox = Requests(), Inbox()                # shared by the role's calls and the loop
+    calls = DecodeCalls(core, requests, inbox, role)     # the role's calls and the loop's hooks
+    StepLoop(core, calls, requests, inbox, loaded.options)
+
+Ray-specific setup lives here once.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -22,43 +30,82 @@ from engine.llm_engine import LLMEngine
 from engine.models.loader import resolve_model_path
 from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, get_transport
-from worker.step_loop import StepLoop, WorkerOptions
+from worker.protocol import Key, ModelInfo, Record, WorkerOptions, WorkerStatus
+from worker.step_loop import StepLoop
 
 
-class WorkerActor(StepLoop):
-    """Base of ``PrefillActor``, ``DecodeActor`` and ``AdaptiveActor`` (each wrapped by ``ray.remote``)."""
+@dataclass(frozen=True)
+class Loaded:
+    """What a worker core is built from (``load``)."""
 
-    # oneDNN's per-shape caches (engine/__init__.py): the role's size, set before the engine
-    # makes its first primitive.
-    onednn_cache_entries = ONEDNN_CACHE_ENTRIES
+    engine: LLMEngine
+    new_transport: Callable[[], FrameTransport]  # a new KV transport: one per sender or receiver
+    lease_s: float  # the KV transfer lease
+    auth: PlaneAuth | None  # the KV plane's keys (None: trust the network)
+    options: WorkerOptions  # as given, with this node's address for /metrics filled in
 
-    def __init__(self, config: EngineConfig, options: WorkerOptions = WorkerOptions()) -> None:
-        bound_onednn_caches(self.onednn_cache_entries)
-        torch.set_num_threads(options.threads)  # several workers share a node's cores
-        if options.transfer_cpus:  # the KV transfer's cores: the forward keeps off them
-            _pin_forward(set(options.transfer_cpus))
-        if options.metrics is not None and not options.metrics[0]:  # "": this node's address
-            options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
-        if options.resolve_model:
-            config = dataclasses.replace(config, model=str(resolve_model_path(options.model, progress=False)))
-        if options.kv_cache_auto:  # this node's memory, before this worker's load takes any of it
-            config = _auto_kv_cache(config, self.role)
-        lease_s = LEASE_S if options.lease_s is None else options.lease_s
-        auth = PlaneAuth(options.key, options.kv_integrity) if options.key else None
-        # KV endpoints listen on this node's address: peers on other nodes reach them there.
-        where = {"host": ray.util.get_node_ip_address()} if options.transport == "zmq" else {}
-        if options.transfer_cpus and options.transport == "ucx":  # its progress thread copies every message
-            where = {"progress_cpus": set(options.transfer_cpus)}
-        if options.key and options.transport == "ucx":  # sealed headers: strangers make it allocate nothing
-            where = {**where, "key": options.key}
-        self._start(self._make(LLMEngine(config, progress=False), lambda: get_transport(options.transport, **where),
-                               lease_s, options, auth), options)
 
-    def _make(self, engine: Any, new_transport: Callable[[], FrameTransport], lease_s: float,
-              options: WorkerOptions, auth: PlaneAuth | None) -> Any:
-        """The worker core (``PrefillWorker``, ``DecodeWorker``, ``AdaptiveWorker``) around a
-        loaded engine; ``new_transport()`` makes a KV transport (one per sender or receiver)."""
-        raise NotImplementedError
+def load(config: EngineConfig, options: WorkerOptions, role: str,
+         onednn_cache_entries: int = ONEDNN_CACHE_ENTRIES) -> Loaded:
+    """Set up this process for a ``role`` worker and load its engine.
+
+    Args:
+        onednn_cache_entries: oneDNN's per-shape caches (engine/__init__.py): the role's size,
+            set before the engine makes its first primitive.
+    """
+    bound_onednn_caches(onednn_cache_entries)
+    torch.set_num_threads(options.threads)  # several workers share a node's cores
+    if options.transfer_cpus:  # the KV transfer's cores: the forward keeps off them
+        _pin_forward(set(options.transfer_cpus))
+    if options.metrics is not None and not options.metrics[0]:  # "": this node's address
+        options = dataclasses.replace(options, metrics=(ray.util.get_node_ip_address(), options.metrics[1]))
+    if options.resolve_model:
+        config = dataclasses.replace(config, model=str(resolve_model_path(options.model, progress=False)))
+    if options.kv_cache_auto:  # this node's memory, before this worker's load takes any of it
+        config = _auto_kv_cache(config, role)
+    lease_s = LEASE_S if options.lease_s is None else options.lease_s
+    auth = PlaneAuth(options.key, options.kv_integrity) if options.key else None
+    # KV endpoints listen on this node's address: peers on other nodes reach them there.
+    where = {"host": ray.util.get_node_ip_address()} if options.transport == "zmq" else {}
+    if options.transfer_cpus and options.transport == "ucx":  # its progress thread copies every message
+        where = {"progress_cpus": set(options.transfer_cpus)}
+    if options.key and options.transport == "ucx":  # sealed headers: strangers make it allocate nothing
+        where = {**where, "key": options.key}
+    return Loaded(LLMEngine(config, progress=False), lambda: get_transport(options.transport, **where), lease_s,
+                  auth, options)
+
+
+class WorkerActor:
+    """The calls every worker answers, forwarded to its step loop. Each actor class
+    (``PrefillActor``, ``DecodeActor``, ``AdaptiveActor``, each wrapped by ``ray.remote``)
+    wires a core, its role's calls object and the loop together, and adds the role's calls."""
+
+    def __init__(self, loop: StepLoop) -> None:
+        self.loop = loop
+
+    def abort(self, key: Key) -> None:
+        self.loop.abort(key)
+
+    def release(self, engine_ids: list[str]) -> int:
+        return self.loop.release(engine_ids)
+
+    def poll(self) -> list[Record]:
+        return self.loop.poll()
+
+    def status(self) -> WorkerStatus:
+        return self.loop.status()
+
+    def inject(self, kind: str) -> None:
+        self.loop.inject(kind)
+
+    def held(self) -> dict[str, int]:
+        return self.loop.held()
+
+    def model_info(self) -> ModelInfo:
+        return self.loop.model_info()
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
 
 
 def _auto_kv_cache(config: EngineConfig, role: str) -> EngineConfig:

@@ -29,6 +29,18 @@ the router joins before anything reads the record. A piece is at most ``PIECE_EN
 ``LOGPROB_ENTRY_BYTES`` (1.3 MB); the cap leaves 2x margin over the target for what one
 record beyond its logprobs holds (a step's text, its tokens).
 
+Ids. One client request is known by one name per layer, and each name is one value::
+
+    router     request_id  the client's id scoped to its owner (``router.admin.scoped_id``; ``rid=`` in logs)
+    router ↔   Key         one attempt of it: (request_id, attempt); a re-run is a new attempt
+    worker     engine_id   ``Key.engine_id`` = "<request_id>#<attempt>": what a worker knows the
+                           attempt by (``worker.requests``, the worker cores, ``release``, ``held``)
+    engine     request_id  the engine's own id of a ``Request``; a worker passes its engine_id
+    kvtransfer transfer_id the id of a KV transfer; a worker passes its engine_id (one per attempt)
+
+So a worker that reads ``output.request_id`` (the engine's) holds an engine id, and ``key.request_id``
+is always the router's. Nothing parses an engine id back: records carry the ``Key``.
+
 Why msgspec: typed msgpack structs that validate while they decode (a wrong type, a missing
 field or a garbage frame raises ``ProtocolError`` for that one message, which the router
 drops and counts), one declaration per message instead of string keys read in six files, and
@@ -95,15 +107,17 @@ class ProtocolError(ValueError):
 
 
 class Key(msgspec.Struct, frozen=True, array_like=True):
-    """One attempt of one client request. A re-run after a lost worker is a new attempt, so
-    late records of the old one are told apart from the new one's."""
+    """One attempt of one client request (``request_id``: the router's id of it). A re-run
+    after a lost worker is a new attempt, so late records of the old one are told apart from
+    the new one's. Module docstring, Ids: which id is which in each layer."""
 
     request_id: str
     attempt: int = 0
 
     @property
     def engine_id(self) -> str:
-        """The id the engine and the KV transfer know this attempt by (never parsed back)."""
+        """The id a worker knows this attempt by, and hands to its engine (as the engine's
+        ``request_id``) and to the KV transfer (as its ``transfer_id``); never parsed back."""
         return f"{self.request_id}#{self.attempt}"
 
 

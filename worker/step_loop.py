@@ -1,15 +1,22 @@
 """A worker core stepped by a background thread, with one lock for every outside call.
 
-Both worker kinds' Ray actors build on it (``worker.actor``): the loop keeps stepping (engine
-and network) while actor methods (reserve, submit, abort, status...) run between steps.
-Outputs leave as typed records (``worker.protocol``) in per-step batches, pushed over zmq to
-the router named at start (else kept for :meth:`StepLoop.poll`), never one call per token.
+Every worker kind's Ray actor holds one (``worker.actor``): the loop keeps stepping (engine and
+network) while actor calls (reserve, submit, abort, status...) run between steps, through an
+:class:`~worker.inbox.Inbox`. Outputs leave as typed records (``worker.protocol``) in per-step
+batches, pushed over zmq to the router named at start (else kept for :meth:`StepLoop.poll`),
+never one call per token.
 
-The loop knows each live request by its :class:`~worker.protocol.Key` (``keys``: engine id →
-key, from the call that brought it here until it leaves), so records carry the attempt as a
-field and nothing parses ids. A request that came with the client's deadline (``timeout_s`` of
-the admitting call) is dropped here when it passes, even if the router's abort never arrives
-(``deadlines``: engine id → monotonic time, pruned as requests leave).
+Its parts, each handed in by the actor that wires them::
+
+    StepLoop(worker core, role hooks, requests, inbox, options)
+        worker core   engine + KV sender/receiver (prefill_worker, decode_worker, adaptive_worker)
+        role hooks    step result -> records, busy, drop: the role's (``RoleHooks``)
+        requests      engine id -> key and deadline of each live request (``worker.requests``)
+        inbox         actor calls waiting for the next gap between steps (``worker.inbox``)
+
+The role's calls (``reserve``, ``prefill``...) admit requests into the same ``Requests`` and
+queue their work in the same ``Inbox``; a request whose client deadline passed is dropped here
+even if the router's abort never arrives.
 """
 
 from __future__ import annotations
@@ -23,25 +30,29 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError
-from engine.llm_engine import RequestOutput
 from engine.memory import account, process_memory
 from engine.models.loader import weights_digest
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
+from worker.inbox import Inbox
 # (RouterLink, WorkerOptions: the router↔worker contract, in the protocol; still importable from here)
 from worker.protocol import (MAX_REPORT_BYTES, REPORT_TARGET_BYTES, Failed, Key, Memory, ModelInfo, Record, Report,
                              RouterLink, Tokens, WorkerOptions, WorkerStatus, encode_report, split_records)
+from worker.requests import Requests
 
 log = logging.getLogger("pdserve.worker")
 
 TOKEN_RATE_WINDOW_S = 5.0
 HEARTBEAT_S = 0.05  # an idle worker's load report interval
+# ... and within a step, between its layers, at most this often: a step of minutes (a long
+# prompt's chunk of a 1.5B model on one loaded core) still reports, so router.stall_s judges a
+# silent worker, not a slow step
+MID_STEP_BEAT_S = 1.0
 EXPIRY_CHECK_S = 0.05  # how often client deadlines are checked (a deadline is met this late at most)
 # How often freed heap memory goes back to the OS (``release_heap``). glibc keeps what a long
 # prefill's activations freed (100-200 MB here) in its arenas and reuses it unevenly, so a
@@ -84,21 +95,34 @@ def load_memory(engine: Any) -> Memory | None:
                   other_gb=gb["other"], rss_gb=proc["rss_gb"], pss_gb=proc["pss_gb"], peak_rss_gb=proc["peak_rss_gb"])
 
 
+class RoleHooks(Protocol):
+    """What the step loop asks of the role a worker plays (the calls objects of
+    ``decode_worker.actor``, ``prefill_worker.actor``, ``adaptive_worker.actor``)."""
+
+    name: str  # "prefill", "decode", "colocated" or "adaptive": WorkerStatus.role, the /metrics label
+
+    def records(self, step_result: Any) -> list[Record | None]:
+        """``worker.step()``'s result as records (a None is skipped)."""
+
+    def busy(self) -> bool:
+        """Whether there is work beyond the engine's queues (a transfer in flight)."""
+
+    def drop(self, engine_id: str) -> None:
+        """Stop a request here and free its blocks (the role's abort; idempotent); runs on the
+        loop thread."""
+
+
 class StepLoop:
-    """Drives ``worker.step()`` in a thread. ``worker`` needs ``engine``, ``step``, ``close``.
+    """Drives ``worker.step()`` in a thread (started here). ``worker`` needs ``engine``,
+    ``step``, ``close``; ``hooks`` turn its results into records; ``requests`` and ``inbox``
+    are shared with the role's calls (module doc)."""
 
-    Subclasses turn ``step()``'s result into records (``_records``) and may say when there is
-    work beyond the engine's own (``_busy``). Actor methods that touch the worker go through
-    :meth:`_call`: the loop runs them between two steps, in arrival order, so a busy loop never
-    starves them (a plain lock would let the loop take it back step after step).
-    """
-
-    role = "worker"
-
-    def _start(self, worker: Any, options: WorkerOptions) -> None:
+    def __init__(self, worker: Any, hooks: RoleHooks, requests: Requests, inbox: Inbox,
+                 options: WorkerOptions) -> None:
         """Start stepping ``worker``; with ``options.router`` push reports there, with
         ``options.metrics`` serve ``/metrics``."""
-        self.worker = worker
+        self.worker, self.hooks, self.requests, self.inbox = worker, hooks, requests, inbox
+        self.role = hooks.name
         self.options = options
         self._weights = weights_digest(Path(worker.engine.model_path))
         self.memory = load_memory(worker.engine)
@@ -111,13 +135,11 @@ class StepLoop:
             root.addHandler(handler)
             root.setLevel(logging.INFO)
         self.lock = threading.Lock()  # held by the loop for a whole step
-        self.inbox: collections.deque[tuple[Any, Future | Key]] = collections.deque()  # (fn, waiter or key)
         self.outbox: list[Record] = []
-        self.keys: dict[str, Key] = {}  # engine id -> key, while the request is here
-        self.deadlines: dict[str, float] = {}  # engine id -> when the client stops waiting
         self._next_expiry = 0.0
-        self.admitted = 0  # calls that brought a request here (WorkerStatus.admitted)
         self._seq = 0  # reports sent (Report.seq)
+        self._sink: Any = None  # the report socket, once the loop has connected it
+        self._last_beat = 0.0  # when the last report went
         self.incarnation = uuid.uuid4().hex[:12]  # new after every restart of the actor
         self.worker_id = options.router.worker_id if options.router else self.incarnation
         self._snapshot: WorkerStatus | None = None  # the last report's status (metrics read it lock-free)
@@ -137,25 +159,10 @@ class StepLoop:
         self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self.loop.start()
 
-    # ---- records -----------------------------------------------------------------------------
-    def _admit(self, key: Key, timeout_s: float | None = None) -> str:
-        """A request arrives here under ``key`` (counted: the router holds its reservation until
-        a status shows it), to be dropped ``timeout_s`` from now (the client's deadline; None:
-        none); returns its engine id."""
-        self.admitted += 1
-        self.keys[key.engine_id] = key
-        if timeout_s is not None:
-            self.deadlines[key.engine_id] = time.monotonic() + timeout_s
-        return key.engine_id
-
-    def _drop(self, engine_id: str) -> None:
-        """Stop a request here and free its blocks (the role's abort; idempotent). Runs on the
-        loop thread."""
-        raise NotImplementedError
-
+    # ---- calls every role answers ------------------------------------------------------------
     def abort(self, key: Key) -> None:
         """The router's abort of one attempt (queued behind the calls before it)."""
-        self._post(lambda: self._drop(key.engine_id), key)
+        self.inbox.post(lambda: self.hooks.drop(key.engine_id), key)
 
     def release(self, engine_ids: list[str]) -> int:
         """Drop these requests (the router's sweep: they hold blocks but no live request owns
@@ -163,73 +170,24 @@ class StepLoop:
         def release() -> int:
             before = self.worker.engine.block_manager.num_used_blocks
             for eid in engine_ids:
-                self._drop(eid)
+                self.hooks.drop(eid)
             return before - self.worker.engine.block_manager.num_used_blocks
-        return self._call(release)
+        return self.inbox.call(release)
 
     def _expire(self, now: float) -> None:
         """Drop requests whose client deadline passed (checked every ``EXPIRY_CHECK_S``)."""
-        if now < self._next_expiry or not self.deadlines:
+        if now < self._next_expiry or not self.requests.has_deadlines:
             return
         self._next_expiry = now + EXPIRY_CHECK_S
-        for eid, at in list(self.deadlines.items()):
-            key = self.keys.get(eid)
-            if key is None:  # it left
-                del self.deadlines[eid]
-            elif now >= at:
-                del self.deadlines[eid]
-                log.info("rid=%s attempt=%d event=deadline worker=%s", key.request_id, key.attempt, self.worker_id)
-                # No record: the router, which passed the deadline on, gave up on it first.
-                self._drop(eid)
-
-    def _tokens(self, o: RequestOutput, leaves: bool) -> Tokens | None:
-        """The record of one step's output; ``leaves``: the request is done here. None for a
-        request this loop does not know (a bug, logged: it must not end the worker)."""
-        key = self.keys.pop(o.request_id, None) if leaves else self.keys.get(o.request_id)
-        if key is None:
-            log.error("output for unknown request %r dropped", o.request_id)
-            return None
-        return Tokens(key, len(o.token_ids) - len(o.new_token_ids), list(o.new_token_ids), o.new_text,
-                      o.finish_reason if o.finished else None, o.num_prompt_tokens, o.num_cached_tokens,
-                      o.new_logprobs, o.prompt_logprobs)
-
-    def _failed(self, engine_id: str, error: str, invalid: bool = False) -> Failed | None:
-        """The record of a request dropped here (None if it already left)."""
-        key = self.keys.pop(engine_id, None)
-        return None if key is None else Failed(key, error, invalid)
-
-    def _records(self, step_result: Any) -> list[Record | None]:
-        return [self._tokens(o, o.finished) for o in step_result]
-
-    def _busy(self) -> bool:
-        return self.worker.engine.scheduler.has_work()
-
-    # ---- calls from the actor ----------------------------------------------------------------
-    def _call(self, fn: Any) -> Any:
-        """Run ``fn()`` on the loop thread between two steps; returns its result or raises."""
-        fut: Future = Future()
-        self.inbox.append((fn, fut))
-        return fut.result()
-
-    def _post(self, fn: Any, key: Key) -> None:
-        """Queue ``fn()`` for the loop and return at once (so a burst of calls is taken in one
-        step, not one per step); if it raises, the router gets a ``Failed`` record for ``key``."""
-        self.inbox.append((fn, key))
+        for key in self.requests.due(now):
+            log.info("rid=%s attempt=%d event=deadline worker=%s", key.request_id, key.attempt, self.worker_id)
+            # No record: the router, which passed the deadline on, gave up on it first.
+            self.hooks.drop(key.engine_id)
 
     def _run_inbox(self) -> None:
-        while self.inbox:
-            fn, waiter = self.inbox.popleft()
-            try:
-                result = fn()
-            except Exception as e:  # bad input for the caller (e.g. InvalidRequestError)
-                if isinstance(waiter, Future):
-                    waiter.set_exception(e)
-                else:
-                    self.keys.pop(waiter.engine_id, None)
-                    self.outbox.append(Failed(waiter, str(e), isinstance(e, InvalidRequestError)))
-                continue
-            if isinstance(waiter, Future):
-                waiter.set_result(result)
+        for key, e in self.inbox.run():  # posted calls that raised: bad input for the caller
+            self.requests.forget(key.engine_id)
+            self.outbox.append(Failed(key, str(e), isinstance(e, InvalidRequestError)))
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -244,7 +202,7 @@ class StepLoop:
                 sink.close(linger=1000)
 
     def _loop(self, sink: Any) -> None:
-        last_beat = 0.0
+        self._sink = sink
         next_trim = time.monotonic() + TRIM_S
         while self.running:
             with self.lock:
@@ -252,23 +210,29 @@ class StepLoop:
                     self._run_inbox()
                     if sink is not None:  # new work: show it before a step that may take seconds
                         self._send(sink, time.monotonic())
-                        last_beat = time.monotonic()
                 self._expire(time.monotonic())
-                busy = self._busy()
-                self.outbox.extend(r for r in self._records(self.worker.step()) if r is not None)
+                busy = self.worker.engine.scheduler.has_work() or self.hooks.busy()
+                self.outbox.extend(r for r in self.hooks.records(self.worker.step(self._beat)) if r is not None)
                 now = time.monotonic()
                 # Outputs go at once; an idle worker still reports its load (a heartbeat).
-                if sink is not None and (self.outbox or now - last_beat >= HEARTBEAT_S):
+                if sink is not None and (self.outbox or now - self._last_beat >= HEARTBEAT_S):
                     self._send(sink, now)
-                    last_beat = now
             if time.monotonic() >= next_trim:  # between steps, outside the lock: calls go on
                 release_heap()
                 next_trim = time.monotonic() + TRIM_S
             if not busy and not self.inbox:
                 time.sleep(0.0005)  # idle: keep polling the network, give the core back
 
+    def _beat(self) -> None:
+        """Between two layers of a step (on the loop's thread, the lock held): a report if the
+        last went ``MID_STEP_BEAT_S`` ago."""
+        now = time.monotonic()
+        if self._sink is not None and now - self._last_beat >= MID_STEP_BEAT_S:
+            self._send(self._sink, now)
+
     def _send(self, sink: Any, now: float) -> None:
         """Push the outbox and the current status (with the lock held)."""
+        self._last_beat = now
         batch, self.outbox = self.outbox, []
         self._count_tokens(batch, now)
         self._log(batch)
@@ -291,7 +255,7 @@ class StepLoop:
         r = records[0]
         log.error("rid=%s attempt=%d event=error worker=%s error=output of %d bytes exceeds a report",
                   r.key.request_id, r.key.attempt, self.worker_id, len(wire))
-        self.keys.pop(r.key.engine_id, None)
+        self.requests.forget(r.key.engine_id)
         return self._reports([Failed(r.key, f"this step's output ({len(wire)} bytes) exceeds a report's "
                                             f"{MAX_REPORT_BYTES} bytes", invalid=True)])
 
@@ -327,10 +291,10 @@ class StepLoop:
         def take() -> list[Record]:
             out, self.outbox = self.outbox, []
             return out
-        return self._call(take)
+        return self.inbox.call(take)
 
     def status(self) -> WorkerStatus:
-        return self._call(self._status)
+        return self.inbox.call(self._status)
 
     def inject(self, kind: str) -> None:
         """Chaos testing: a fault in this worker's next KV message (kvtransfer's
@@ -340,12 +304,13 @@ class StepLoop:
         sender = getattr(self.worker, "sender", None)
         if sender is None:
             raise ValueError(f"a {self.role} worker sends no KV: inject faults on a prefill worker")
-        self._call(lambda: sender.inject(kind))
+        self.inbox.call(lambda: sender.inject(kind))
 
     def held(self) -> dict[str, int]:
         """KV blocks held per request here, by engine id (the router's leak check)."""
-        return self._call(lambda: {rid: len(r.block_ids) for rid, r in self.worker.engine.scheduler.requests.items()
-                                   if r.block_ids})
+        def held() -> dict[str, int]:  # (the engine's request id is the engine id)
+            return {eid: len(r.block_ids) for eid, r in self.worker.engine.scheduler.requests.items() if r.block_ids}
+        return self.inbox.call(held)
 
     def _metrics_status(self) -> WorkerStatus | None:
         return self._snapshot if self.options.router is not None else self.status()
@@ -370,7 +335,7 @@ class StepLoop:
                                         for r in reqs if not r.prefill_only and not r.is_finished),
             tokens_per_s=tokens / TOKEN_RATE_WINDOW_S, generated_tokens=self._generated,
             prefix_query_tokens=bm.prefix_queries, prefix_hit_tokens=bm.prefix_hits,
-            admitted=self.admitted, metrics_address=self.metrics_address,
+            admitted=self.requests.admitted, metrics_address=self.metrics_address,
             kv_address=receiver.address if receiver is not None else None,
             kv_transfer=sum(sides, TransferStats()) if sides else None,
             speculative=eng.spec.stats() if getattr(eng, "spec", None) is not None else None,

@@ -155,9 +155,10 @@ def test_the_report_socket_is_bounded_and_cuts_an_oversized_message():
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_worker_splits_a_batch_no_report_passes_the_cap(n):
+    from worker.requests import Requests
     from worker.step_loop import StepLoop, WorkerOptions
-    loop = object.__new__(StepLoop)
-    loop._seq, loop.worker_id, loop.incarnation, loop.keys = 0, "decode-0", "inc", {}
+    loop = object.__new__(StepLoop)  # (its reports only: no thread, no engine)
+    loop._seq, loop.worker_id, loop.incarnation, loop.requests = 0, "decode-0", "inc", Requests()
     loop._snapshot, loop.options = _status("inc", 0), WorkerOptions(key=b"k" * 32)
     lps = [(i, -0.5, [(j, -1.0) for j in range(20)]) for i in range(PIECE_ENTRIES)]
     records = [Tokens(Key(f"r{i}"), 0, [1], "a", None, prompt_logprobs=lps) for i in range(n)]

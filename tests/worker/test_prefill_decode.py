@@ -186,3 +186,31 @@ def test_a_transfer_that_cannot_be_sent_fails_its_request_only(model_path, token
     finally:
         pw.close()
         dw.close()
+
+
+def test_steps_call_beat_between_layers_so_a_long_step_still_reports(model_path, tokenizer, connect_kv):
+    """Each worker core calls the step loop's ``beat`` once per layer of every forward (a prompt
+    chunk streaming its KV, a decode step), so a step of minutes still reports
+    (worker/step_loop.py MID_STEP_BEAT_S) and the router's stall_s judges a silent worker only."""
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    pw = PrefillWorker(_engine(model_path, 4, 6), get_transport("zmq"))
+    dw = DecodeWorker(_engine(model_path, 16, 2048), get_transport("zmq"))
+    layers = pw.engine.model_config.num_layers
+    beats = {"prefill": 0, "decode": 0}
+    try:
+        connect_kv(pw.sender, dw.receiver)
+        prompt = tokenizer(PROMPTS[1])["input_ids"]
+        pw.submit("r0", prompt, sp, dw.address, dw.reserve("r0", prompt, sp))
+        deadline = time.monotonic() + 60
+        done = False
+        while not done:
+            assert time.monotonic() < deadline, "workers did not finish"
+            pw.step(lambda: beats.__setitem__("prefill", beats["prefill"] + 1))
+            done = any(o.finished for o in dw.step(lambda: beats.__setitem__("decode", beats["decode"] + 1)))
+        # whole forwards only: the prompt in chunks of a 6-token budget, then 2 decode steps
+        # (the first token came with the KV)
+        assert beats["prefill"] % layers == 0 and beats["prefill"] // layers == -(-len(prompt) // 6)
+        assert beats["decode"] == 2 * layers
+    finally:
+        pw.close()
+        dw.close()
