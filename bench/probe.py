@@ -13,24 +13,32 @@ server's gRPC without TLS). Then:
    ``--slowloris`` that trickle a request's headers a byte every ``--trickle-s`` (no token);
    ``--grpc-idle`` TCP connections to the gRPC port that send nothing (no token);
    ``--watches`` gRPC health ``Watch`` streams that never end (health is open: no token);
-   ``--unread`` streamed completions of the greedy token that it never reads past their
-   first bytes (a small receive buffer: the server's writes block).
+   ``--grpc-unread`` gRPC and then ``--unread`` streamed completions of the greedy token that
+   it never reads past their first message (bench/probe_unread.py);
+   ``--reconnect`` tasks per port that open and close connections back to back, from
+   127.0.0.2, no token (bench/probe_reconnect.py; ``--reconnect-rate`` bounds them).
 3. **under attack**: the victim's requests again, while the attacks are held; then the
    malformed ones (greedy token): ``--nesting-kb`` KB of ``[``, lone surrogates in
    ``prompt``, ``content`` and ``stop``, a text/plain body, a foreign ``Host``, and a gRPC
-   ``Generate`` whose prompt is not UTF-8.
+   ``Generate`` whose prompt is not UTF-8; then the greedy token asks again on each protocol
+   until served (``--greedy-wait-s``): the places its unread streams held came back.
 
 ``--fairness`` measures instead two tokens at 3:1 weights (one priority class) under overload:
-each token's generated tokens per second and their ratio (class ``Fairness``).
+each token's generated tokens per second and their ratio (bench/probe_fairness.py).
+``--preemption``: the victim at high priority asks while the greedy token's low-priority
+stream holds the whole KV cache, SSE and gRPC both ways; each greedy stream must resume as one
+(bench/probe_preempt.py).
 
 Asserts (exit 1 otherwise) no HTTP 500 and no gRPC INTERNAL/UNKNOWN anywhere, and every
 victim request served; reports the victim's p50 under attack against idle (the issue's bar is
 1.5x) and when the server closed each kind of idle connection. Prints a table on stdout and,
 last, one flat JSON line. Defaults are the issue's counts (1,024 idle connections, 1,000 Watch
 streams, 500 unread streams, 100 KB of nesting); the issue names none for slowloris and idle
-gRPC connections (256 each). All connections come from one address (loopback), so the HTTP
-port's per-address cap (``front_door.connections_per_client``, 256, oldest idle closed first)
-is what the idle floods meet first. Not probed here (needs the cluster key, not black-box): a
+gRPC connections (256 each), nor for reconnect floods (4 tasks per port, 1,000 connections a
+second per port: a tight loop on the same machine takes the server's CPU too). All connections but the reconnect flood's come from one address (loopback), the
+victim's, so the HTTP port's per-address caps (``front_door.new_connections_per_client_s``,
+then ``connections_per_client``, 256, oldest idle closed first) are what the idle floods meet
+first, and the health ``Watch`` streams ``front_door.health_watches_per_client`` (16). Not probed here (needs the cluster key, not black-box): a
 replayed report from an old incarnation (tests/router/test_report_replay.py).
 """
 
@@ -46,33 +54,18 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-GREEDY = "greedy-" + "g" * 25  # the tokens of a server the probe starts (>= 16 characters)
-VICTIM = "victim-" + "v" * 25
-PROMPT = "The capital of France is"
-
-
-def log(msg: str) -> None:
-    print(f"[probe] {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Target:
-    """Where the probe aims: gRPC and HTTP ``host:port``, and the two tokens."""
-
-    grpc: str
-    http: str
-    greedy: str
-    victim: str
-    proc: subprocess.Popen | None = field(default=None, repr=False)  # the server the probe started
+from bench import probe_preempt
+from bench.probe_fairness import Fairness, fairness, fairness_table
+from bench.probe_reconnect import Reconnects
+from bench.probe_unread import UnreadStreams
+from bench.probe_wire import (PROMPT, Tally, Target, completion, http_call, http_request, log, serve,
+                              served_model, split)
 
 
 @dataclass
@@ -85,66 +78,19 @@ class Counts:
     grpc_idle: int = 256
     watches: int = 1000
     unread: int = 500
+    grpc_unread: int = 1
     unread_max_tokens: int = 512
+    reconnect: int = 4  # tasks per port opening and closing connections back to back
+    # ... at most this many a second per port (0: as fast as they can: on one machine the flood's
+    # own CPU, about a core, is then taken from the server too; 1,000 a port is what an attacker
+    # elsewhere costs the server at 2,000 a second, measured: bench/README.md)
+    reconnect_rate: float = 1000.0
+    greedy_wait_s: float = 90.0  # after the hold, how long the greedy token tries to be served again
     nesting_kb: int = 100
     victim_requests: int = 8
     victim_max_tokens: int = 16
     hold_s: float = 12.0  # attacks held this long before the victim measures (past the header timeout)
     reopen: bool = False  # idle HTTP connections reconnect when the server closes them
-
-
-@dataclass
-class Tally:
-    """What came back: per attack, outcome -> count; the victim's latencies."""
-
-    outcomes: dict[str, collections.Counter] = field(
-        default_factory=lambda: collections.defaultdict(collections.Counter))
-    latency: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
-    victim_failures: list[str] = field(default_factory=list)
-
-    def add(self, attack: str, outcome: str) -> None:
-        self.outcomes[attack][outcome] += 1
-
-    def bad(self) -> int:
-        """HTTP 500s and gRPC INTERNAL/UNKNOWN, everywhere."""
-        return sum(n for c in self.outcomes.values() for k, n in c.items()
-                   if k.startswith("5") and k != "503" or k in ("INTERNAL", "UNKNOWN", "500"))
-
-
-# ---- HTTP, by hand (status codes as they are, no client library between) -------------------
-
-def split(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def http_request(method: str, path: str, host: str, token: str | None, body: bytes = b"",
-                 ctype: str | None = "application/json", extra: str = "") -> bytes:
-    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
-    if token:
-        head += f"Authorization: Bearer {token}\r\n"
-    if ctype:
-        head += f"Content-Type: {ctype}\r\n"
-    if body or method == "POST":
-        head += f"Content-Length: {len(body)}\r\n"
-    return (head + extra + "\r\n").encode() + body
-
-
-async def http_call(addr: str, raw: bytes, timeout: float = 120.0) -> tuple[int, bytes]:
-    """(status, body) of one request on its own connection (``Connection: close``)."""
-    host, port = split(addr)
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(raw)
-        data = await asyncio.wait_for(reader.read(), timeout)
-    finally:
-        writer.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return (int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0), body
-
-
-def completion(model: str, max_tokens: int) -> bytes:
-    return json.dumps({"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode()
 
 
 # ---- the attacks ------------------------------------------------------------------------------
@@ -156,10 +102,12 @@ class Attacks:
         self.t, self.c, self.tally, self.model = t, c, tally, model
         self.tasks: list[asyncio.Task] = []
         self.writers: list[asyncio.StreamWriter] = []
-        self.socks: list[socket.socket] = []
         self.channels: list = []
         self.closed_after: dict[str, list[float]] = collections.defaultdict(list)
         self.opened_at = 0.0
+        self.unread = UnreadStreams(t, tally, model, c.unread, c.grpc_unread, c.unread_max_tokens)
+        self.reconnects = Reconnects(t, tally, c.reconnect, c.reconnect_rate)
+        self.rates: dict[str, float] = {}  # the reconnect flood's cycles per second, per port
 
     async def start(self) -> None:
         self.opened_at = time.monotonic()
@@ -170,7 +118,8 @@ class Attacks:
                 self.tasks.append(asyncio.create_task(fn(name)))
             await asyncio.sleep(0)
         await self._watches()
-        await self._unread()
+        await self.unread.open()
+        self.reconnects.start()
 
     async def _held(self, name: str, reader: asyncio.StreamReader) -> None:
         """Wait for the server to close a connection (an HTTP answer counted by its status; what
@@ -249,38 +198,14 @@ class Attacks:
             for _ in range(min(per_channel, self.c.watches - k)):
                 self.tasks.append(asyncio.create_task(watch()))
 
-    async def _unread(self) -> None:
-        """The greedy token's streams: the status line read, nothing after it."""
-        host, port = split(self.t.http)
-        body = json.dumps({"model": self.model, "prompt": PROMPT, "max_tokens": self.c.unread_max_tokens,
-                           "stream": True, "logprobs": 5, "ignore_eos": True}).encode()
-        raw = http_request("POST", "/v1/completions", self.t.http, self.t.greedy, body)
-
-        async def one() -> None:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the server's writes block soon
-            s.setblocking(False)
-            try:
-                await asyncio.get_running_loop().sock_connect(s, (host, port))
-                await asyncio.get_running_loop().sock_sendall(s, raw)
-                first = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(s, 16), 300)
-            except (OSError, asyncio.TimeoutError) as e:
-                self.tally.add("unread", f"failed: {type(e).__name__}")
-                s.close()
-                return
-            self.socks.append(s)
-            self.tally.add("unread", first.split(b" ", 2)[1].decode() if first.startswith(b"HTTP/") else "closed")
-        for _ in range(self.c.unread):
-            self.tasks.append(asyncio.create_task(one()))
-
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.rates = await self.reconnects.stop()
         for w in self.writers:
             w.close()
-        for s in self.socks:
-            s.close()
+        await self.unread.close()
         for ch in self.channels:
             await ch.close()
 
@@ -359,13 +284,6 @@ async def victim_round(t: Target, c: Counts, tally: Tally, phase: str, model: st
                 tally.victim_failures.append(f"grpc {phase}: {e.code().name} {e.details()}")
 
 
-async def served_model(t: Target) -> str:
-    status, body = await http_call(t.http, http_request("GET", "/v1/models", t.http, t.victim, ctype=None))
-    if status != 200:
-        raise RuntimeError(f"GET /v1/models answered {status}: {body[:200]!r}")
-    return json.loads(body)["data"][0]["id"]
-
-
 async def probe(t: Target, c: Counts) -> tuple[Tally, dict]:
     """The probe's core: baseline, attacks held, victim again, malformed requests; returns the
     tally and the summary (flat JSON-able)."""
@@ -375,13 +293,16 @@ async def probe(t: Target, c: Counts) -> tuple[Tally, dict]:
     await victim_round(t, c, tally, "idle", model)
     attacks = Attacks(t, c, tally, model)
     log(f"attacks: {c.idle_conns} idle HTTP, {c.slowloris} slowloris, {c.grpc_idle} idle gRPC connections, "
-        f"{c.watches} Watch streams, {c.unread} unread greedy streams; held {c.hold_s:.0f} s ...")
+        f"{c.watches} Watch streams, {c.unread} HTTP and {c.grpc_unread} gRPC unread greedy streams, "
+        f"{c.reconnect} reconnect loops per port; held {c.hold_s:.0f} s ...")
     await attacks.start()
     try:
         await asyncio.sleep(c.hold_s)
         log("under attack: the victim's requests again, then the malformed ones ...")
         await victim_round(t, c, tally, "attack", model)
         await malformed(t, tally, model, c.nesting_kb)
+        log(f"the greedy token asks again (up to {c.greedy_wait_s:g} s) while its unread streams are held ...")
+        waited = await attacks.unread.again(c.greedy_wait_s)
     finally:
         await attacks.stop()
 
@@ -398,141 +319,17 @@ async def probe(t: Target, c: Counts) -> tuple[Tally, dict]:
         after = attacks.closed_after.get(name, [])
         summary[f"{name.replace(' ', '_')}_closed_by_server"] = len(after)
         summary[f"{name.replace(' ', '_')}_held_max_s"] = max(after) if after else None
+    summary.update(waited)
+    summary.update(attacks.rates)
     summary["victim_failures"] = len(tally.victim_failures)
     summary["http_500_or_grpc_internal"] = tally.bad()
+
+    def key(s: str) -> str:
+        return s.replace(' ', '_').replace('(', '').replace(')', '')
     for attack, counter in tally.outcomes.items():
         for outcome, n in counter.items():
-            summary[f"{attack.replace(' ', '_').replace('(', '').replace(')', '')}.{outcome.replace(' ', '_')}"] = n
+            summary[f"{key(attack)}.{key(outcome)}"] = n
     return tally, summary
-
-
-# ---- a server of its own ----------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(greedy_cap: int, sets: list[str], workdir: str, policy_yaml: str | None = None):
-    """``pdserve serve`` with the two tokens and the greedy token's cap (or ``policy_yaml``, the
-    whole policy file); yields the Target."""
-    tokens = os.path.join(workdir, "tokens")
-    with open(tokens, "w") as f:
-        f.write(f"{GREEDY} greedy\n{VICTIM} victim\n")
-    os.chmod(tokens, 0o600)
-    policy = os.path.join(workdir, "policy.yaml")
-    with open(policy, "w") as f:
-        f.write(policy_yaml or f"tokens:\n  greedy: {{max_concurrent: {greedy_cap}}}\n")
-    port, http_port = free_port(), free_port()
-    pdserve = os.path.join(os.path.dirname(sys.executable), "pdserve")
-    cmd = [pdserve if os.path.exists(pdserve) else "pdserve", "serve", "--port", str(port), "--http-port",
-           str(http_port), "--metrics-port", "0", "--tokens-file", tokens, "--set", f"security.policy_file={policy}"]
-    for s in sets:
-        cmd += ["--set", s]
-    log(f"starting {' '.join(cmd[1:])}")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 300  # hang guard only
-        while not any("serving the OpenAI API" in line for line in lines):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("pdserve serve did not start:\n" + "".join(lines))
-            lines.append(proc.stderr.readline())
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
-        yield Target(f"127.0.0.1:{port}", f"127.0.0.1:{http_port}", GREEDY, VICTIM, proc)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-# ---- fairness: two tokens at 3:1 weights under overload ---------------------------------------
-
-@dataclass
-class Fairness:
-    """``--fairness``: both tokens in one priority class at ``weights`` (greedy, victim), each
-    keeping ``outstanding`` gRPC streams of ``max_tokens`` (EOS ignored) in flight, far more than
-    a KV cache of ``kv_cache_gb`` holds at once (the server it starts), so both always wait in the
-    router's placement queue, where admission's fair share (router.admission) decides. Tokens are
-    counted as they arrive, in the ``duration_s`` after ``warmup_s``."""
-
-    weights: tuple[float, float] = (3.0, 1.0)
-    outstanding: int = 12
-    max_tokens: int = 32
-    kv_cache_gb: float = 0.02  # SmolLM2-135M, fp32: ~29 blocks of 16 tokens, ~9 requests of 38 tokens at once
-    warmup_s: float = 5.0
-    duration_s: float = 30.0
-
-    def policy(self) -> str:
-        return f"tokens:\n  greedy: {{weight: {self.weights[0]:g}}}\n  victim: {{weight: {self.weights[1]:g}}}\n"
-
-
-async def fairness(t: Target, f: Fairness) -> dict:
-    """Each token's generated tokens per second while both overload the server; flat summary."""
-    # (heavy: gRPC, loaded only by what uses them)
-    import grpc
-
-    # (heavy: gRPC, loaded only by what uses them)
-    from router.client import make_request
-    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-    names = {"greedy": t.greedy, "victim": t.victim}
-    tokens = collections.Counter()
-    done = collections.Counter()
-    errors = collections.Counter()
-    t0 = time.monotonic()
-    start, end = t0 + f.warmup_s, t0 + f.warmup_s + f.duration_s
-
-    async def client(stub, name: str) -> None:
-        meta = (("authorization", f"Bearer {names[name]}"),)
-        while time.monotonic() < end:
-            try:
-                async for r in stub.Generate(make_request(PROMPT, max_tokens=f.max_tokens, ignore_eos=True),
-                                             metadata=meta, timeout=120):
-                    if start <= time.monotonic() < end:
-                        tokens[name] += len(r.token_ids)
-                if start <= time.monotonic() < end:
-                    done[name] += 1
-            except grpc.aio.AioRpcError as e:
-                errors[f"{name} {e.code().name}"] += 1
-                await asyncio.sleep(1.0)  # (the retry hint of a full queue or a queue timeout)
-
-    log(f"fairness: greedy and victim at weights {f.weights[0]:g}:{f.weights[1]:g}, {f.outstanding} streams "
-        f"each of {f.max_tokens} tokens, {f.warmup_s:g} s warm-up, {f.duration_s:g} s measured ...")
-    async with grpc.aio.insecure_channel(t.grpc) as ch:
-        stub = pb_grpc.GenerationStub(ch)
-        tasks = [asyncio.create_task(client(stub, name)) for name in names for _ in range(f.outstanding)]
-        await asyncio.sleep(end - time.monotonic())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    rate = {name: tokens[name] / f.duration_s for name in names}
-    expected = f.weights[0] / f.weights[1]
-    ratio = rate["greedy"] / rate["victim"] if rate["victim"] else None
-    summary = {"fairness_weights": list(f.weights), "fairness_throughput_ratio": ratio,
-               "fairness_expected_ratio": expected,
-               "fairness_within_15pct": ratio is not None and abs(ratio / expected - 1) <= 0.15,
-               "fairness_duration_s": f.duration_s, "fairness_outstanding": f.outstanding,
-               "fairness_max_tokens": f.max_tokens}
-    for name in names:
-        summary[f"fairness_tokens_per_s_{name}"] = rate[name]
-        summary[f"fairness_requests_{name}"] = done[name]
-    for k, n in errors.items():
-        summary[f"fairness_errors.{k.replace(' ', '_')}"] = n
-    return summary
-
-
-def fairness_table(s: dict) -> str:
-    w = s["fairness_weights"]
-    r = s["fairness_throughput_ratio"]
-    head = ("weights (greedy:victim)", "greedy tok/s", "victim tok/s", "ratio", "expected", "within 15%")
-    row = (f"{w[0]:g}:{w[1]:g}", f"{s['fairness_tokens_per_s_greedy']:.1f}", f"{s['fairness_tokens_per_s_victim']:.1f}",
-           "-" if r is None else f"{r:.2f}", f"{s['fairness_expected_ratio']:.2f}", str(s["fairness_within_15pct"]))
-    return "\n".join("  ".join(f"{c:>{len(h)}}" for c, h in zip(line, head)) for line in (head, row))
 
 
 # ---- the command --------------------------------------------------------------------------------
@@ -570,8 +367,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"never-ending health Watch streams (default {d.watches})")
     a.add_argument("--unread", type=int, default=d.unread,
                    help=f"the greedy token's streamed completions left unread (default {d.unread})")
+    a.add_argument("--grpc-unread", type=int, default=d.grpc_unread,
+                   help=f"... and gRPC Generate streams left unread, opened first (default {d.grpc_unread}: with "
+                        "--greedy-cap 2 one place each way)")
     a.add_argument("--unread-max-tokens", type=int, default=d.unread_max_tokens,
                    help=f"max_tokens of each (default {d.unread_max_tokens}, logprobs 5: ~1 KB a token)")
+    a.add_argument("--greedy-wait-s", type=float, default=d.greedy_wait_s,
+                   help=f"after the hold, the greedy token retries a request per protocol until served or "
+                        f"this long (default {d.greedy_wait_s:g}: past front_door.unread_stream_timeout_s, 60 s)")
+    a.add_argument("--reconnect", type=int, default=d.reconnect,
+                   help=f"tasks per port that open and close connections back to back, from 127.0.0.2 "
+                        f"(default {d.reconnect})")
+    a.add_argument("--reconnect-rate", type=float, default=d.reconnect_rate,
+                   help=f"... at most this many connections a second per port in all (default {d.reconnect_rate:g}; "
+                        "0: as fast as they can, which on one machine takes the server's CPU as well)")
     a.add_argument("--nesting-kb", type=int, default=d.nesting_kb,
                    help=f"KB of '[' in one body (default {d.nesting_kb})")
     a.add_argument("--hold-s", type=float, default=d.hold_s,
@@ -593,6 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the server it starts: decode.kv_cache_gb (default {df.kv_cache_gb}: ~9 requests at once)")
     fa.add_argument("--warmup-s", type=float, default=df.warmup_s, help=f"default {df.warmup_s}")
     fa.add_argument("--duration-s", type=float, default=df.duration_s, help=f"measured (default {df.duration_s})")
+    pa = p.add_argument_group("preemption (--preemption: this instead of the attacks; bench/probe_preempt.py)")
+    dp = probe_preempt.Preemption()
+    pa.add_argument("--preemption", action="store_true",
+                    help="the victim (high priority) asks while the greedy token's (low) stream holds the whole KV "
+                         "cache, over SSE and gRPC both ways; the greedy streams must resume as one")
+    pa.add_argument("--rounds", type=int, default=dp.rounds, help=f"default {dp.rounds} (each: both ways)")
+    pa.add_argument("--preempt-kv-cache-gb", type=float, default=dp.kv_cache_gb,
+                    help=f"the server it starts: decode.kv_cache_gb (default {dp.kv_cache_gb}: a few hundred tokens)")
+    pa.add_argument("--metrics", help="attach: the router's /metrics host:port (the greedy token's preemptions)")
     v = p.add_argument_group("the victim")
     v.add_argument("--victim-requests", type=int, default=d.victim_requests,
                    help=f"requests per protocol and phase (default {d.victim_requests})")
@@ -613,6 +431,11 @@ def table(tally: Tally, summary: dict) -> str:
     for name in ("http_idle", "slowloris", "grpc_idle"):
         n, last = summary[f"{name}_closed_by_server"], summary[f"{name}_held_max_s"]
         rows.append((f"{name} closed by server", f"{n}, the last after {last:.1f} s" if n else "0"))
+    for name in ("http_reconnect", "grpc_reconnect"):
+        if f"{name}_per_s" in summary:
+            rows.append((f"{name} rate", f"{summary[f'{name}_per_s']:.0f} connections/s"))
+    for proto in ("http", "grpc"):
+        rows.append((f"greedy again ({proto})", f"answered after {summary[f'greedy_again_{proto}_s']:.1f} s"))
     rows.append(("500 / INTERNAL", str(summary["http_500_or_grpc_internal"])))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
@@ -622,12 +445,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a timeout's TERM stops the server it started too)
     c = Counts(idle_conns=args.idle_conns, slowloris=args.slowloris, trickle_s=args.trickle_s,
-               grpc_idle=args.grpc_idle, watches=args.watches, unread=args.unread,
-               unread_max_tokens=args.unread_max_tokens, nesting_kb=args.nesting_kb,
+               grpc_idle=args.grpc_idle, watches=args.watches, unread=args.unread, grpc_unread=args.grpc_unread,
+               unread_max_tokens=args.unread_max_tokens, nesting_kb=args.nesting_kb, reconnect=args.reconnect,
+               reconnect_rate=args.reconnect_rate, greedy_wait_s=args.greedy_wait_s,
                victim_requests=args.victim_requests, victim_max_tokens=args.victim_max_tokens, hold_s=args.hold_s,
                reopen=args.reopen)
     if args.fairness:
         return main_fairness(args)
+    if args.preemption:
+        return main_preemption(args)
     with contextlib.ExitStack() as stack:
         if args.server:
             if not (args.http and args.greedy_token and args.victim_token):
@@ -661,6 +487,26 @@ def main_fairness(args: argparse.Namespace) -> int:
     print(fairness_table(summary))
     print(json.dumps(summary))
     return 0 if summary["fairness_within_15pct"] else 1
+
+
+
+def main_preemption(args: argparse.Namespace) -> int:
+    p = probe_preempt.Preemption(args.rounds, args.victim_max_tokens, args.preempt_kv_cache_gb)
+    with contextlib.ExitStack() as stack:
+        if args.server:
+            if not (args.http and args.greedy_token and args.victim_token):
+                print("--server needs --http, --greedy-token and --victim-token", file=sys.stderr)
+                return 2
+            t = Target(args.server, args.http, args.greedy_token, args.victim_token, args.metrics or "")
+        else:
+            sets = args.set or ["mode=colocated", "decode.compile_decode=false", f"decode.kv_cache_gb={p.kv_cache_gb}"]
+            t = stack.enter_context(serve(0, sets, stack.enter_context(tempfile.TemporaryDirectory()), p.policy()))
+        tally, summary = asyncio.run(probe_preempt.run(t, p))
+    print(probe_preempt.table(tally, summary))
+    for f in tally.victim_failures[:10]:
+        print(f"victim failure: {f}")
+    print(json.dumps(summary))
+    return 0 if probe_preempt.ok(summary, tally) else 1
 
 
 if __name__ == "__main__":

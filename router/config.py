@@ -4,7 +4,7 @@ Unknown keys and bad values fail at start with a message naming the key (``decod
 never deep inside a worker. What the engine and the transfer layer own is not re-declared
 here: an engine setting's default is the engine config's (``_engine``), valid dtypes,
 speculative methods, transports and quantization names are their registries', and the lease
-default is kvtransfer's. ``engine_configs`` maps the pools onto EngineConfig.
+default is kvtransfer's. router.engine_configs maps the pools onto EngineConfig.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ class PrefillPool:
     # layer while the next ones compute, and the UCX progress thread; the forward runs on the
     # node's other cores. Empty: sent between layers on the forward's thread (prefill_worker/kv_stream.py).
     transfer_cpus: tuple[int, ...] = ()
+    # prefill weights, the decode pool's names: none serves the model as loaded (fp32, or a GGUF's
+    # own formats); the decode pool's value makes both pools serve one format, so the workers of
+    # one node map one copy of it from the served-weights cache (engine/weight_cache.py)
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class DecodePool:
     # decode weights: none | int8 | int4 | int4-g64 | w8a8 (RTN at load) or a quantized checkpoint folder
     quantization: str = "none"
     # small steps through the fast path (native kernels, or compiled graphs where those do not
-    # build; fp32, INT8, INT4 on CPU): faster decode for a second copy of the fp32 weights
+    # build; fp32, INT8, INT4 on CPU): faster decode over the same weights (no second copy)
     compile_decode: bool = _engine(EngineConfig, "compile_decode")
     # ... for steps of up to this many tokens (a verify step always): 1..32, or None (32 native,
     # 4 compiled)
@@ -189,6 +193,10 @@ class FrontDoorConfig:
     header_bytes: int = 16384  # HTTP: the most bytes of request line and headers (h11)
     connections_per_client: int = 256  # HTTP: open connections per client address
     connections: int = 2048  # HTTP: open connections in all (at a cap the oldest idle one is closed)
+    # HTTP: new connections a second per client address, and at once; beyond: reset at once
+    # (clients opening and closing connections in a tight loop: router/conn_rate.py)
+    new_connections_per_client_s: float = 200.0
+    new_connections_burst: int = 400
     grpc_connections: int = 2048  # gRPC: open connections in all (beyond: refused)
     grpc_streams_per_connection: int = 256  # gRPC: concurrent calls on one HTTP/2 connection
     grpc_calls_per_client: int = 512  # gRPC: calls in progress per client address (beyond: RESOURCE_EXHAUSTED)
@@ -199,6 +207,7 @@ class FrontDoorConfig:
     grpc_max_age_s: float = 3600.0  # gRPC: ask a connection to reconnect (GOAWAY) at this age ...
     grpc_max_age_grace_s: float = 600.0  # ... and end the calls still on it this much later
     health_watches: int = 64  # gRPC: concurrent grpc.health.v1 Watch streams (beyond: RESOURCE_EXHAUSTED)
+    health_watches_per_client: int = 16  # gRPC: ... of them from one client address (beyond: RESOURCE_EXHAUSTED)
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish, then are aborted
     # gRPC and HTTP (SSE): a streamed response whose client takes no next message this long
     # (flow control holds the writes: it stopped reading) ends its requests on every worker, their
@@ -255,6 +264,10 @@ def _one_of(names) -> str:
     return f"{', '.join(rest)} or {last}"
 
 
+_QUANTIZATIONS = ("none, int8, int8-asym, int4, int4-g32|g64|g128[-asym], w8a8, or a quantized checkpoint folder "
+                  "(pdserve quantize --out)")
+
+
 # Per key: (check, what a valid value is). Keys are dotted paths.
 _RULES: dict[str, tuple[Any, str]] = {
     "mode": (lambda v: v in MODES, _one_of(MODES)),
@@ -293,8 +306,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "roles.max_decode": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                          "an integer >= 1, or null (no limit)"),
     "decode.speculative.adaptive": (lambda v: isinstance(v, bool), "true or false"),
-    "decode.quantization": (lambda v: _quantization_ok(v), "none, int8, int8-asym, int4, int4-g32|g64|g128[-asym], "
-                            "w8a8, or a quantized checkpoint folder (pdserve quantize --out)"),
+    "decode.quantization": (lambda v: _quantization_ok(v), _QUANTIZATIONS),
+    "prefill.quantization": (lambda v: _quantization_ok(v), _QUANTIZATIONS),
     "autoscale.enabled": (lambda v: isinstance(v, bool), "true or false"),
     "autoscale.decode.kv_high": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "autoscale.decode.kv_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -412,30 +425,3 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if cfg.kv_transfer.transport == "inproc" and cfg.mode != "colocated":
         raise ConfigError("kv_transfer.transport: inproc works only with mode: colocated")
     return cfg
-
-
-def _fixed_gb(kv_cache_gb: float | str) -> float:
-    """A pool's KV cache GiB; for ``auto`` the engine's default, which the worker replaces with
-    its node's figure when it starts (``WorkerOptions.kv_cache_auto``, worker.actor)."""
-    return CacheConfig().memory_gb if kv_cache_gb == "auto" else kv_cache_gb
-
-
-def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, EngineConfig]:
-    """(prefill, decode) engine configs from the cluster config."""
-    p, d = cfg.prefill, cfg.decode
-    common = dict(model=model_path, dtype=cfg.dtype, dequantize=cfg.dequantize, activations=cfg.activations,
-                  device=cfg.device)
-    # A prefill worker never decodes: no compiled one-token path (its memory and compile time).
-    prefill = EngineConfig(**common, compile_decode=False,
-                           cache=CacheConfig(block_size=p.block_size, memory_gb=_fixed_gb(p.kv_cache_gb)),
-                           scheduler=SchedulerConfig(max_num_batched_tokens=p.max_batched_tokens))
-    from engine.quant import split_quantization  # (heavy: torch, through the engine)
-    decode_model, quantization = split_quantization(d.quantization, model_path)  # a checkpoint replaces the model
-    decode = EngineConfig(**{**common, "model": decode_model}, quantization=quantization,
-                          compile_decode=d.compile_decode, compile_decode_rows=d.compile_decode_rows,
-                          cache=CacheConfig(block_size=d.block_size, memory_gb=_fixed_gb(d.kv_cache_gb)),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
-                                                    max_num_seqs=d.max_num_seqs,
-                                                    enable_chunked_prefill=d.chunked_prefill),
-                          speculative=d.speculative.to_engine())
-    return prefill, decode

@@ -21,18 +21,29 @@
 
 The interceptor (``Guard``), ahead of the tokens' (router.auth):
 
-- At most ``front_door.grpc_calls_per_client`` calls in progress per client address (health
-  ``Check`` and ``Watch`` excepted: bounded below), beyond: RESOURCE_EXHAUSTED with
-  ``retry-after``, so one address cannot take every ``limits.concurrent_rpcs`` slot (tokens have
-  their own ``max_concurrent``: router.policy). grpc has no hook at a connection's accept, so
-  connections are capped in all (``grpc_connections``), not per address; idle ones are closed
-  by ``grpc_handshake_timeout_s`` and ``grpc_max_idle_s``.
+- Per client address (``context.peer()``'s address without its port), *calls*, not
+  connections: grpc python has no hook at a connection's accept (an interceptor sees calls
+  only), so connections are capped in all (``grpc_connections``), and the ones that carry no
+  call are closed by ``grpc_handshake_timeout_s`` and ``grpc_max_idle_s``; what a connection
+  can cost beyond its socket is its calls, and those are counted where they come from:
+
+  - at most ``front_door.grpc_calls_per_client`` calls in progress, with or without a token
+    (counted before the tokens are checked, so calls the tokens will refuse count too; health
+    excepted, below); beyond: RESOURCE_EXHAUSTED with ``retry-after``, so one address cannot
+    take every ``limits.concurrent_rpcs`` slot (tokens have their own ``max_concurrent``:
+    router.policy);
+  - at most ``front_door.health_watches_per_client`` of the ``health_watches`` Watch streams
+    (below), so one address cannot take every place a load balancer's Watch needs.
+
+  Behind a proxy every call has the proxy's address, and these caps are the proxy's.
 - A request whose bytes are not the method's message (a string that is not UTF-8, a bad
   varint) is INVALID_ARGUMENT, not the UNKNOWN grpc answers when deserializing raises.
 
 - ``grpc.health.v1`` stays open (load balancers probe it), but at most
-  ``front_door.health_watches`` ``Watch`` streams at once (beyond: RESOURCE_EXHAUSTED; ``Check``
-  is unbounded and quick), so never-ending Watch streams cannot take the slots ``Generate`` needs.
+  ``front_door.health_watches`` ``Watch`` streams at once, ``health_watches_per_client`` from
+  one address (beyond: RESOURCE_EXHAUSTED), so never-ending Watch streams cannot take the slots
+  ``Generate`` needs. ``Check`` is not counted (it answers at once, and a load balancer that
+  also carries clients' calls must still be answered; ``limits.concurrent_rpcs`` bounds it).
 - Stopping (router.drain): ``Check`` and every ``Watch`` say NOT_SERVING, a new ``Generate`` is
   UNAVAILABLE with ``retry-after`` (seconds) in its trailing metadata; running ones go on and are
   counted until they end. ``Abort`` and ``GetClusterStatus`` still work.
@@ -75,7 +86,8 @@ def server_options(front_door, limits) -> list[tuple[str, int]]:
 def server_kwargs(cfg, door) -> dict:
     """Keyword arguments for ``grpc.aio.server`` (cfg: router.config.ClusterConfig, door:
     router.auth.FrontDoor)."""
-    interceptors = [Guard(door.gate, cfg.front_door.health_watches, cfg.front_door.grpc_calls_per_client)]
+    fd = cfg.front_door
+    interceptors = [Guard(door.gate, fd.health_watches, fd.grpc_calls_per_client, fd.health_watches_per_client)]
     if door.auth.enabled:
         interceptors.append(door.auth.interceptor())
     return dict(maximum_concurrent_rpcs=cfg.limits.concurrent_rpcs, interceptors=interceptors,
@@ -101,10 +113,13 @@ class Guard(grpc.aio.ServerInterceptor):
     """Bounds health ``Watch`` and each client address's calls, answers malformed bytes with
     INVALID_ARGUMENT, turns health NOT_SERVING and refuses ``Generate`` while draining."""
 
-    def __init__(self, gate: Gate, most_watches: int, calls_per_client: int = 1 << 30) -> None:
+    def __init__(self, gate: Gate, most_watches: int, calls_per_client: int = 1 << 30,
+                 watches_per_client: int = 1 << 30) -> None:
         self.gate, self.most_watches, self.calls_per_client = gate, most_watches, calls_per_client
+        self.watches_per_client = watches_per_client
         self.watches = 0
         self.calls: dict[str, int] = {}  # client address -> calls in progress
+        self.watchers: dict[str, int] = {}  # client address -> Watch streams open
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -138,11 +153,7 @@ class Guard(grpc.aio.ServerInterceptor):
         return who
 
     def _leave(self, who: str) -> None:
-        left = self.calls[who] - 1
-        if left:
-            self.calls[who] = left
-        else:
-            del self.calls[who]
+        _less(self.calls, who)
 
     def _counted(self, behavior):
         async def call(request, context):
@@ -175,7 +186,13 @@ class Guard(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"{self.most_watches} health Watch streams are open (front_door.health_watches); "
                                     "use Check, or retry later")
+            who = client_address(context.peer())
+            if self.watchers.get(who, 0) >= self.watches_per_client:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{self.watches_per_client} health Watch streams from this address are open "
+                                    "(front_door.health_watches_per_client); use Check, or retry later")
             self.watches += 1
+            self.watchers[who] = self.watchers.get(who, 0) + 1
             try:
                 if not self.gate.draining:
                     inner = asyncio.ensure_future(behavior(request, context))
@@ -192,6 +209,7 @@ class Guard(grpc.aio.ServerInterceptor):
                 await asyncio.Event().wait()  # the stream stays (as Watch does) until the server stops
             finally:
                 self.watches -= 1
+                _less(self.watchers, who)
         return watch
 
     def _generate(self, behavior):
@@ -203,6 +221,15 @@ class Guard(grpc.aio.ServerInterceptor):
                 async for response in _relay(behavior(request, context)):
                     yield response
         return generate
+
+
+def _less(counts: dict[str, int], who: str) -> None:
+    """One fewer for ``who`` (an address at none is forgotten: the table holds active ones only)."""
+    left = counts[who] - 1
+    if left:
+        counts[who] = left
+    else:
+        del counts[who]
 
 
 def _safe(deserializer):

@@ -23,6 +23,11 @@ caps a request's line and headers. What it lacks is added here, per connection:
   request in progress: waiting for its headers, or kept alive between requests) is closed to
   make room, so a flood of idle connections cannot lock out a client with work to do, from
   another address or its own; when every one is busy, the new connection gets a 503 and is closed.
+- **New connections per address** (``front_door.new_connections_per_client_s``, a burst of
+  ``new_connections_burst``; router.conn_rate), against clients that open and close
+  connections in a tight loop (the caps above never meet them: they hold none for long): a
+  connection beyond its address's rate is reset at once, before uvicorn sets it up, with no
+  answer written (the least work the event loop that serves every request can do for it).
 
 Requests in progress are counted by router.http_guard (idle connections do not count), not by
 uvicorn's ``limit_concurrency``, which counts connections and is left off.
@@ -37,6 +42,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from router.conn_rate import NewConnections
 from router.drain import RETRY_AFTER_S
 
 log = logging.getLogger("pdserve.router")
@@ -93,6 +99,7 @@ class GuardedH11(H11Protocol):
     the class for one server)."""
 
     table: ConnTable
+    rate: NewConnections
     header_timeout_s: float
     write_timeout_s: float
 
@@ -101,8 +108,14 @@ class GuardedH11(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self.client_key = ""
+        self.refused = False  # reset at its opening (over its address's rate): uvicorn never saw it
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        if not self.rate.admit(peer[0] if isinstance(peer, tuple) and peer else ""):
+            self.refused = True
+            transport.abort()
+            return
         super().connection_made(transport)
         self.client_key = self.client[0] if self.client else ""
         if not self.table.admit(self):
@@ -112,6 +125,8 @@ class GuardedH11(H11Protocol):
         self._watch_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.refused:
+            return
         self._stop_timer()
         self._stop_write_timer()
         self.table.remove(self)
@@ -188,4 +203,5 @@ def guarded(front_door) -> type[GuardedH11]:
     """The protocol class for one HTTP server under ``front_door`` (router.config.FrontDoorConfig)."""
     return type("GuardedH11", (GuardedH11,), {
         "table": ConnTable(front_door.connections_per_client, front_door.connections),
+        "rate": NewConnections(front_door.new_connections_per_client_s, front_door.new_connections_burst),
         "header_timeout_s": front_door.header_timeout_s, "write_timeout_s": front_door.write_timeout_s})

@@ -46,7 +46,8 @@ import zmq.asyncio
 
 from engine.errors import InvalidRequestError
 from kvtransfer.auth import new_secret
-from router.config import ClusterConfig, engine_configs  # (engine_configs: also imported from here)
+from router.config import ClusterConfig
+from router.engine_configs import engine_configs  # (also imported from here)
 from router.liveness import HEALTH_PERIOD_S, QUIET_S, Liveness
 from router.placement import WorkerLoad
 from router.worker_state import UNREACHABLE, Role, Unreachable, Worker, WorkerState

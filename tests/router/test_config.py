@@ -96,6 +96,20 @@ def test_dequantize_reaches_both_pools_engines():
         load_config(LOCAL, {"dequantize": "yes"})
 
 
+def test_prefill_quantization_is_its_own_and_off_by_default():
+    """Prefill serves the model as loaded unless told; given the decode pool's value both pools
+    serve one format (one served-weights cache entry a node's workers share)."""
+    from router.pools import engine_configs
+    prefill, decode = engine_configs(load_config(LOCAL, {"decode.quantization": "int4"}), "/m")
+    assert prefill.quantization is None and decode.quantization == "int4"
+    prefill, decode = engine_configs(load_config(LOCAL, {"prefill.quantization": "int4",
+                                                         "decode.quantization": "int4"}), "/m")
+    assert prefill.quantization == decode.quantization == "int4"
+    assert prefill.compile_decode is False  # still a prefill worker's engine
+    with pytest.raises(ConfigError, match="prefill.quantization: must be none, int8"):
+        load_config(LOCAL, {"prefill.quantization": "int3"})
+
+
 @pytest.mark.parametrize("model,served", [
     (None, "SmolLM2-135M-Instruct"),  # the bundled folder's name, as before
     ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b"),  # a catalogue model: its name, not the cache folder's

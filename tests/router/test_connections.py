@@ -1,12 +1,14 @@
 """Connections to the HTTP port (router.http_conn, router.http_guard) over real sockets: idle
 connections never make a request a 503, a request's headers must arrive within the header
 timeout however slowly they trickle, its body within the body timeout, and each client
-address holds at most so many connections, the oldest idle one making room."""
+address holds at most so many connections, the oldest idle one making room, and opens at most
+so many a second (a reconnect flood is reset at its opening)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 
 import pytest
@@ -138,5 +140,50 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_slot_freed():
         reader = srv.raw()  # the same stream, read as it comes: whole
         reader.sendall(request)
         assert b"data: [DONE]" in rest(reader)
+    finally:
+        srv.stop()
+
+
+def test_new_connections_per_address_follow_a_bucket_of_rate_and_burst():
+    from router.conn_rate import NewConnections
+    now = [0.0]
+    rate = NewConnections(rate=2.0, burst=3, clock=lambda: now[0])
+    assert [rate.admit("10.0.0.1") for _ in range(4)] == [True, True, True, False]  # the burst, then none
+    assert rate.admit("10.0.0.2")  # another address has its own
+    now[0] += 0.5  # one connection's worth of refill (2 a second)
+    assert [rate.admit("10.0.0.1") for _ in range(2)] == [True, False]
+    now[0] += 100.0  # refilled to the burst, never beyond it
+    assert [rate.admit("10.0.0.1") for _ in range(4)] == [True, True, True, False]
+    with pytest.raises(ValueError):
+        NewConnections(rate=0.0, burst=3)
+
+
+def test_the_rate_table_forgets_addresses_whose_bucket_refilled():
+    from router.conn_rate import PRUNE_AT, NewConnections
+    now = [0.0]
+    rate = NewConnections(rate=1.0, burst=2, clock=lambda: now[0])
+    for i in range(PRUNE_AT):
+        assert rate.admit(f"10.1.{i // 256}.{i % 256}")
+    assert len(rate.buckets) == PRUNE_AT
+    now[0] += 2.0  # every bucket full again: idle addresses
+    assert rate.admit("10.9.9.9")
+    assert list(rate.buckets) == ["10.9.9.9"]
+
+
+def test_an_address_over_its_rate_of_new_connections_is_reset_and_others_are_not():
+    """front_door.new_connections_per_client_s: a client opening connections in a tight loop is
+    reset at its opening (no answer written) once past its burst; another address is served."""
+    srv = Served(front_door__new_connections_per_client_s=0.001, front_door__new_connections_burst=2)
+    try:
+        for _ in range(2):  # the burst (a refill of 0.001 a second adds no connection meanwhile)
+            assert srv.post("/v1/completions", COMPLETION)[0] == 200
+        assert closed_by_server(srv.raw())  # the third: reset before any answer
+        other = socket.socket()
+        other.bind(("127.0.0.2", 0))  # (all of 127/8 is loopback on Linux: another client address)
+        other.settimeout(HANG_GUARD_S)
+        other.connect(("127.0.0.1", srv.http_port))
+        other.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nConnection: close\r\n\r\n" % srv.http_port)
+        assert rest(other).startswith(b"HTTP/1.1 200")
+        other.close()
     finally:
         srv.stop()

@@ -1,8 +1,10 @@
 """The gRPC port's bounds (router.grpc_guard) on a real server: the options it is built with,
-and health Watch streams capped so that never-ending ones cannot take Generate's slots."""
+and health Watch streams capped, in all and per client address, so that never-ending ones
+cannot take Generate's slots."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -92,6 +94,85 @@ def test_each_client_address_has_a_cap_on_calls_in_progress(srv):
     assert ["".join(r.text for r in [next(h)] + list(h)) for h in held] == ["b"] * 3
     assert "".join(r.text for r in gen.Generate(pb.GenerateRequest(prompt="hi"), timeout=30)) == "ab"
     ch.close()
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What Guard's Watch reads of a grpc ServicerContext: its peer, abort and write."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer_name, self.written, self.refusal = peer, [], None
+
+    def peer(self) -> str:
+        return self.peer_name
+
+    async def abort(self, code, details, trailing_metadata=()):
+        self.refusal = (code, details)
+        raise _Aborted(details)
+
+    async def write(self, message) -> None:
+        self.written.append(message)
+
+
+def test_one_address_takes_only_its_share_of_the_watch_streams():
+    """front_door.health_watches_per_client: an address at its share is refused, another address
+    still gets a Watch, and a closed one gives its address's place back."""
+    from router.drain import Gate
+    from router.grpc_guard import Guard
+
+    async def serving(request, context) -> None:
+        await context.write(health_pb2.HealthCheckResponse(status=SERVING))
+        await asyncio.Event().wait()
+
+    async def settle() -> None:  # (the watches' inner tasks take a few turns of the loop to start)
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        guard = Guard(Gate(), most_watches=8, watches_per_client=2)
+        watch = guard._watch(serving)
+        a = [_Context(f"ipv4:10.0.0.1:{port}") for port in (5001, 5002, 5003)]
+        b = _Context("ipv6:[2001:db8::7]:5001")
+        held = [asyncio.create_task(watch(None, c)) for c in a[:2]]
+        await settle()
+        with pytest.raises(_Aborted):
+            await watch(None, a[2])
+        assert a[2].refusal[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "front_door.health_watches_per_client" in a[2].refusal[1]
+        held.append(asyncio.create_task(watch(None, b)))  # another address: its own share
+        await settle()
+        assert [c.written[0].status for c in a[:2] + [b]] == [SERVING] * 3
+        assert guard.watchers == {"10.0.0.1": 2, "2001:db8::7": 1} and guard.watches == 3
+        held[0].cancel()
+        await asyncio.gather(held[0], return_exceptions=True)
+        again = asyncio.create_task(watch(None, _Context("ipv4:10.0.0.1:5004")))
+        await settle()
+        assert not again.done() and guard.watchers["10.0.0.1"] == 2
+        for t in held[1:] + [again]:
+            t.cancel()
+        await asyncio.gather(*held[1:], again, return_exceptions=True)
+        assert guard.watchers == {} and guard.watches == 0  # nothing left behind
+    asyncio.run(run())
+
+
+def test_the_watch_share_per_address_is_enforced_on_a_real_server():
+    s = Served(front_door__health_watches=4, front_door__health_watches_per_client=1)
+    ch = grpc.insecure_channel(f"127.0.0.1:{s.port}")
+    try:
+        health = health_pb2_grpc.HealthStub(ch)
+        first = health.Watch(health_pb2.HealthCheckRequest())
+        assert next(first).status == SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            next(health.Watch(health_pb2.HealthCheckRequest()))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "front_door.health_watches_per_client" in e.value.details()
+        first.cancel()
+    finally:
+        ch.close()
+        s.stop()
 
 
 def test_bytes_that_are_not_the_message_are_invalid_argument_not_unknown(srv):
