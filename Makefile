@@ -74,7 +74,8 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	@touch $@
 
 test: install
-	$(PY) -m pytest -q tests -m "not ray_stop" $(PYTEST_ARGS)
+	@# --durations: the slowest tests in every run's log (the suite must stay well inside CI's time)
+	$(PY) -m pytest -q tests -m "not ray_stop" --durations=25 $(PYTEST_ARGS)
 	@# Tests that stop every Ray process on the machine run alone, once the rest is done (exit 5: none selected).
 	$(PY) -m pytest -q tests -m ray_stop $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -9,15 +9,17 @@ run fills a fixed amount of it (``--kv-cache-gb``, all of it written once) so th
 
     python -m bench.memory                              # smollm2-135m fp32/int8/int4
     python -m bench.memory --models qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --precisions shipped,int8,int4
-    python -m bench.memory --pair qwen2.5-coder-1.5b:shipped   # 1 prefill + 1 decode worker, one node
+    python -m bench.memory --pair qwen2.5-coder-1.5b:int4   # 1 prefill + 1 decode worker, one node
 
 Each engine loads twice, each time in a fresh process: the first load converts the model into
 the served-weights cache (engine/weight_cache.py) unless it is there already, the second maps it
 as every later start does; the row is the second, with the first's loading peak beside it.
 
 ``--pair``: a local disaggregated cluster (Ray actors, the router) with one prefill and one
-decode worker of the model, both serving its weights as shipped; their PSS (shared pages split
-between them) from `GetModelInfo` after a request. ``two_worker_pss_over_one_copy_gb``: their
+decode worker of the model, both serving it in the one precision (``prefill.quantization`` =
+``decode.quantization``, so both map one served-weights cache entry); their PSS (shared pages
+split between them) from `GetModelInfo` after a short request and one prompt as long as the KV
+caches hold (every KV page written once on both workers). ``two_worker_pss_over_one_copy_gb``: their
 total PSS minus one copy of the weights minus both KV caches.
 
 Prints a table and one JSON line (``rss_overhead_gb_max``: the worst resident - weights - KV).
@@ -102,22 +104,37 @@ def _one_process(model: str, precision: str, kv_gb: float, threads: int, which: 
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def measure_pair(model: str, kv_gb: float, threads: int) -> dict:
-    """1 prefill + 1 decode worker of ``model`` as shipped, one node: their memory after a request."""
+def measure_pair(model: str, precision: str, kv_gb: float, threads: int) -> dict:
+    """1 prefill + 1 decode worker of ``model`` in ``precision``, one node: their memory after a request."""
     # (heavy: Ray, gRPC and the router, loaded only by what uses them)
     import ray
     from pdserve.v1 import pdserve_pb2 as pb
     from router.app import BackgroundCluster, init_ray
     from router.client import collect, connect, make_request
     from router.config import load_config
+    quant = {"fp32": "none", "shipped": "none", "int8": "int8", "int4": "int4"}[precision]
     cfg = load_config(None, {"mode": "disaggregated", "model": model, "prefill.replicas": 1, "decode.replicas": 1,
                              "prefill.threads": threads, "decode.threads": threads,
-                             "prefill.kv_cache_gb": kv_gb, "decode.kv_cache_gb": kv_gb})
+                             "prefill.kv_cache_gb": kv_gb, "decode.kv_cache_gb": kv_gb,
+                             "prefill.quantization": quant, "decode.quantization": quant,
+                             # steps short enough that a loaded machine's prefill of the fill
+                             # prompt below still reports within router.stall_s
+                             "prefill.max_batched_tokens": 512,
+                             "dequantize": precision == "fp32" and model != "smollm2-135m"})
     init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-memory-"))
     cluster = BackgroundCluster(cfg, http_port=None)
     try:
         stub = connect(f"127.0.0.1:{cluster.port}")
         collect(stub.Generate(make_request("The capital of France is", max_tokens=8, temperature=0.0)))
+        # Then one prompt as long as the smaller KV cache holds: every block written once, on both
+        # workers (the prefill computes it, the decode receives it), so PSS holds both caches as a
+        # busy pair's does, as the one-engine rows do.
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        blocks = min(w.kv_blocks_total for w in stub.GetClusterStatus(pb.GetClusterStatusRequest()).workers)
+        fill = min(int(blocks * info.block_size * 0.95), info.context_length - 2)
+        print(f"filling the KV caches: a {fill}-token prompt", file=sys.stderr, flush=True)
+        ids = [1000 + (i * 7919) % 20000 for i in range(fill)]
+        collect(stub.Generate(make_request(token_ids=ids, max_tokens=1, temperature=0.0)))
         time.sleep(12)  # workers refresh their RSS/PSS every 5 s with their reports
         mem = list(stub.GetModelInfo(pb.GetModelInfoRequest()).memory)
     finally:
@@ -127,7 +144,7 @@ def measure_pair(model: str, kv_gb: float, threads: int) -> dict:
                 "rss_gb": round(m.rss_gb, 3), "pss_gb": round(m.pss_gb, 3)} for m in mem]
     one_copy = max(w["weights_gb"] for w in workers)
     over = sum(w["pss_gb"] for w in workers) - one_copy - sum(w["kv_cache_gb"] for w in workers)
-    return {"model": model, "workers": workers, "two_worker_pss_over_one_copy_gb": round(over, 3)}
+    return {"model": model, "precision": precision, "workers": workers, "two_worker_pss_over_one_copy_gb": round(over, 3)}
 
 
 def table(rows: list[dict]) -> str:
@@ -151,9 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.pair:
         model, _, precision = args.pair.rpartition(":")
-        if precision != "shipped":
-            raise SystemExit("--pair: the workers serve the weights as shipped (precision 'shipped')")
-        out = measure_pair(model, args.kv_cache_gb, args.threads)
+        if precision not in PRECISIONS:
+            raise SystemExit(f"--pair {args.pair}: precision must be one of {', '.join(PRECISIONS)}")
+        out = measure_pair(model, precision, args.kv_cache_gb, args.threads)
         for w in out["workers"]:
             print(f"{w['role']:8s} weights {w['weights_gb']:.2f}  kv {w['kv_cache_gb']:.2f}  rss {w['rss_gb']:.2f}  "
                   f"pss {w['pss_gb']:.2f} GB")

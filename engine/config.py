@@ -304,7 +304,8 @@ class EngineConfig:
     # small decode steps (one request, a small batch, a verify step) through the fast path over
     # plain weights in huge pages (engine/models/single_token.py): native kernels built at load
     # (engine/models/native_decode.c), or torch.compile'd graphs where those do not build; fp32,
-    # INT8 or INT4 models on CPU; costs a second copy of the fp32 decoder weights
+    # INT8 or INT4 models on CPU; the batched path reads the same weights (one layout each,
+    # bench/memory.py: no second copy)
     compile_decode: bool = True
     # steps of up to this many tokens (1..32) take that path, and with speculation always a 1+K
     # verify step; bigger steps run the eager batched forward. None: 32 with the native kernels

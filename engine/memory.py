@@ -159,15 +159,20 @@ def _kv_tensors(engine) -> list[torch.Tensor]:
 def process_memory() -> dict[str, float]:
     """This process's resident set, proportional set (shared pages split between the processes
     mapping them) and peak resident set, in GB (Linux; zeros where /proc is missing)."""
+    # The peak is this process's memory's own high-water mark (VmHWM), not ru_maxrss: a process
+    # started by another inherits its parent's peak there (exec records the replaced memory's;
+    # a worker forked by Ray's, a bench child its runner's).
     out = {"rss_gb": 0.0, "pss_gb": 0.0, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("Rss", "Pss"):
-                    out[f"{key.lower()}_gb"] = int(rest.split()[0]) * 1024 / 1e9
-    except OSError:
-        pass
+    for path, keys in (("/proc/self/smaps_rollup", {"Rss": "rss_gb", "Pss": "pss_gb"}),
+                       ("/proc/self/status", {"VmHWM": "peak_rss_gb"})):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    if key in keys:
+                        out[keys[key]] = int(rest.split()[0]) * 1024 / 1e9
+        except OSError:
+            pass
     return {k: round(v, 3) for k, v in out.items()}
 
 

@@ -56,6 +56,24 @@ class QuantLinear(nn.Module):
                 state[name] = None
         return state
 
+    def _prepare(self) -> None:
+        """Build the kernel's derived tensors from the buffers (each kind its own)."""
+
+    def _before_move(self) -> None:
+        """Put the buffers in the layout every device reads, before ``_apply`` moves them."""
+
+    def _apply(self, fn, recurse=True):
+        # A .to() that changes no tensor (the loader's model.to(cpu, float32) over modules already
+        # there) returns at once: rebuilding the derived layouts would copy every weight again,
+        # and for INT4 convert twice through the canonical layout (the 1.5B's loading peak).
+        tensors = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None]
+        if all(fn(t) is t for t in tensors):
+            return self
+        self._before_move()
+        out = super()._apply(fn, recurse)
+        self._prepare()  # .to(device) etc. must move the derived tensors too
+        return out
+
     def quantized_weight(self) -> QuantizedWeight:
         raise NotImplementedError
 

@@ -164,11 +164,8 @@ class Int4Linear(QuantLinear):
         self.act_dtype = dtype
         self._scales_zeros = self._scales_zeros.to(dtype)
 
-    def _apply(self, fn, recurse=True):
+    def _before_move(self) -> None:
         self._to_canonical()  # a move (to CUDA, say) starts from the layout every device reads
-        out = super()._apply(fn, recurse)
-        self._prepare()
-        return out
 
     def quantized_weight(self) -> QuantizedWeight:
         q, scale, zero = self._canonical()

@@ -74,11 +74,6 @@ class Int8Linear(QuantLinear):
         self.act_dtype = dtype
         self._prepare()
 
-    def _apply(self, fn, recurse=True):  # .to(device) etc. must move the derived tensors too
-        out = super()._apply(fn, recurse)
-        self._prepare()
-        return out
-
     def quantized_weight(self) -> QuantizedWeight:
         q = deinterleave4(self.qweight) if self.interleaved else self.qweight
         return QuantizedWeight(q, self.scale, self.zero, 8, None, self.symmetric)

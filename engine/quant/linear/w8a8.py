@@ -51,11 +51,6 @@ class W8A8Linear(QuantLinear):
     def set_act_dtype(self, dtype: torch.dtype) -> None:  # fbgemm takes fp32 only
         pass
 
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        self._prepare()
-        return out
-
     def quantized_weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.qweight, self.scale, self.zero, 8, None, True)
 

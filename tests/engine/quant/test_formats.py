@@ -156,3 +156,21 @@ def test_bytes_per_weight():
     # INT4: half a byte a weight, plus a scale and a zero point per group of 128, fp32 at most
     # (the native kernels' layout; torch's int4pack keeps them in bf16): 0.5625 B, 14% of fp32
     assert i4.weight_bytes() <= w.numel() * (0.5 + 2 * 4 / 128)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_to_that_changes_nothing_keeps_every_tensor(bits):
+    """``.to(cpu, float32)`` over a quantized module already there (the loader's model.to over
+    the assembled model) keeps its tensors: no copy of the weights, no second conversion through
+    the canonical layout; a real change still converts and computes the same."""
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 256), torch.randn(3, 256)
+    qw = quantize_weight(w, bits, 32 if bits == 4 else None, False)
+    mod = Int8Linear(qw) if bits == 8 else Int4Linear(qw)
+    want = mod(x)
+    before = {n: t.data_ptr() for n, t in mod.named_buffers()}
+    assert mod.to(device="cpu", dtype=torch.float32) is mod
+    assert {n: t.data_ptr() for n, t in mod.named_buffers()} == before
+    assert torch.equal(mod(x), want)
+    mod.to(torch.float64)  # a change: the scales follow, as before
+    assert mod.scale.dtype == torch.float64
