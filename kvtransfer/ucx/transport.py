@@ -95,6 +95,11 @@ from kvtransfer.ucx.send import SendSide, frame_views  # noqa: E402
 logger = logging.getLogger("kvtransfer.ucx")  # one logger for the whole transport, as before it was a package
 
 _IDLE_WAIT_S = 0.002  # sleep bound when idle: shared-memory traffic may raise no event
+# arm() refused this many times running with nothing completing: events that progress never
+# clears (seen on prefill workers after decode peers failed in the cluster tests: the thread spun
+# a core for minutes, idle). Then the wait is on the wake pipe and the clock only, as the
+# workers' descriptors stay readable with those events.
+_ARM_REFUSALS = 64
 _SPIN_S = 1.0  # stop spinning after this long without any completion (e.g. a dead peer)
 _GRACE_S = 0.002  # keep spinning this long after the last completion: the next message is near
 _SEND, _CONNECT, _DISCONNECT = range(3)  # what an _outbox entry asks the progress thread to do
@@ -152,6 +157,7 @@ class UcxTransport(FrameTransport):
                                     self._lost, key)
         self._error: BaseException | None = None
         self._closed = False
+        self.arm_refusals = 0  # arm() refused in a row with nothing completing (_idle_wait)
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -304,7 +310,7 @@ class UcxTransport(FrameTransport):
                 completed, in_flight = self._pump()
                 now = time.monotonic()
                 if completed:
-                    last_completion = now
+                    last_completion, self.arm_refusals = now, 0
                 quiet = now - last_completion
                 if quiet > _GRACE_S and (not in_flight or quiet > _SPIN_S):
                     self._idle_wait()
@@ -414,8 +420,13 @@ class UcxTransport(FrameTransport):
 
     def _idle_wait(self) -> None:
         workers = [g.worker for g in self._generations()]
-        if all(w.arm() for w in workers):  # False: events are pending, progress again at once
+        if all(w.arm() for w in workers):
+            self.arm_refusals = 0
             select.select([w.epoll_file_descriptor for w in workers] + [self._wake_r], [], [], _IDLE_WAIT_S)
+        else:  # events are pending: progress again at once, unless they never clear
+            self.arm_refusals += 1
+            if self.arm_refusals >= _ARM_REFUSALS:
+                select.select([self._wake_r], [], [], _IDLE_WAIT_S)
         try:
             while os.read(self._wake_r, 4096):
                 pass

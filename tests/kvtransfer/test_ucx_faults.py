@@ -122,3 +122,39 @@ def test_severed_connections_reuse_their_endpoint_so_no_shared_memory_is_mapped_
         assert receiver.proc.wait(timeout=20) == 0
     finally:
         sender.close()
+
+
+
+def test_the_progress_thread_waits_when_events_never_clear(make):
+    """A UCX worker whose ``arm()`` keeps refusing (events progress never clears: seen on prefill
+    workers after their decode peers failed) must not make the progress thread spin a core for
+    the rest of the process's life. Counted: rounds of progress in a quiet second (spinning:
+    tens of thousands; waiting once arm() has refused _ARM_REFUSALS times: a few hundred), and
+    a message still goes through."""
+    server, client = make(), make()
+    peer = client.connect(server.bind())
+
+    class Refusing:  # the real worker, but arm() always refuses
+        def __init__(self, worker):
+            self._worker = worker
+
+        def arm(self):
+            return False
+
+        def __getattr__(self, name):
+            return getattr(self._worker, name)
+    rounds = [0]
+    pump = client._pump
+
+    def counted():
+        rounds[0] += 1
+        return pump()
+    client._pump = counted
+    client._gen.worker = Refusing(client._gen.worker)
+    time.sleep(1.5)  # past the progress thread's spin allowance (_SPIN_S)
+    before = rounds[0]
+    time.sleep(1.0)
+    assert rounds[0] - before < 3000, rounds[0] - before
+    assert client.arm_refusals >= 64
+    client.send(peer, [b"still"])
+    assert [bytes(f) for f in recv_wait(server)[1]] == [b"still"]
