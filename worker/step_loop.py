@@ -212,7 +212,7 @@ class StepLoop:
                         self._send(sink, time.monotonic())
                 self._expire(time.monotonic())
                 busy = self.worker.engine.scheduler.has_work() or self.hooks.busy()
-                self.outbox.extend(r for r in self.hooks.records(self.worker.step(self._beat)) if r is not None)
+                self._step()
                 now = time.monotonic()
                 # Outputs go at once; an idle worker still reports its load (a heartbeat).
                 if sink is not None and (self.outbox or now - self._last_beat >= HEARTBEAT_S):
@@ -222,6 +222,13 @@ class StepLoop:
                 next_trim = time.monotonic() + TRIM_S
             if not busy and not self.inbox:
                 time.sleep(0.0005)  # idle: keep polling the network, give the core back
+
+    def _step(self) -> None:
+        """One step of the core; its records join the outbox once it is over (a report sent
+        between its layers replaces the outbox list: ``self.outbox.extend(<the step>)`` would
+        bind the list before the step ran and add the records to the one already sent)."""
+        records = self.hooks.records(self.worker.step(self._beat))
+        self.outbox.extend(r for r in records if r is not None)
 
     def _beat(self) -> None:
         """Between two layers of a step (on the loop's thread, the lock held): a report if the

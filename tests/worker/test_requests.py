@@ -161,3 +161,31 @@ def test_a_beat_inside_a_step_reports_at_most_every_mid_step_interval(monkeypatc
     loop._beat()
     loop._beat()
     assert sent == ["sink", "sink"]
+
+
+def test_a_steps_records_reach_the_outbox_after_a_report_sent_between_its_layers(monkeypatch):
+    """A report sent by a beat inside the step takes the outbox list away; the step's records
+    must join the new one (found by bench/serving.py: a long prompt's first token, produced by
+    a step that reported midway, was added to the list already sent, and its request hung)."""
+    import worker.step_loop as sl
+    loop = object.__new__(sl.StepLoop)  # (one step only: no thread, no engine)
+    sent = []
+
+    def send(sink, now):
+        batch, loop.outbox = loop.outbox, []
+        sent.append(batch)
+        loop._last_beat = now
+
+    class Core:
+        def step(self, beat):
+            beat()  # a report between two layers
+            return ["first token"]
+
+    class Hooks:
+        def records(self, result):
+            return [*result, None]  # (a None is skipped)
+    loop._send, loop._sink, loop._last_beat = send, "sink", 0.0
+    loop.worker, loop.hooks, loop.outbox = Core(), Hooks(), []
+    monkeypatch.setattr(sl, "MID_STEP_BEAT_S", 0.0)
+    loop._step()
+    assert sent == [[]] and loop.outbox == ["first token"]
