@@ -114,8 +114,9 @@ class RouterConfig:
     max_queue: int = 256
     default_max_tokens: int = 256
     # A worker silent this long (no report; Ray still says ALIVE), or a call to it unanswered
-    # this long, is stalled: its requests re-run elsewhere and its process is replaced. Longer
-    # than any one engine step (a call waits for the step in progress).
+    # this long, is stalled: its requests re-run elsewhere and its process is replaced. Workers
+    # report between a step's layers too (worker/step_loop.py MID_STEP_BEAT_S), but a call waits
+    # for the step in progress: longer than any one engine step.
     stall_s: float = 120.0
     # The longest a request waits for KV capacity or a sequence slot (a worker's max_num_seqs:
     # router/placement.py WorkerLoad.free_seqs) before RESOURCE_EXHAUSTED.
