@@ -22,9 +22,8 @@ never blocks::
 The thread spins on ``worker.progress()`` while requests are in flight (a shared-memory
 rendezvous raises no wake-up event), yielding the GIL each round; when idle, or after 1 s
 without any completion (a dead peer), it sleeps on the worker's epoll fd and a wake pipe with
-a 2 ms timeout, so an idle transport costs almost nothing.
-
-Wire protocol (tags, header, address format): ``wire.py``.
+a 2 ms timeout (on the pipe alone where the worker keeps events it never clears), so an idle
+transport costs almost nothing. Wire protocol (tags, header, address format): ``wire.py``.
 
 Buffers. Sends are zero-copy from the caller's buffers: keep them unchanged until delivered.
 Received host frames are writable memoryviews (format "B") owned by the caller; their memory
@@ -54,20 +53,18 @@ its address again) while messages of its earlier one are still incomplete: those
 to finish in the background, never delivered. Sends to a peer that died silently stay in flight
 until ``close`` cancels them after ``linger_s`` (UCX cannot cancel them one by one): a peer
 that just stops is noticed by the lifecycle's lease, or by whoever calls ``disconnect``.
-Flow control on receive only: a peer's frames are received while its messages on their way
-hold at most ``recv.PEER_INFLIGHT_BYTES`` (later ones wait, unallocated, at the sender);
-a receiver that stops calling ``recv`` still accumulates delivered messages.
+Flow control on receive only: a peer's messages on their way hold at most
+``recv.PEER_INFLIGHT_BYTES`` (later ones wait at the sender); delivered ones pile up unread.
 
 Replaced workers. What UCX maps of a peer stays mapped until our UCX worker is destroyed, so
-once enough peers are gone for good (``peers.py``, "Stale peers") and nothing is in
-flight, the progress thread replaces the worker (``generation.py``): the uid stays, the
-address (``bind``) changes, every known peer is told the new one on a new connection, and the
-old worker keeps receiving until it is quiet, then is destroyed. A peer that dials an older
-address of a uid than one it has heard keeps the newer (addresses carry the generation).
+once enough peers are gone for good (``peers.py``, "Stale peers") and nothing is in flight, the
+progress thread replaces the worker (``generation.py``): the uid stays, the address (``bind``)
+changes, every known peer is told the new one on a new connection, and the
+old worker keeps receiving until quiet, then is destroyed. A peer dialing an older address of
+a uid than one it heard keeps the newer (addresses carry the generation).
 
-Environment. ``UCX_TLS`` and other ``UCX_*`` variables pass through unchanged unless the
-``tls`` argument is given. ``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` here (ucxx sets
-``UCX_MEMTYPE_CACHE``, which otherwise triggers a warning).
+Environment. ``UCX_*`` variables pass through unless ``tls`` is given;
+``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` (ucxx sets ``UCX_MEMTYPE_CACHE``: a warning).
 """
 
 from __future__ import annotations
@@ -95,11 +92,7 @@ from kvtransfer.ucx.send import SendSide, frame_views  # noqa: E402
 logger = logging.getLogger("kvtransfer.ucx")  # one logger for the whole transport, as before it was a package
 
 _IDLE_WAIT_S = 0.002  # sleep bound when idle: shared-memory traffic may raise no event
-# arm() refused this many times running with nothing completing: events that progress never
-# clears (seen on prefill workers after decode peers failed in the cluster tests: the thread spun
-# a core for minutes, idle). Then the wait is on the wake pipe and the clock only, as the
-# workers' descriptors stay readable with those events.
-_ARM_REFUSALS = 64
+_ARM_REFUSALS = 64  # arm() refused so often, nothing completing: stuck events (after peer faults)
 _SPIN_S = 1.0  # stop spinning after this long without any completion (e.g. a dead peer)
 _GRACE_S = 0.002  # keep spinning this long after the last completion: the next message is near
 _SEND, _CONNECT, _DISCONNECT = range(3)  # what an _outbox entry asks the progress thread to do
@@ -157,7 +150,7 @@ class UcxTransport(FrameTransport):
                                     self._lost, key)
         self._error: BaseException | None = None
         self._closed = False
-        self.arm_refusals = 0  # arm() refused in a row with nothing completing (_idle_wait)
+        self.arm_refusals = 0  # in a row, nothing completing (_idle_wait)
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -423,7 +416,7 @@ class UcxTransport(FrameTransport):
         if all(w.arm() for w in workers):
             self.arm_refusals = 0
             select.select([w.epoll_file_descriptor for w in workers] + [self._wake_r], [], [], _IDLE_WAIT_S)
-        else:  # events are pending: progress again at once, unless they never clear
+        else:  # events are pending: progress again at once, unless they never clear (spinning)
             self.arm_refusals += 1
             if self.arm_refusals >= _ARM_REFUSALS:
                 select.select([self._wake_r], [], [], _IDLE_WAIT_S)
