@@ -96,8 +96,18 @@ typedef struct {
  * 16-byte load per 16 weights keeps too few cache misses in flight. Measured there (30 layers +
  * LM head, one token, median of 7 interleaved sweeps), PF_AHEAD 0 (none) / 1 / 2 / 3 / 4: INT8
  * 9.8 / 5.4 / 4.9 / 4.9 / 4.7 ms, INT4 (g32) 8.4 / 5.9 / 5.7 / 5.5 / 5.6, fp32 20.3 / 17.5 / 18.0 /
- * 18.1 / 18.5. */
-#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+ * 18.1 / 18.5.
+ * Into L2 (T1), not L1 (T0): on the 1.5B's shapes the lines PF_AHEAD blocks ahead (12 KB at
+ * k = 1536 INT8, 72 KB at k = 8960) plus the block being read plus x fill or overflow a 32 KB
+ * L1, so T0 evicted lines before their use and held L1's miss buffers. Measured on a 2-core
+ * AVX-512 EPYC (Zen 4; a 17920 x 1536 GEMV over 16 copies, beyond L3, 2 threads): T0 / T1 / T2
+ * INT8 24 / 49 / 49 GB/s, INT4 with INT8 activations 34 / 58 / 59 G weights/s, INT4 with fp32
+ * activations 31 / 33 / 33 (its unpacking, not memory, bounds it); PF_AHEAD 2, 4, 8 within 3%
+ * of each other under T1. -DPF_HINT=_MM_HINT_T0 builds the old variant. */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+#define PREFETCH(p) _mm_prefetch((const char *)(p), PF_HINT)
 #ifndef PF_AHEAD
 #define PF_AHEAD 2
 #endif
