@@ -17,10 +17,28 @@ the last few seconds, not by every address ever seen.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Callable
 
 PRUNE_AT = 4096  # entries before the full buckets are dropped
+IPV6_PREFIX = 64  # an IPv6 client is its /64: one host commonly holds a whole /64
+
+
+def client_key(address: str) -> str:
+    """The client an address counts as, for every per-client limit on both ports: an IPv4
+    address itself (also when IPv4-mapped, ``::ffff:1.2.3.4``), an IPv6 address's /64 network
+    (a host given a /64 could otherwise take a fresh address, and a fresh allowance, for every
+    connection), anything else (a unix socket's name) as it is."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # (a zone index, fe80::1%eth0)
+    except ValueError:
+        return address
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, IPV6_PREFIX), strict=False))
+    return str(ip)
 
 
 class NewConnections:

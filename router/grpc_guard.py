@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
+from router.conn_rate import client_key
 from router.drain import RETRY_AFTER_S, Gate
 
 HEALTH = "/grpc.health.v1.Health/"
@@ -102,10 +104,11 @@ class Malformed:
 
 
 def client_address(peer: str) -> str:
-    """``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` as the address without its port."""
+    """``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` as the client it counts as (conn_rate.client_key:
+    the address without its port, an IPv6 one's /64)."""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
-        return rest.rpartition(":")[0].strip("[]")
+        return client_key(unquote(rest).rpartition(":")[0].strip("[]"))  # (grpc escapes [, ], %)
     return peer  # (unix sockets and the like: the whole name)
 
 

@@ -42,7 +42,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from router.conn_rate import NewConnections
+from router.conn_rate import NewConnections, client_key
 from router.drain import RETRY_AFTER_S
 
 log = logging.getLogger("pdserve.router")
@@ -112,12 +112,12 @@ class GuardedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")
-        if not self.rate.admit(peer[0] if isinstance(peer, tuple) and peer else ""):
+        self.client_key = client_key(peer[0] if isinstance(peer, tuple) and peer else "")
+        if not self.rate.admit(self.client_key):
             self.refused = True
             transport.abort()
             return
         super().connection_made(transport)
-        self.client_key = self.client[0] if self.client else ""
         if not self.table.admit(self):
             transport.write(BUSY)
             transport.close()

@@ -170,6 +170,24 @@ def test_the_rate_table_forgets_addresses_whose_bucket_refilled():
     assert list(rate.buckets) == ["10.9.9.9"]
 
 
+def test_an_ipv6_host_is_one_client_across_its_64_and_a_mapped_ipv4_is_its_ipv4():
+    """Per-client limits key an IPv6 address by its /64: a host spraying fresh addresses from
+    its /64 shares one bucket (and one connection cap) instead of a new allowance each."""
+    from router.conn_rate import NewConnections, client_key
+    from router.grpc_guard import client_address
+    assert client_key("2001:db8:1:2::7") == client_key("2001:db8:1:2:ffff:1:2:3") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::7") != client_key("2001:db8:1:2::7")
+    assert client_key("::ffff:10.0.0.1") == client_key("10.0.0.1") == "10.0.0.1"
+    assert client_key("fe80::1%eth0") == "fe80::/64"
+    assert client_key("/run/pdserve.sock") == "/run/pdserve.sock"  # not an address: as it is
+    assert client_address("ipv6:[2001:db8:1:2::9]:443") == "2001:db8:1:2::/64"
+    assert client_address("ipv6:%5Bfe80::1%25eth0%5D:443") == "fe80::/64"
+    assert client_address("ipv4:10.0.0.1:5000") == "10.0.0.1"
+    rate = NewConnections(rate=1.0, burst=2, clock=lambda: 0.0)
+    sprayed = [rate.admit(client_key(f"2001:db8:1:2::{i:x}")) for i in range(1, 6)]
+    assert sprayed == [True, True, False, False, False] and len(rate.buckets) == 1
+
+
 def test_an_address_over_its_rate_of_new_connections_is_reset_and_others_are_not():
     """front_door.new_connections_per_client_s: a client opening connections in a tight loop is
     reset at its opening (no answer written) once past its burst; another address is served."""

@@ -145,7 +145,7 @@ def test_one_address_takes_only_its_share_of_the_watch_streams():
         held.append(asyncio.create_task(watch(None, b)))  # another address: its own share
         await settle()
         assert [c.written[0].status for c in a[:2] + [b]] == [SERVING] * 3
-        assert guard.watchers == {"10.0.0.1": 2, "2001:db8::7": 1} and guard.watches == 3
+        assert guard.watchers == {"10.0.0.1": 2, "2001:db8::/64": 1} and guard.watches == 3
         held[0].cancel()
         await asyncio.gather(held[0], return_exceptions=True)
         again = asyncio.create_task(watch(None, _Context("ipv4:10.0.0.1:5004")))
