@@ -56,16 +56,15 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
-from bench import probe_preempt
-from bench.probe_fairness import Fairness, fairness, fairness_table
+from bench import probe_fairness, probe_preempt
+from bench.probe_fairness import Fairness
 from bench.probe_reconnect import Reconnects
 from bench.probe_unread import UnreadStreams
-from bench.probe_wire import (PROMPT, Tally, Target, completion, http_call, http_request, log, serve,
-                              served_model, split)
+from bench.probe_wire import (PROMPT, Tally, Target, aim, completion, http_call, http_request, log, served_model,
+                              split)
 
 
 @dataclass
@@ -451,62 +450,19 @@ def main(argv: list[str] | None = None) -> int:
                victim_requests=args.victim_requests, victim_max_tokens=args.victim_max_tokens, hold_s=args.hold_s,
                reopen=args.reopen)
     if args.fairness:
-        return main_fairness(args)
+        return probe_fairness.main(args)
     if args.preemption:
-        return main_preemption(args)
+        return probe_preempt.main(args)
     with contextlib.ExitStack() as stack:
-        if args.server:
-            if not (args.http and args.greedy_token and args.victim_token):
-                print("--server needs --http, --greedy-token and --victim-token", file=sys.stderr)
-                return 2
-            t = Target(args.server, args.http, args.greedy_token, args.victim_token)
-        else:
-            sets = args.set or ["mode=colocated", "decode.compile_decode=false"]
-            t = stack.enter_context(serve(args.greedy_cap, sets, stack.enter_context(tempfile.TemporaryDirectory())))
+        t = aim(args, stack, ["mode=colocated", "decode.compile_decode=false"], greedy_cap=args.greedy_cap)
+        if t is None:
+            return 2
         tally, summary = asyncio.run(probe(t, c))
     print(table(tally, summary))
     for f in tally.victim_failures[:10]:
         print(f"victim failure: {f}")
     print(json.dumps(summary))
     return 1 if summary["http_500_or_grpc_internal"] or tally.victim_failures else 0
-
-
-def main_fairness(args: argparse.Namespace) -> int:
-    gw, vw = (float(x) for x in args.weights.split(":"))
-    f = Fairness((gw, vw), args.outstanding, args.fair_max_tokens, args.kv_cache_gb, args.warmup_s, args.duration_s)
-    with contextlib.ExitStack() as stack:
-        if args.server:
-            if not (args.greedy_token and args.victim_token):
-                print("--server needs --greedy-token and --victim-token", file=sys.stderr)
-                return 2
-            t = Target(args.server, args.http or "", args.greedy_token, args.victim_token)
-        else:
-            sets = args.set or ["mode=colocated", "decode.compile_decode=false", f"decode.kv_cache_gb={f.kv_cache_gb}"]
-            t = stack.enter_context(serve(0, sets, stack.enter_context(tempfile.TemporaryDirectory()), f.policy()))
-        summary = asyncio.run(fairness(t, f))
-    print(fairness_table(summary))
-    print(json.dumps(summary))
-    return 0 if summary["fairness_within_15pct"] else 1
-
-
-
-def main_preemption(args: argparse.Namespace) -> int:
-    p = probe_preempt.Preemption(args.rounds, args.victim_max_tokens, args.preempt_kv_cache_gb)
-    with contextlib.ExitStack() as stack:
-        if args.server:
-            if not (args.http and args.greedy_token and args.victim_token):
-                print("--server needs --http, --greedy-token and --victim-token", file=sys.stderr)
-                return 2
-            t = Target(args.server, args.http, args.greedy_token, args.victim_token, args.metrics or "")
-        else:
-            sets = args.set or ["mode=colocated", "decode.compile_decode=false", f"decode.kv_cache_gb={p.kv_cache_gb}"]
-            t = stack.enter_context(serve(0, sets, stack.enter_context(tempfile.TemporaryDirectory()), p.policy()))
-        tally, summary = asyncio.run(probe_preempt.run(t, p))
-    print(probe_preempt.table(tally, summary))
-    for f in tally.victim_failures[:10]:
-        print(f"victim failure: {f}")
-    print(json.dumps(summary))
-    return 0 if probe_preempt.ok(summary, tally) else 1
 
 
 if __name__ == "__main__":

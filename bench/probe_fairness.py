@@ -6,12 +6,15 @@ from __future__ import annotations
 # First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
 import bench  # noqa: F401
 
+import argparse
 import asyncio
 import collections
+import contextlib
+import json
 import time
 from dataclasses import dataclass
 
-from bench.probe_wire import PROMPT, Target, log
+from bench.probe_wire import PROMPT, Target, aim, log
 
 @dataclass
 class Fairness:
@@ -93,3 +96,18 @@ def fairness_table(s: dict) -> str:
     row = (f"{w[0]:g}:{w[1]:g}", f"{s['fairness_tokens_per_s_greedy']:.1f}", f"{s['fairness_tokens_per_s_victim']:.1f}",
            "-" if r is None else f"{r:.2f}", f"{s['fairness_expected_ratio']:.2f}", str(s["fairness_within_15pct"]))
     return "\n".join("  ".join(f"{c:>{len(h)}}" for c, h in zip(line, head)) for line in (head, row))
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bench/probe.py --fairness``: two tokens at ``--weights`` under overload; exit 1 beyond 15%."""
+    gw, vw = (float(x) for x in args.weights.split(":"))
+    f = Fairness((gw, vw), args.outstanding, args.fair_max_tokens, args.kv_cache_gb, args.warmup_s, args.duration_s)
+    with contextlib.ExitStack() as stack:
+        t = aim(args, stack, ["mode=colocated", "decode.compile_decode=false", f"decode.kv_cache_gb={f.kv_cache_gb}"],
+                policy_yaml=f.policy(), need_http=False)
+        if t is None:
+            return 2
+        summary = asyncio.run(fairness(t, f))
+    print(fairness_table(summary))
+    print(json.dumps(summary))
+    return 0 if summary["fairness_within_15pct"] else 1

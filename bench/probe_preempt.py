@@ -22,14 +22,16 @@ from __future__ import annotations
 # First: takes bench/ off sys.path, where bench/engine.py would shadow `engine` (bench/__init__.py).
 import bench  # noqa: F401
 
+import argparse
 import asyncio
+import contextlib
 import json
 import re
 import statistics
 import time
 from dataclasses import dataclass
 
-from bench.probe_wire import PROMPT, Tally, Target, http_call, http_request, log, split
+from bench.probe_wire import PROMPT, Tally, Target, aim, http_call, http_request, log, split
 
 LEAD = 4  # greedy tokens read before the victim asks: the greedy stream runs and holds the cache
 MARGIN = 4  # tokens of KV left beside the greedy request: too few for the victim's
@@ -239,3 +241,19 @@ def ok(s: dict, tally: Tally) -> bool:
     streams = [c for name, c in tally.outcomes.items() if name.startswith("greedy ")]
     return (not s["victim_failures"] and not s["http_500_or_grpc_internal"]
             and all(set(c) == {"identical"} for c in streams))
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bench/probe.py --preemption``: exit 1 unless every case held (``ok``)."""
+    p = Preemption(args.rounds, args.victim_max_tokens, args.preempt_kv_cache_gb)
+    with contextlib.ExitStack() as stack:
+        t = aim(args, stack, ["mode=colocated", "decode.compile_decode=false", f"decode.kv_cache_gb={p.kv_cache_gb}"],
+                policy_yaml=p.policy())
+        if t is None:
+            return 2
+        tally, summary = asyncio.run(run(t, p))
+    print(table(tally, summary))
+    for f in tally.victim_failures[:10]:
+        print(f"victim failure: {f}")
+    print(json.dumps(summary))
+    return 0 if ok(summary, tally) else 1

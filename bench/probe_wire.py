@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -146,3 +147,18 @@ def serve(greedy_cap: int, sets: list[str], workdir: str, policy_yaml: str | Non
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def aim(args, stack: contextlib.ExitStack, sets: list[str], greedy_cap: int = 0, policy_yaml: str | None = None,
+        need_http: bool = True) -> Target | None:
+    """The probe's Target: the server named by ``--server`` (with ``--http`` where the probe
+    needs it, and both tokens), or ``pdserve serve`` started with ``--set`` (else ``sets``) and
+    stopped when ``stack`` closes. None (after saying why on stderr): ``--server`` without what
+    it needs."""
+    if args.server:
+        if not ((args.http or not need_http) and args.greedy_token and args.victim_token):
+            print(f"--server needs {'--http, ' if need_http else ''}--greedy-token and --victim-token", file=sys.stderr)
+            return None
+        return Target(args.server, args.http or "", args.greedy_token, args.victim_token, args.metrics or "")
+    return stack.enter_context(serve(greedy_cap, args.set or sets, stack.enter_context(tempfile.TemporaryDirectory()),
+                                     policy_yaml))

@@ -12,8 +12,10 @@ import tempfile
 
 import yaml
 
-from bench.probe import Counts, Fairness, fairness_table, probe, serve
+from bench.probe import Counts, probe
+from bench.probe_fairness import Fairness, fairness_table
 from bench.probe_preempt import Preemption, ok, run
+from bench.probe_wire import serve
 from router.policy import parse_policy
 
 
