@@ -1,7 +1,8 @@
 """Catalogue GGUF models on a real disaggregated cluster: 1 prefill + 1 decode worker, KV over
 UCX, weights dequantized (``dequantize: true``). Greedy output over gRPC is token-identical to
 transformers loading the same GGUF file in fp32, a prompt longer than Gemma 3's 512-token
-sliding window included (prefilled in chunks that cross it); the OpenAI API serves the model
+sliding window included (prefilled in chunks that cross it; HF's tokens from
+tests/hf_reference.py: computed by transformers, recorded per input); the OpenAI API serves the model
 under its catalogue name and renders chat messages with the model's own template (Qwen2.5-Coder),
 or answers 400 for a model without one (Gemma 3 270M, a base model).
 
@@ -13,15 +14,14 @@ freed before the tests run.
 
 from __future__ import annotations
 
-import gc
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from router.client import collect, connect, make_request
+from tests import hf_reference
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
 NEW_TOKENS = 12
@@ -54,37 +54,21 @@ class Reference:
     chat_text: list[str] = field(default_factory=list)  # decoded prefixes of chat_greedy, by length
 
 
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """n greedy tokens, one forward per token over the model's own KV cache, never stopping at
-    EOS (``generate(min_new_tokens=...)`` would suppress EOS instead: other tokens)."""
-    with torch.inference_mode():
-        out = model(torch.tensor([ids]), use_cache=True)
-        toks = []
-        for _ in range(n):
-            toks.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([toks[-1:]]), cache=out.cache, use_cache=True)
-    return toks
-
-
 def _reference(gguf: Path, prompts: list[str]) -> Reference:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    try:
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-        ids = [tok(p)["input_ids"] for p in prompts]
-        ref = Reference(eos, ids, [_hf_greedy(model, i, NEW_TOKENS) for i in ids])
-        if tok.chat_template is not None:
-            ref.chat_ids = list(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
-            ref.chat_greedy = _hf_greedy(model, ref.chat_ids, NEW_TOKENS)
-            ref.chat_text = [tok.decode(ref.chat_greedy[:k], skip_special_tokens=True)
-                             for k in range(NEW_TOKENS + 1)]
-        return ref
-    finally:
-        del model
-        gc.collect()
+    # (what the model's generation_config holds, without building the model)
+    eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)).eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
+    ids = [tok(p)["input_ids"] for p in prompts]
+    chat = None if tok.chat_template is None else list(
+        tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    greedy = hf_reference.greedy(gguf, ids + ([chat] if chat else []), NEW_TOKENS)
+    ref = Reference(eos, ids, greedy[:len(ids)])
+    if chat is not None:
+        ref.chat_ids, ref.chat_greedy = chat, greedy[-1]
+        ref.chat_text = [tok.decode(ref.chat_greedy[:k], skip_special_tokens=True) for k in range(NEW_TOKENS + 1)]
+    return ref
 
 
 @dataclass

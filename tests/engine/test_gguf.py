@@ -4,7 +4,8 @@ loading the same file (fp32, dequantized by gguf-py as ours is).
 The real catalogue models are installed by `make install` (`pdserve pull`), like the bundled
 one: these tests assert they are there rather than skip. Exactness is claimed for the weights
 dequantized to fp32 (``dequantize=True``): as shipped, the weights are INT4/INT8, and for those
-the claim is that the 4-bit codes are the file's own (checked tensor by tensor below).
+the claim is that the 4-bit codes are the file's own (checked tensor by tensor below). HF's
+greedy tokens come from tests/hf_reference.py: computed by transformers, recorded per input.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engine.errors import ModelLoadError
 from engine.llm_engine import LLMEngine
 from engine.models import catalog, gguf, gguf_codes, int4_blocks
 from engine.request import SamplingParams
+from tests import hf_reference
 
 N_NEW = 16
 
@@ -29,27 +31,6 @@ def _gguf(name: str):
     path = catalog.pulled_file(name)
     assert path is not None, f"{name} is not pulled: `make install` runs `pdserve pull {name}`"
     return path
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """HF's greedy continuation, one forward per token with its KV cache. (``generate`` with
-    ``min_new_tokens`` would forbid EOS, which the engine with ``ignore_eos`` still emits.)"""
-    out, past = [], None
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            nxt = int(res.logits[0, -1].argmax())
-            out.append(nxt)
-            x = torch.tensor([[nxt]])
-    return out
-
-
-def _hf(name: str):
-    import transformers as tf
-    f = _gguf(name)
-    return tf.AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name, dtype=torch.float32).eval()
 
 
 def _prompts(tok, long_words: int) -> list[list[int]]:
@@ -64,40 +45,36 @@ def _prompts(tok, long_words: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("name,long_words", [("qwen2.5-coder-0.5b", 200), ("gemma3-270m", 300)])
 def test_real_gguf_greedy_matches_transformers(name, long_words):
-    """Greedy output through the engine equals HF's on the same GGUF, fp32; gemma's long prompt
-    (about 1,100 tokens) is past its 512-token sliding window."""
+    """Greedy output through the engine equals HF's on the same GGUF, fp32, its decode steps
+    (the requests together, then the last ones alone) on the native kernels; gemma's long prompt
+    (about 1,100 tokens) is past its 512-token sliding window, which they apply."""
     eng = LLMEngine(EngineConfig(model=name, dequantize=True, cache=CacheConfig(memory_gb=0.3)), progress=False)
+    st = eng.model.single_token
+    assert st is not None and st.kernel == "native"
+    steps: list[int] = []
+    inner = st.forward
+    st.forward = lambda ids, *a, **k: steps.append(ids.shape[0]) or inner(ids, *a, **k)
     prompts = _prompts(eng.tokenizer, long_words)
     if name == "gemma3-270m":
         assert max(map(len, prompts)) > 2 * 512
     outs = eng.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True))
+    assert len(steps) >= N_NEW - 1 and max(steps) == len(prompts)  # every decode step, all rows at once
     got = [o.token_ids for o in outs]
     assert not eng.has_unfinished() and eng.block_manager.num_used_blocks == 0
     del eng
     gc.collect()
-    ref = _hf(name)
-    try:
-        want = [hf_greedy(ref, p, N_NEW) for p in prompts]
-    finally:
-        del ref
-        gc.collect()
-    assert got == want
+    assert got == hf_reference.greedy(_gguf(name), prompts, N_NEW)
 
 
 def test_qwen_1p5b_greedy_matches_transformers():
     """The 1.5B through the engine (fp32, 6 GB: the eager path, no second copy for the fast
     decode path). HF's references first, then HF freed, so the two never share the memory."""
     name = "qwen2.5-coder-1.5b"
-    ref = _hf(name)
     from transformers import AutoTokenizer
     f = _gguf(name)
     tok = AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
     prompts = _prompts(tok, 60)[:1] + _prompts(tok, 60)[3:]
-    try:
-        want = [hf_greedy(ref, p, 8) for p in prompts]
-    finally:
-        del ref
-        gc.collect()
+    want = hf_reference.greedy(f, prompts, 8)  # (HF's model, where it runs, is freed before ours loads)
     eng = LLMEngine(EngineConfig(model=name, dequantize=True, compile_decode=False,
                                  cache=CacheConfig(memory_gb=0.1)), progress=False)
     got = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
