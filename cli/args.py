@@ -51,7 +51,8 @@ def kv_cache_gb(value: str) -> float | str:
 
 
 def client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default=DEFAULT_SERVER, help=f"the pdserve server (default {DEFAULT_SERVER})")
+    p.add_argument("--server", default=DEFAULT_SERVER,
+                   help=f"the pdserve server host:port, or several comma-separated, tried in order (default {DEFAULT_SERVER})")
     g = p.add_argument_group("security (as the server requires)")
     g.add_argument("--tls-ca", default=None, help="PEM CA that signed the server's certificate: connect with TLS")
     g.add_argument("--tls-cert", default=None, help="this client's PEM certificate, for servers that want one (mTLS)")

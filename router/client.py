@@ -2,11 +2,21 @@
 
     stub = connect("127.0.0.1:50051")
     result = collect(stub.Generate(make_request("Hello", max_tokens=16)))
+
+A server may be a list, ``"10.0.0.1:50051,10.0.0.2:50051"`` (``--server a,b``): one channel
+over the addresses in the order given (gRPC's pick_first: the first that accepts a connection
+serves every call; when its connection fails the next is tried), and a call that fails with
+UNAVAILABLE before its first answer is retried (``MAX_ATTEMPTS`` in all, backing off), so a
+client follows its servers through one's loss without code of its own. A stream already
+answering is not retried: a server lost mid-stream is the caller's UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
+import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -22,21 +32,65 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
 
 
 TOKEN_ENV = "PDSERVE_TOKEN"
+MAX_ATTEMPTS = 4  # a call's tries on UNAVAILABLE, over a list of servers (backing off 0.2 s .. 2 s)
+_FAILOVER = json.dumps({
+    "loadBalancingConfig": [{"pick_first": {}}],
+    "methodConfig": [{"name": [{"service": "pdserve.v1.Generation"}],
+                      "retryPolicy": {"maxAttempts": MAX_ATTEMPTS, "initialBackoff": "0.2s", "maxBackoff": "2s",
+                                      "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+
+
+def target(server: str) -> tuple[str, list[tuple[str, str | int]]]:
+    """gRPC's target and channel options for ``server``: one ``host:port`` as it is; a comma
+    list as one ``ipv4:``/``ipv6:`` target over every address in order (each name resolved
+    now, its first address), with pick_first, retries on UNAVAILABLE and the first name as the
+    authority (what a TLS certificate is checked against).
+
+    Raises:
+        ValueError: an address without a port, a name that does not resolve, IPv4 and IPv6 mixed
+            (gRPC's address lists are of one family).
+    """
+    parts = [p.strip() for p in server.split(",") if p.strip()]
+    if len(parts) <= 1:
+        return server, []
+    addrs: list[tuple[str, int]] = []
+    for p in parts:
+        host, sep, port = p.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"server {p!r} in {server!r}: give host:port")
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            try:
+                ip = ipaddress.ip_address(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0])
+            except OSError as e:
+                raise ValueError(f"server {p!r} in {server!r}: {e}") from None
+        addrs.append((str(ip), int(port)))
+    families = {ipaddress.ip_address(a).version for a, _ in addrs}
+    if len(families) > 1:
+        raise ValueError(f"servers {server!r}: all IPv4 or all IPv6 (gRPC lists one family)")
+    uri = ("ipv4:" + ",".join(f"{a}:{port}" for a, port in addrs) if families == {4}
+           else "ipv6:" + ",".join(f"[{a}]:{port}" for a, port in addrs))
+    first = parts[0].rpartition(":")[0].strip("[]")
+    return uri, [("grpc.service_config", _FAILOVER), ("grpc.enable_retries", 1), ("grpc.default_authority", first)]
 
 
 def channel(server: str, *, tls_ca: str | None = None, token: str | None = None,
             tls_cert: str | None = None, tls_key: str | None = None) -> grpc.Channel:
-    """A channel to ``host:port``: TLS when ``tls_ca`` is given (the CA that signed the
-    server's certificate; ``tls_cert``/``tls_key``: this client's own, for mTLS), and every call
-    carrying ``authorization: Bearer TOKEN`` (``token``, else $PDSERVE_TOKEN, else none)."""
+    """A channel to ``host:port`` (or a list of them: see the module docstring): TLS when
+    ``tls_ca`` is given (the CA that signed the server's certificate; ``tls_cert``/``tls_key``:
+    this client's own, for mTLS), and every call carrying ``authorization: Bearer TOKEN``
+    (``token``, else $PDSERVE_TOKEN, else none)."""
     token = token or os.environ.get(TOKEN_ENV) or None
+    uri, options = target(server)
     if tls_ca:
         def read(path: str | None) -> bytes | None:
             return Path(path).expanduser().read_bytes() if path else None
         creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
-        ch = grpc.secure_channel(server, creds)
+        ch = grpc.secure_channel(uri, creds, options=options)
     else:
-        ch = grpc.insecure_channel(server)
+        ch = grpc.insecure_channel(uri, options=options)
     return grpc.intercept_channel(ch, _Bearer(token)) if token else ch
 
 
