@@ -22,6 +22,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("float32", "int8")
+MAX_JUMP_FORWARD = 64  # forced tokens appended after one sampled token, at most
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,13 @@ class EngineConfig:
     # their interleaved copy (the same products, summed in another order). PDSERVE_WEIGHT_CACHE=0
     # turns it off for the whole process.
     weight_cache: bool = True
+    # jump-forward (structured outputs): after a constrained request's sampled token, up to this
+    # many tokens its grammar forces (a JSON key, punctuation) are appended at once and computed
+    # together in its next step, instead of one forward each (engine/grammar.py). 0: off, the
+    # default: the forced text is tokenized as the grammar library does, which may differ from
+    # the tokens a masked model would pick, so constrained greedy output is then not the same as
+    # without it. Requests asking for logprobs are never jumped (forced tokens have none).
+    jump_forward: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -336,6 +344,8 @@ class EngineConfig:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
         if self.compile_decode_rows is not None and not 1 <= self.compile_decode_rows <= 32:
             raise ValueError(f"compile_decode_rows must be in 1..32, got {self.compile_decode_rows}")
+        if not (isinstance(self.jump_forward, int) and 0 <= self.jump_forward <= MAX_JUMP_FORWARD):
+            raise ValueError(f"jump_forward must be an integer in 0..{MAX_JUMP_FORWARD}, got {self.jump_forward!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.quantization is not None:

@@ -13,6 +13,10 @@ The matcher follows the request's tokens, never the other way round::
     fill(bitmask, i)  the allowed next tokens, one bit per token, into row i
     draft_masks(...)  speculative verify: the mask at each of the 1+k positions, the drafts
                       consumed one by one as far as they are valid, then rolled back
+    forced(...)       jump-forward (EngineConfig.jump_forward): the tokens the grammar forces
+                      next, which the runner appends after the sampled one; the request's next
+                      step computes them together (progress is a token count: the scheduler
+                      gives it all its uncomputed tokens), one forward instead of one each
 
 Because ``sync`` catches up from the tokens themselves, every path that hands a request its
 tokens (chunked prefill's last chunk, the P/D hop, preemption, a re-run after a worker loss)
@@ -164,6 +168,17 @@ class GrammarState:
                 log.warning("grammar refused token %d: %s", tok, m.get_error())
                 self.broken = True
             self.consumed += 1
+
+    def forced(self, prompt: Sequence[int], output: Sequence[int], resumed: int, limit: int) -> list[int]:
+        """Jump-forward: the tokens the grammar allows no alternative to after the request's
+        tokens (``sync``'s arguments), at most ``limit``; [] when none is, or the grammar is
+        done or broken. Not consumed here: the next ``sync`` consumes them with the request's
+        other tokens."""
+        self.sync(prompt, output, resumed)
+        m = self.matcher
+        if limit <= 0 or self.broken or m.is_error() or m.is_stopped():
+            return []
+        return list(m.compute_ff_tokens())[:limit]
 
     def fill(self, bitmask: np.ndarray, row: int, eos: Sequence[int]) -> None:
         """The allowed next tokens into ``bitmask[row]``; only EOS once broken or stopped."""

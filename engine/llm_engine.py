@@ -110,6 +110,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.runner.jump_forward = config.jump_forward
         self._ids = itertools.count()
         self._text: dict[str, TextStream] = {}
         # which kernel each format runs on this CPU class (they differ in speed and, for W8A8,

@@ -37,6 +37,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.grammars = None  # engine.grammar.GrammarCompiler: set by the engine (structured outputs)
+        self.jump_forward = 0  # EngineConfig.jump_forward: set by the engine
         self._generators: dict[str, torch.Generator | None] = {}
 
     def forget(self, request_id: str) -> None:
@@ -97,13 +98,23 @@ class ModelRunner:
         masks = self.grammars.masks(sample_reqs) if self.grammars is not None else None
         tokens = self.sampler(logits, params, prompts, outputs, [self._generator(r) for r in sample_reqs], masks)
         for r, t in zip(sample_reqs, tokens):
-            result.sampled[r.request_id] = [t]
+            result.sampled[r.request_id] = [t] + self._forced(r, t)
         if any(p.logprobs is not None for p in params):
             for r, lp in zip(sample_reqs, token_logprobs(apply_penalties(logits, params, prompts, outputs),
                                                          params, tokens)):
                 if lp is not None:
                     result.logprobs[r.request_id] = [lp]
         return result
+
+    def _forced(self, req, token: int) -> list[int]:
+        """Jump-forward (EngineConfig.jump_forward): what ``req``'s grammar forces after
+        ``token``. Not on a prefill-only request (its decode worker takes it from the first
+        token), nor one asking for logprobs (forced tokens have none), nor past max_tokens."""
+        sp = req.sampling_params
+        if not self.jump_forward or req.grammar is None or req.prefill_only or sp.logprobs is not None:
+            return []
+        room = min(self.jump_forward, sp.max_tokens - req.num_output_tokens - 1)
+        return req.grammar.forced(req.prompt_token_ids, [*req.output_token_ids, token], sp.resumed, room)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
         """For requests with SamplingParams.prompt_logprobs, score the prompt tokens this step

@@ -19,7 +19,9 @@ stop, length or abort (blocks freed at once). Disaggregated: add_remote -> recei
 Each step has a token budget. Running requests go first (decodes take 1 token, an unfinished
 prompt takes a chunk of what is left), then waiting ones while budget, seats and blocks last.
 Progress is a token count: a request is given ``num_tokens - num_computed_tokens`` tokens (or a
-chunk of them); the step that catches it up samples its next token.
+chunk of them); the step that catches it up samples its next token. Jump-forward needs nothing
+else: the tokens a grammar forces arrive with the sampled one (``StepResult.sampled``), are
+appended uncomputed, and the next step computes them all.
 
 Speculative decoding: a decoding request with ``spec_k > 0`` is scheduled with room for up to
 ``spec_k`` draft tokens after its last token (budget and blocks reserved; when blocks are short
@@ -309,11 +311,13 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             self.bm.cache_blocks(req.block_ids, req.all_token_ids, before, req.num_computed_tokens)
             req.prompt_logprobs.extend(result.prompt_logprobs.get(req.request_id, ()))
-            for tok in result.sampled.get(req.request_id, ()):
+            tokens = result.sampled.get(req.request_id, [])  # (more than one: jump-forward's forced tokens)
+            for i, tok in enumerate(tokens):
                 req.append_output_token(tok)
                 status = self.check_stop(req, tok)
                 if status is not None:
                     self.finish(req, status)
+                    del tokens[i + 1:]  # outputs show only what was appended
                     break
             if req.prefill_only and req.status == RequestStatus.RUNNING and req.output_token_ids:
                 # Prefill done: hold the blocks for the KV transfer, compute nothing more.

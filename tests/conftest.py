@@ -67,9 +67,9 @@ def make_engine(model_path) -> Iterator[Callable[..., LLMEngine]]:
              max_num_seqs: int = 64, model: str | None = None, compile_decode: bool = True,
              quantization: str | None = None, speculative=None, num_threads: int | None = None,
              compile_decode_rows: int | None = None, activations: str = "float32",
-             weight_cache: bool = True) -> LLMEngine:
+             weight_cache: bool = True, jump_forward: int = 0) -> LLMEngine:
         cfg = EngineConfig(
-            model=str(model) if model is not None else str(model_path), dtype=dtype,
+            model=str(model) if model is not None else str(model_path), dtype=dtype, jump_forward=jump_forward,
             compile_decode=compile_decode, compile_decode_rows=compile_decode_rows,
             quantization=quantization, speculative=speculative,
             num_threads=num_threads, activations=activations, weight_cache=weight_cache,

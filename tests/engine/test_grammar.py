@@ -7,6 +7,7 @@ a valid result can only come from the mask. One runs the real bundled model.
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 
@@ -150,6 +151,45 @@ def test_grammar_follows_the_pd_hop_and_a_rerun(make_engine, tiny):
     rerun = SamplingParams(max_tokens=55, temperature=0, guided=JSON, resumed=5)
     out = single.generate([ids], rerun)[0]
     assert done + out.token_ids == want.token_ids
+
+
+def _counting_steps(eng) -> collections.Counter:
+    """Forwards that sampled for each request id, counted as ``eng`` runs."""
+    steps: collections.Counter = collections.Counter()
+    execute = eng.runner.execute
+
+    def counted(plan, layer_done=None):
+        result = execute(plan, layer_done)
+        steps.update(result.sampled.keys())
+        return result
+    eng.runner.execute = counted
+    return steps
+
+
+@pytest.mark.parametrize("compile_decode", [True, False], ids=["single-token", "batched"])
+def test_jump_forward_appends_forced_tokens_without_a_forward_each(make_engine, tiny, compile_decode):
+    """EngineConfig.jump_forward: the schema's keys and punctuation arrive with the sampled
+    token before them; every token is still one the grammar allows, the output validates, an
+    unconstrained neighbour is untouched, and max_tokens and logprobs are respected."""
+    eng = make_engine(model=tiny, jump_forward=16, compile_decode=compile_decode)
+    plain = SamplingParams(max_tokens=24, temperature=0)
+    alone = eng.generate([PROMPTS[1]], plain)[0]
+    steps = _counting_steps(eng)
+    sp = SamplingParams(max_tokens=60, temperature=0, guided=JSON)
+    out, neighbour = eng.generate([PROMPTS[0], PROMPTS[1]], [sp, plain])
+    assert neighbour.token_ids == alone.token_ids
+    _replay(eng, JSON, out.token_ids)
+    _valid(out.text, JSON)
+    assert out.finish_reason == "stop"
+    # the forced keys ("id", "kind", ...) came without forwards of their own
+    assert steps[out.request_id] < len(out.token_ids) - 8, (steps[out.request_id], len(out.token_ids))
+    # max_tokens cuts a forced run short, to the token
+    short = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, guided=JSON))[0]
+    assert len(short.token_ids) == 3 and short.finish_reason == "length"
+    # a request asking for logprobs is never jumped: one forward a token (each has its logprob)
+    lp = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=60, temperature=0, guided=JSON, logprobs=0))[0]
+    assert steps[lp.request_id] == len(lp.token_ids)
+    _valid(lp.text, JSON)
 
 
 def test_compiled_grammars_are_cached(tokenizer):
