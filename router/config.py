@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import DTYPES, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import DTYPES, MAX_JUMP_FORWARD, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvtransfer.auth import INTEGRITY
 from kvtransfer.base import BUILTIN_TRANSPORTS, LEASE_S
 from router.autoscale import DecodeTargets, PrefillTargets
@@ -89,6 +89,9 @@ class DecodePool:
     # ... for steps of up to this many tokens (a verify step always): 1..32, or None (32 native,
     # 4 compiled)
     compile_decode_rows: int | None = _engine(EngineConfig, "compile_decode_rows")
+    # structured outputs: up to this many tokens a request's grammar forces are appended at once
+    # (EngineConfig.jump_forward; 0: off)
+    jump_forward: int = _engine(EngineConfig, "jump_forward")
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,8 @@ _RULES: dict[str, tuple[Any, str]] = {
                                    "null (32 with the native kernels, 4 with the compiled graphs) or an integer "
                                    "in 1..32"),
     "decode.chunked_prefill": (lambda v: isinstance(v, bool), "true or false"),
+    "decode.jump_forward": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_JUMP_FORWARD,
+                            f"an integer in 0..{MAX_JUMP_FORWARD} (0: off)"),
     "prefill.transfer_cpus": (lambda v: all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
                               and len(set(v)) == len(v), "a list of distinct core numbers (>= 0), or []"),
     "decode.speculative.method": (lambda v: v in ("none", *SPECULATIVE_METHODS),

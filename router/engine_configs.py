@@ -26,6 +26,7 @@ def engine_configs(cfg: ClusterConfig, model_path: str) -> tuple[EngineConfig, E
     decode_model, quantization = split_quantization(d.quantization, model_path)  # a checkpoint replaces the model
     decode = EngineConfig(**{**common, "model": decode_model}, quantization=quantization,
                           compile_decode=d.compile_decode, compile_decode_rows=d.compile_decode_rows,
+                          jump_forward=d.jump_forward,
                           cache=CacheConfig(block_size=d.block_size, memory_gb=_fixed_gb(d.kv_cache_gb)),
                           scheduler=SchedulerConfig(max_num_batched_tokens=d.max_batched_tokens,
                                                     max_num_seqs=d.max_num_seqs,

@@ -87,6 +87,16 @@ def test_engine_configs_compile_decode_only_where_it_decodes():
         load_config(LOCAL, {"decode.compile_decode": "sometimes"})
 
 
+def test_jump_forward_reaches_the_decode_engine_and_is_bounded():
+    from router.pools import engine_configs
+    assert engine_configs(load_config(LOCAL), "/some/model")[1].jump_forward == 0
+    _, decode = engine_configs(load_config(LOCAL, {"decode.jump_forward": 16}), "/some/model")
+    assert decode.jump_forward == 16
+    for bad in (65, -1, True, "8"):
+        with pytest.raises(ConfigError, match="decode.jump_forward"):
+            load_config(LOCAL, {"decode.jump_forward": bad})
+
+
 def test_dequantize_reaches_both_pools_engines():
     from router.pools import engine_configs
     assert all(not c.dequantize for c in engine_configs(load_config(LOCAL), "/some/model"))
