@@ -63,8 +63,8 @@ from bench import probe_fairness, probe_preempt
 from bench.probe_fairness import Fairness
 from bench.probe_reconnect import Reconnects
 from bench.probe_unread import UnreadStreams
-from bench.probe_wire import (PROMPT, Tally, Target, aim, completion, http_call, http_request, log, served_model,
-                              split)
+from bench.probe_wire import (PROMPT, Tally, Target, aim, completion, http_call, http_request, log, report,
+                              served_model, split)
 
 
 @dataclass
@@ -458,10 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         if t is None:
             return 2
         tally, summary = asyncio.run(probe(t, c))
-    print(table(tally, summary))
-    for f in tally.victim_failures[:10]:
-        print(f"victim failure: {f}")
-    print(json.dumps(summary))
+    report(table(tally, summary), tally, summary)
     return 1 if summary["http_500_or_grpc_internal"] or tally.victim_failures else 0
 
 

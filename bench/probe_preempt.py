@@ -31,7 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from bench.probe_wire import PROMPT, Tally, Target, aim, http_call, http_request, log, split
+from bench.probe_wire import PROMPT, Tally, Target, aim, http_call, http_request, log, report, split
 
 LEAD = 4  # greedy tokens read before the victim asks: the greedy stream runs and holds the cache
 MARGIN = 4  # tokens of KV left beside the greedy request: too few for the victim's
@@ -252,8 +252,5 @@ def main(args: argparse.Namespace) -> int:
         if t is None:
             return 2
         tally, summary = asyncio.run(run(t, p))
-    print(table(tally, summary))
-    for f in tally.victim_failures[:10]:
-        print(f"victim failure: {f}")
-    print(json.dumps(summary))
+    report(table(tally, summary), tally, summary)
     return 0 if ok(summary, tally) else 1

@@ -162,3 +162,11 @@ def aim(args, stack: contextlib.ExitStack, sets: list[str], greedy_cap: int = 0,
         return Target(args.server, args.http or "", args.greedy_token, args.victim_token, args.metrics or "")
     return stack.enter_context(serve(greedy_cap, args.set or sets, stack.enter_context(tempfile.TemporaryDirectory()),
                                      policy_yaml))
+
+
+def report(text: str, tally: Tally, summary: dict) -> None:
+    """A probe's stdout: its table, the first victim failures, and last the JSON line."""
+    print(text)
+    for f in tally.victim_failures[:10]:
+        print(f"victim failure: {f}")
+    print(json.dumps(summary))
