@@ -162,6 +162,17 @@ def make_workload(n: int, dataset: str, vocab: int, seed: int = 0, prompt_tokens
 
 
 # ---- running -----------------------------------------------------------------------------------
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """When each of ``n`` open-loop requests is sent, in seconds after the run starts: Poisson
+    arrivals at ``rate`` req/s drawn from ``seed``. One place for the schedule: ``run`` sends
+    by it and the simulator's validation (bench/sim/validate.py) replays it."""
+    rng, at, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        at += rng.expovariate(rate)
+        out.append(at)
+    return out
+
+
 async def _one(stub, spec: RequestSpec, results: list[Result], done: Callable[[], None]) -> None:
     # (heavy: gRPC, loaded only by what uses them)
     import grpc
@@ -213,7 +224,10 @@ async def run(server: str, specs: Sequence[RequestSpec], rate: float | None = No
         finished[0] += 1
         progress(finished[0], len(specs))
 
-    async with grpc.aio.insecure_channel(server) as channel:
+    # (heavy: the router's client and gRPC stubs; a list of servers gets the CLI's failover)
+    from router.client import target
+    uri, options = target(server)
+    async with grpc.aio.insecure_channel(uri, options=options) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), 10)
         except TimeoutError:
@@ -222,9 +236,9 @@ async def run(server: str, specs: Sequence[RequestSpec], rate: float | None = No
         t0 = time.perf_counter()
         deadline = t0 + duration_s if duration_s else math.inf
         if rate is not None:
-            rng, tasks, at = random.Random(seed), [], t0
-            for spec in specs:
-                at += rng.expovariate(rate)
+            tasks = []
+            for spec, offset in zip(specs, poisson_arrivals(len(specs), rate, seed)):
+                at = t0 + offset
                 if at > deadline:
                     break
                 await asyncio.sleep(max(0.0, at - time.perf_counter()))

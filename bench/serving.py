@@ -42,32 +42,8 @@ import time
 from collections.abc import Sequence
 
 from bench.loadgen import BenchError, make_workload, max_goodput_rate, run, summarize
+from bench.modes import COMPARE, PREFIX_CLUSTERS, cluster_config, prefix_compare
 
-COMPARE = {
-    "disaggregated": {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1},
-    "colocated": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": False,
-                  "decode.max_batched_tokens": 8192},
-    "colocated-chunked": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": True},
-    "disaggregated-local": {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1},
-    # Two workers that switch roles by load (router/roles.py): one prefill + one decode, or (no
-    # prompt backlog, decode memory short) two decode workers that prefill their own prompts.
-    "adaptive": {"mode": "adaptive", "prefill.replicas": 1, "decode.replicas": 1, "prefill.threads": 1,
-                 "decode.threads": 1, "roles.min_prefill": 0, "roles.interval_s": 1.0, "roles.switch_delay_s": 3.0,
-                 "roles.idle_delay_s": 10.0},
-}
-# --prefix-compare: two colocated workers (each prefills what it decodes) whose caches hold about
-# half of the groups each: placement decides whether a prompt finds its system prompt cached.
-# --prefix-cluster disaggregated: one prefill and two decode workers; the decode workers' caches
-# decide how much of each prompt's KV crosses (decode-side prefix reuse): kv_bytes_mb.
-PREFIX_CLUSTERS = {"colocated": {"mode": "colocated", "decode.replicas": 2, "decode.threads": 1},
-                   "disaggregated": {"mode": "disaggregated", "prefill.replicas": 1, "prefill.threads": 1,
-                                     "decode.replicas": 2, "decode.threads": 1}}
-
-
-def prefix_compare(cluster: str) -> dict[str, dict]:
-    base = PREFIX_CLUSTERS[cluster]
-    return {"prefix-blind": {**base, "router.prefix_aware": False},
-            "prefix-aware": {**base, "router.prefix_aware": True}}
 SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked",
          "disaggregated-local": "local", "adaptive": "adaptive",
          "prefix-blind": "blind", "prefix-aware": "aware"}
@@ -86,11 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="--server speaks TLS: the PEM CA that signed its certificate "
                                                  "(a token, if it wants one: $PDSERVE_TOKEN)")
     p.add_argument("--config", default=None, help="cluster config for the cluster it starts (default: built-in)")
+    p.add_argument("--model", default=None,
+                   help="the model of the clusters it starts: a catalogue name (`pdserve models`; pull it first), "
+                        "a .gguf file or an HF folder (default: the config's, else the bundled SmolLM2-135M)")
     p.add_argument("--compare", action="store_true",
                    help="run the workload on disaggregated, colocated and colocated-chunked clusters")
     p.add_argument("--chunk", type=int, default=256, help="token budget of colocated-chunked (default 256)")
     p.add_argument("--modes", default="disaggregated,colocated,colocated-chunked",
-                   help=f"--compare: which, in order, of {', '.join(COMPARE)} (default: the first three)")
+                   help=f"--compare: which, in order, of {', '.join(COMPARE)}, or all (default: the first three)")
     p.add_argument("--local-prefill-tokens", type=int, default=96,
                    help="disaggregated-local and adaptive: router.local_prefill_tokens (default 96: the mix's chats)")
     p.add_argument("--prefix-compare", action="store_true",
@@ -172,10 +151,10 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
         # Not counted: a fresh cluster's first requests are slow (the first took 10-15 s on the
         # 2-core machine in every mode). Other prompts than the measured ones (another seed): no
         # prefix of theirs is warmed.
-        warm = _workload(args, vocab, n=args.warmup, seed=args.seed + 1)
+        warm = workload(args, vocab, n=args.warmup, seed=args.seed + 1)
         asyncio.run(run(server, warm, concurrency=2, seed=args.seed + 1))
     for k, rate in enumerate(_rates(args)):
-        specs = _workload(args, vocab, k)
+        specs = workload(args, vocab, k)
         conc = None if rate is not None else (args.concurrency or 4)
         if args.dataset == "shared-prefix" and args.prefix_compare:
             # Warm-up, not counted: each system prompt once, one at a time, so both placements
@@ -207,7 +186,7 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
         [(r["rate"], r["summary"]["all"]) for r in runs if r["rate"] is not None])}
 
 
-def _workload(args, vocab: int, run: int = 0, n: int | None = None, seed: int | None = None):
+def workload(args, vocab: int, run: int = 0, n: int | None = None, seed: int | None = None):
     """The requests of a sweep's ``run``-th rate: the same for every mode at that rate; at
     every rate the same shape (kinds, lengths, answers) with other tokens. With the same
     prompts, every rate after the first found them all in the prefix cache (hit rate 0.97 on
@@ -220,7 +199,7 @@ def _workload(args, vocab: int, run: int = 0, n: int | None = None, seed: int | 
                          phase_answer_tokens=args.phase_answer_tokens)
 
 
-def _start(cfg):
+def start_local(cfg):
     # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import BackgroundCluster
     cluster = BackgroundCluster(cfg)
@@ -237,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _compare_modes(args) -> dict[str, dict]:
-    names = [m for m in args.modes.split(",") if m]
+    names = list(COMPARE) if args.modes == "all" else [m for m in args.modes.split(",") if m]
     for m in names:
         if m not in COMPARE:
             raise BenchError(f"--modes: unknown mode {m!r}; valid: {', '.join(COMPARE)}")
@@ -255,7 +234,9 @@ def _main(args) -> int:
         if args.compare:
             raise BenchError("give --compare or --prefix-compare, not both")
         args.dataset = "shared-prefix"
-    _workload(args, 1000)
+    workload(args, 1000)
+    if args.server and args.model:
+        raise BenchError("--model picks the model of the clusters this starts: drop it with --server")
     if args.server and (args.compare or args.prefix_compare):
         raise BenchError("--compare and --prefix-compare start their own clusters: drop --server")
     out: dict = {}
@@ -267,18 +248,7 @@ def _main(args) -> int:
     for name in names:
         cluster = None
         server = args.server
-        cfg = load_config(args.config, {**modes.get(name, {}), "metrics.port": 0,
-                                        **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked"
-                                           else {}),
-                                        **({"router.local_prefill_tokens": args.local_prefill_tokens}
-                                           if name in ("disaggregated-local", "adaptive") else {}),
-                                        # (its roles follow the same targets as the benchmark's)
-                                        # and a backlog of about one long prompt asks for a prefill worker
-                                        **({"autoscale.prefill.target_ttft_ms": args.ttft_slo_ms,
-                                            "autoscale.decode.target_tpot_ms": args.tpot_slo_ms,
-                                            "autoscale.prefill.target_queued_tokens": 1024}
-                                           if name == "adaptive" else {}),
-                                        **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
+        cfg = cluster_config(name, modes.get(name, {}), args)
         if server is None:
             # (heavy: Ray and a cluster, loaded only by what uses them)
             from router.app import init_ray
@@ -287,7 +257,7 @@ def _main(args) -> int:
                          else load_config(args.config, {"prefill.replicas": 1, "decode.replicas": 1}))
                 started = True
             log(f"starting a {name or cfg.mode} cluster ...")
-            cluster, server = _start(cfg)
+            cluster, server = start_local(cfg)
         try:
             # (heavy: gRPC, loaded only by what uses them)
             from pdserve.v1 import pdserve_pb2 as pb

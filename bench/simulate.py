@@ -4,6 +4,7 @@
     python -m bench.simulate run --workers 16 --workload mix --rate 0.2
     python -m bench.simulate run --workers 4,16,64 --goodput    # DistServe goodput per mode and split
     pdserve plan --model smollm2-135m --workload agentic --ttft-slo 5 --tpot-slo 0.25
+    python -m bench.simulate --validate                         # against the real cluster, same arrivals
 
 ``run`` simulates every mode (``--modes``) and P:D split (``--splits``) on the same arrivals,
 prints a table and one JSON line. Rates are per worker (req/s), so 4, 16 and 64 workers see the
@@ -11,9 +12,15 @@ same load each. Every mode has the same KV per worker (the cost model's) and the
 default controller settings (router/config.py); disaggregated-local and adaptive prefill
 prompts of up to ``--local-prefill-tokens`` on the decode worker.
 
+``--validate`` runs the real local cluster (each mode of bench/serving.py) and the simulator on
+the same requests and arrival times for each load (mix, phase, shared-prefix), and prints the
+TTFT and TPOT p50/p90 of both with their relative errors, and one JSON line with
+``sim_vs_real_max_rel_error`` (bench/sim/validate.py).
+
 The pieces (bench/sim/): ``costs`` (the cost model and its JSON), ``profile`` (measures it),
 ``traces`` (workloads), ``workers`` (simulated engines), ``policy`` (calls into router/),
-``cluster`` (the event loop), ``report`` (percentiles, goodput, tables).
+``cluster`` (the event loop), ``report`` (percentiles, goodput, tables), ``fidelity`` and
+``validate`` (the comparison with the real cluster).
 """
 
 from __future__ import annotations
@@ -25,18 +32,19 @@ import sys
 from pathlib import Path
 
 from bench.sim.cluster import MODES, Cluster, ClusterSpec
-from bench.sim.costs import CostModel, load
+from bench.sim.costs import CostModel, cached_path, load
 from bench.sim.report import Timer, goodput, summarize, table
 from bench.sim.traces import SLO, WORKLOADS, make_trace
+from bench.sim.validate import add_args as add_validate_args
+from bench.sim.validate import cmd_validate
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path("~/.cache/pdserve/sim").expanduser()
 
 
 def cost_path(model: str) -> Path:
     """The cost model for ``model``: this machine's profile if there is one, else the committed
     example (docs/bench/)."""
-    mine = CACHE / f"cost_{model}.json"
+    mine = cached_path(model)
     return mine if mine.is_file() else ROOT / "docs" / "bench" / f"sim_cost_{model}.json"
 
 
@@ -148,7 +156,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from bench.sim.profile import profile
     cost = profile(args.model, threads=args.threads, transfer_gbps=args.transfer_gbps,
                    log=lambda s: print(s, file=sys.stderr))
-    out = cost.save(args.out or CACHE / f"cost_{args.model}.json")
+    out = cost.save(args.out or cached_path(args.model, args.threads))
     print(out)
     return 0
 
@@ -171,8 +179,9 @@ def add_run_args(a: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s {run,profile} ... | %(prog)s --validate [options]")
+    sub = p.add_subparsers(dest="command")
     r = sub.add_parser("run", help="simulate modes and splits; a table and one JSON line")
     add_run_args(r)
     r.add_argument("--workers", default="4", help="cluster sizes, e.g. 4,16,64")
@@ -185,15 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", default="smollm2-135m")
     pr.add_argument("--threads", type=int, default=1)
     pr.add_argument("--transfer-gbps", type=float, default=None, help="KV transfer GB/s (default: measure a copy)")
-    pr.add_argument("--out", default=None, help="where to write it (default ~/.cache/pdserve/sim/cost_MODEL.json)")
+    pr.add_argument("--out", default=None, help="where to write it (default ~/.cache/pdserve/sim/cost_MODEL.json; "
+                                                "cost_MODEL_tT.json at --threads T > 1)")
     pr.set_defaults(func=cmd_profile)
+    add_validate_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.validate == bool(args.command):
+        parser.error("give a command (run, profile) or --validate")
     try:
-        return args.func(args)
+        return cmd_validate(args) if args.validate else args.func(args)
     except ValueError as e:
         print(f"simulate: error: {e}", file=sys.stderr)
         return 2

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
 
+    # (heavy: torch and the engine, loaded after the arguments are checked)
     import torch
-
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request import Guided, SamplingParams

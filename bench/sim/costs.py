@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FORMAT = "pdserve-sim-cost/1"
+CACHE = Path("~/.cache/pdserve/sim").expanduser()  # this machine's profiles (bench.sim.profile)
 STEP_KEYS = ("base_ms", "per_seq_ms", "per_ctx_ktok_ms", "per_prefill_tok_ms", "per_prefill_attn_ms")
 
 
@@ -152,6 +153,12 @@ def from_json(d: dict, source: str = "cost model") -> CostModel:
         raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def cached_path(model: str, threads: int = 1) -> Path:
+    """Where this machine's profile of ``model`` at ``threads`` engine threads is kept (a
+    colocated worker runs 2 threads: another cost model than a 1-thread worker's)."""
+    return CACHE / (f"cost_{model}.json" if threads == 1 else f"cost_{model}_t{threads}.json")
 
 
 def load(path: str | Path) -> CostModel:

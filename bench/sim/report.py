@@ -15,6 +15,15 @@ from bench.loadgen import SLO_ATTAINMENT, percentile
 from bench.sim.workers import SimJob
 
 
+def latencies(jobs: list[SimJob]) -> tuple[list[float], list[float]]:
+    """(TTFTs, TPOTs) in seconds of the jobs not refused, by the load generator's rules
+    (bench/loadgen.py ``Result``): TTFT from arrival to the first token, TPOT (last - first
+    token) / (tokens - 1) over answers of more than one token."""
+    ok = [j for j in jobs if not j.refused]
+    return ([j.first_token - j.spec.arrival for j in ok],
+            [(j.finish - j.first_token) / (j.spec.max_tokens - 1) for j in ok if j.spec.max_tokens > 1])
+
+
 def summarize(jobs: list[SimJob], slo: Mapping[str, tuple[float, float]], duration_s: float) -> dict:
     """Flat stats (ms) over all requests and per class: ttft/tpot p50/p90/p99, attainment."""
     out: dict = {}
@@ -22,8 +31,7 @@ def summarize(jobs: list[SimJob], slo: Mapping[str, tuple[float, float]], durati
     for cls in [None, *classes]:
         js = [j for j in jobs if cls is None or j.spec.cls == cls]
         ok = [j for j in js if not j.refused]
-        ttft = [j.first_token - j.spec.arrival for j in ok]
-        tpot = [(j.finish - j.first_token) / (j.spec.max_tokens - 1) for j in ok if j.spec.max_tokens > 1]
+        ttft, tpot = latencies(ok)
         met = sum(1 for j in ok if _meets(j, slo))
         pre = "" if cls is None else f"{cls}_"
         out[f"{pre}requests"], out[f"{pre}refused"] = len(js), len(js) - len(ok)

@@ -17,6 +17,16 @@ def test_default_modes_are_the_three_fixed_ones_and_a_subset_keeps_its_order():
     assert modes["disaggregated-local"]["mode"] == "disaggregated"
 
 
+def test_all_is_every_mode_and_model_reaches_every_clusters_config():
+    args = build_parser().parse_args(["--compare", "--modes", "all", "--model", "qwen2.5-coder-1.5b"])
+    assert list(_compare_modes(args)) == ["disaggregated", "colocated", "colocated-chunked", "disaggregated-local",
+                                          "adaptive"]
+    from bench.modes import cluster_config
+    for name, mode in _compare_modes(args).items():
+        assert cluster_config(name, mode, args).model == "qwen2.5-coder-1.5b"
+    assert cluster_config("colocated", {}, build_parser().parse_args(["--compare"])).model != "qwen2.5-coder-1.5b"
+
+
 @pytest.mark.parametrize("modes", ["colocated,nope", ","])
 def test_an_unknown_or_empty_mode_list_is_refused(modes):
     with pytest.raises(BenchError, match="--modes"):
@@ -125,14 +135,14 @@ def test_each_rate_of_a_sweep_sends_other_prompts_of_the_same_shape(dataset):
     on the mix): the sweep compared a warm cache with a cold one. Each rate draws its own
     tokens, in the same shape (kinds, lengths, answers: only the rate changes); a mode's run at
     a rate is the same as any other mode's there; the warm-up's prompts are none of them."""
-    from bench.serving import _workload
+    from bench.serving import workload
     args = build_parser().parse_args(["--compare", "--dataset", dataset, "--rates", "0.5,1,2", "--num-requests", "12",
                                       "--prompt-tokens", "20:300"])
-    runs = [_workload(args, 1000, k) for k in range(3)]
-    assert [_workload(args, 1000, k) for k in range(3)] == runs  # every mode: the same at a rate
+    runs = [workload(args, 1000, k) for k in range(3)]
+    assert [workload(args, 1000, k) for k in range(3)] == runs  # every mode: the same at a rate
     shape = [[(s.kind, len(s.token_ids), s.max_tokens) for s in r] for r in runs]
     assert shape[0] == shape[1] == shape[2] and len({n for _, n, _ in shape[0]}) > 1
     blocks = [{tuple(s.token_ids[:16]) for s in r} for r in runs]  # (a 16-token block: a prefix hit)
     assert not blocks[0] & blocks[1] and not blocks[1] & blocks[2] and not blocks[0] & blocks[2]
-    warm = _workload(args, 1000, n=12, seed=args.seed + 1)  # (as bench_server's warm-up)
+    warm = workload(args, 1000, n=12, seed=args.seed + 1)  # (as bench_server's warm-up)
     assert not {tuple(s.token_ids[:16]) for s in warm} & set().union(*blocks)

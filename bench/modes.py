@@ -1,0 +1,55 @@
+"""The clusters the serving benchmark starts, by name: each mode's config overrides, in one place.
+
+``bench/serving.py`` (``--compare``, ``--prefix-compare``) starts them; the simulator's
+validation (``bench/sim/validate.py``) starts the same ones and builds its simulated clusters
+from their configs, so a mode's settings are made here and nowhere else.
+"""
+
+from __future__ import annotations
+
+COMPARE = {
+    "disaggregated": {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1},
+    "colocated": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": False,
+                  "decode.max_batched_tokens": 8192},
+    "colocated-chunked": {"mode": "colocated", "decode.threads": 2, "decode.chunked_prefill": True},
+    "disaggregated-local": {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1},
+    # Two workers that switch roles by load (router/roles.py): one prefill + one decode, or (no
+    # prompt backlog, decode memory short) two decode workers that prefill their own prompts.
+    "adaptive": {"mode": "adaptive", "prefill.replicas": 1, "decode.replicas": 1, "prefill.threads": 1,
+                 "decode.threads": 1, "roles.min_prefill": 0, "roles.interval_s": 1.0, "roles.switch_delay_s": 3.0,
+                 "roles.idle_delay_s": 10.0},
+}
+# --prefix-compare: two colocated workers (each prefills what it decodes) whose caches hold about
+# half of the groups each: placement decides whether a prompt finds its system prompt cached.
+# --prefix-cluster disaggregated: one prefill and two decode workers; the decode workers' caches
+# decide how much of each prompt's KV crosses (decode-side prefix reuse): kv_bytes_mb.
+PREFIX_CLUSTERS = {"colocated": {"mode": "colocated", "decode.replicas": 2, "decode.threads": 1},
+                   "disaggregated": {"mode": "disaggregated", "prefill.replicas": 1, "prefill.threads": 1,
+                                     "decode.replicas": 2, "decode.threads": 1}}
+
+
+def prefix_compare(cluster: str) -> dict[str, dict]:
+    base = PREFIX_CLUSTERS[cluster]
+    return {"prefix-blind": {**base, "router.prefix_aware": False},
+            "prefix-aware": {**base, "router.prefix_aware": True}}
+
+
+def cluster_config(name: str | None, mode: dict, args):
+    """The config of the cluster a run starts for ``name`` (a key of COMPARE or of
+    prefix_compare; None: the config file's own mode), ``mode`` its overrides: the one place a
+    mode's settings are made, for this benchmark and the simulator's validation."""
+    # (heavy: the router's config, loaded only by what uses it)
+    from router.config import load_config
+    model = getattr(args, "model", None)
+    return load_config(args.config, {**mode, "metrics.port": 0, **({"model": model} if model else {}),
+                                      **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked"
+                                         else {}),
+                                      **({"router.local_prefill_tokens": args.local_prefill_tokens}
+                                         if name in ("disaggregated-local", "adaptive") else {}),
+                                      # (its roles follow the same targets as the benchmark's)
+                                      # and a backlog of about one long prompt asks for a prefill worker
+                                      **({"autoscale.prefill.target_ttft_ms": args.ttft_slo_ms,
+                                          "autoscale.decode.target_tpot_ms": args.tpot_slo_ms,
+                                          "autoscale.prefill.target_queued_tokens": 1024}
+                                         if name == "adaptive" else {}),
+                                      **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
