@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from bench.probe import PROMPT, http_request, serve, split
+from bench.probe_wire import PROMPT, http_request, serve, split
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import make_request
@@ -62,7 +62,7 @@ def test_sigterm_during_16_streams_completes_all_16_refuses_new_ones_and_exits_0
     with tempfile.TemporaryDirectory() as d, serve(2, ["mode=colocated", "decode.compile_decode=false",
                                                        f"front_door.shutdown_grace_s={GRACE_S}"], d) as t:
         async def run():
-            from bench.probe import served_model
+            from bench.probe_wire import served_model
             model = await served_model(t)
             async with grpc.aio.insecure_channel(t.grpc) as ch:
                 stub = pb_grpc.GenerationStub(ch)
