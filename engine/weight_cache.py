@@ -77,6 +77,13 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+# Read once, when the engine is imported (its loader imports this module): a process keys its
+# entries by the code it runs. Read at each load, a process started before an edit stored
+# objects of its old classes under the edited source's key, which processes of the new code
+# then loaded (seen: a decoder pickled without an attribute the new class reads).
+_SOURCE_DIGEST = _source_digest()
+
+
 def _version(package: str) -> str | None:
     """An installed package's version (the GGUF reader and numpy take part in conversions)."""
     try:
@@ -92,7 +99,7 @@ def key(source_digest: str, options: dict) -> str:
             "libraries": {name: _version(name) for name in ("gguf", "numpy", "safetensors")},
             "cpu": torch.backends.cpu.get_cpu_capability(), "lanes": lib.pd_vector_width() if lib else 0,
             "env": {k: os.environ.get(k) for k in ("PDSERVE_NATIVE_DECODE", "ATEN_CPU_CAPABILITY")},
-            "engine": _source_digest()}
+            "engine": _SOURCE_DIGEST}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()[:24]
 
 

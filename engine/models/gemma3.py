@@ -13,8 +13,9 @@ fp32 logits. What differs, each as transformers computes it:
   see everything and use ``rope_theta`` (with the rope scaling, if any);
 - MLP ``down(gelu_tanh(gate) * up)``; optional final logit soft-capping ``c * tanh(z / c)``.
 
-No small-step fast path (engine/models/single_token.py is Llama-shaped): every step runs this
-eager forward.
+Small steps (decode, small batches, verify) run on the native kernels where they build
+(engine/models/single_token.py; the layer as they read it: engine/models/layer_specs.py), the
+rest, and every step where they do not build, through this eager forward.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.single_token = None  # no small-step fast path for this family (the loader reads it)
+        # the native small-step path (engine/models/single_token.py), attached by the loader
+        self.single_token = None
 
     @staticmethod
     def _rotaries(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
@@ -158,6 +160,8 @@ class Gemma3ForCausalLM(nn.Module):
 
         ``layer_done(i)`` is called once layer i's K/V are in the cache.
         """
+        if self.single_token is not None and 1 <= input_ids.shape[0] <= self.single_token.max_rows:
+            return self.single_token.forward(input_ids, positions, meta, kv_caches, layer_done)
         x = self.embed(input_ids)
         ropes = self.rope_tables(positions, x.dtype)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
@@ -168,6 +172,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in fp32."""
+        if self.single_token is not None and 1 <= hidden.shape[0] <= self.single_token.max_rows:
+            return self.single_token.logits(hidden)
         logits = self.lm_head(self.norm(hidden))
         cap = self.config.final_logit_softcapping
         if cap is not None:  # in the model's dtype, as HF does

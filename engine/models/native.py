@@ -23,6 +23,7 @@ import platform
 import shlex
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,7 +59,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "native"
 
 
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+# -ffp-contract=off: a multiply and an add written apart stay apart, rounded twice as torch's
+# eager ops round them (gcc would fuse them into an FMA); the GEMVs' FMAs are written as such.
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 
 
 def _build(cmd: list[str], out: Path) -> None:
@@ -148,7 +151,28 @@ class Lin(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("qkv", Lin), ("o", Lin), ("gu", Lin), ("d", Lin), ("ln1", ctypes.c_void_p),
-                ("ln2", ctypes.c_void_p)]
+                ("ln2", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("post_attn", ctypes.c_void_p), ("post_ffn", ctypes.c_void_p), ("act", ctypes.c_int64),
+                ("window", ctypes.c_int64)]
+
+
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a layer's C struct holds besides its linears (native_decode.c ``layer_t``): fp32
+    norm weights as the kernel multiplies them (Gemma's ``1 + w`` already added), None where the
+    family has no such norm; the MLP's activation; the attention window (0: none)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None
+    post_ffn: torch.Tensor | None = None
+    act: int = ACT_SILU
+    window: int = 0
 
 
 class Ctx(ctypes.Structure):
@@ -265,20 +289,21 @@ class NativeLayers:
     """One model's structs and buffers. ``lin``: the linears by name ("{i}.qkv", "{i}.o",
     "{i}.gu", "{i}.d", "head"), each fp32 or INT8 words as single_token.py holds them (w, s,
     zs, b), or INT4 in the layout of :func:`int4_weights` (w, s, z, b, group, meta: the compact
-    scales or None); ``ln1``/``ln2``/``norm``: norm weights."""
+    scales or None); ``specs``: each layer's norms, activation and window; ``norm``: the final
+    norm's weight (as the kernel multiplies it)."""
 
-    def __init__(self, lib: ctypes.CDLL, lin: dict[str, tuple], ln1: list[torch.Tensor], ln2: list[torch.Tensor],
-                 norm: torch.Tensor, eps: float, nq: int, nkv: int, max_rows: int,
-                 int8_activations: bool = False) -> None:
+    def __init__(self, lib: ctypes.CDLL, lin: dict[str, tuple], specs: list[LayerSpec], norm: torch.Tensor,
+                 eps: float, nq: int, nkv: int, max_rows: int, int8_activations: bool = False) -> None:
         self.lib = lib
         self.int8_activations = int8_activations  # INT4/INT8 linears that fit quantize their inputs
         self._keep: list[torch.Tensor] = []  # every tensor a struct points into
-        n = len(ln1)
+        n = len(specs)
         self.layers = (Layer * n)()
-        for i in range(n):
+        for i, sp in enumerate(specs):
+            norms = [self._ptr(t) for t in (sp.ln1, sp.ln2, sp.q_norm, sp.k_norm, sp.post_attn, sp.post_ffn)]
             self.layers[i] = Layer(self._lin(lin[f"{i}.qkv"]), self._lin(lin[f"{i}.o"]), self._lin(lin[f"{i}.gu"]),
-                                   self._lin(lin[f"{i}.d"]), self._ptr(ln1[i]), self._ptr(ln2[i]))
-        hidden, inter = ln1[0].numel(), self.layers[0].gu.n // 2
+                                   self._lin(lin[f"{i}.d"]), *norms, sp.act, sp.window)
+        hidden, inter = specs[0].ln1.numel(), self.layers[0].gu.n // 2
         self.head_dim = self.layers[0].qkv.n // (nq + 2 * nkv)
         self.head = self._lin(lin["head"])
         self.vocab = self.head.n
@@ -322,7 +347,9 @@ class NativeLayers:
                           h.data_ptr(), qkv.data_ptr(), self.o.data_ptr(), cos.data_ptr(), sin.data_ptr(), attn_p,
                           kv[0].data_ptr(), kv[1].data_ptr())
 
-    def _ptr(self, t: torch.Tensor) -> int:
+    def _ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:  # the struct's NULL: no such norm
+            return None
         t = t.detach().float().contiguous()
         self._keep.append(t)
         return t.data_ptr()

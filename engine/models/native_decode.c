@@ -1,9 +1,12 @@
 /* Small-step decode, native: one call per layer boundary, reading fp32 or INT8 weights directly.
  *
  * Built at load by engine/models/native.py (gcc -O3 -fopenmp, AVX-512 or AVX2 + FMA as torch
- * dispatches on this CPU) and called through ctypes by engine/models/single_token.py. The math is
- * that of single_token.py's compiled graphs (_pre, _post, _post_pre, _logits), which stay the
- * fallback; attention stays with the eager backend between the calls.
+ * dispatches on this CPU) and called through ctypes by engine/models/single_token.py. For the
+ * Llama family the math is that of single_token.py's compiled graphs (_pre, _post, _post_pre,
+ * _logits), which stay the fallback; Gemma 3's layer (QK-norm, sandwich norms, GeGLU, sliding
+ * window: optional parts of layer_t) has no compiled twin, its eager forward is the fallback.
+ * Attention runs here (pd_layer, read in place from the paged cache) or with the eager backend
+ * between the calls.
  *
  * Why not the compiled graphs for INT8: inductor has no sign-extending load, so an INT8 GEMV
  * written in torch decodes bytes with shifts (4 shifts, 4 converts and 4 multiply-adds per
@@ -78,15 +81,27 @@ typedef struct {
                           * zs; NULL: s and zs */
 } lin_t;
 
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+/* One decoder layer. The Llama family fills the first line; Gemma 3 (engine/models/gemma3.py) the
+ * rest too, as data rather than a second copy of the layer: its norms are RMSNorms like Llama's
+ * (GemmaRMSNorm's x * (1 + w) arrives with 1 + w precomputed in fp32, which is HF's own first
+ * step: the same products), so what differs is which norms exist, the MLP's activation and the
+ * attention window. */
 typedef struct {
     lin_t qkv, o, gu, d;
-    const float *ln1, *ln2; /* input norm, post-attention norm */
+    const float *ln1, *ln2;  /* the norms before attention and before the MLP */
+    const float *q_norm, *k_norm;       /* NULL, or RMSNorm per head of q / k before rotary */
+    const float *post_attn, *post_ffn;  /* NULL, or the norm of attention's / the MLP's output
+                                         * before its residual add (Gemma's sandwich) */
+    int64_t act;     /* ACT_SILU: silu(gate) * up; ACT_GELU_TANH: gelu_tanh(gate) * up */
+    int64_t window;  /* > 0: each query sees only the last `window` positions (its own included) */
 } layer_t;
 
 typedef struct {
     int64_t hidden, inter, nq, nkv, head_dim, max_rows, threads;
     float eps;
-    float *scratch; /* 4 * max_rows * max(hidden, 2 * inter) floats */
+    float *scratch; /* 4 * max_rows * max(hidden, 2 * inter, nq * head_dim) floats */
 } ctx_t;
 
 #define NB 4  /* weight rows per block: independent FMA chains, one weight load for every x row */
@@ -641,7 +656,7 @@ static const float *prepare_x(const lin_t *L, int R, const float *x, float *perm
 /* Whether a linear reads prepare_x's buffer rather than x itself. */
 static int permuted(const lin_t *L) { return L->kind == W_I8 || L->aq; }
 
-/* HF's RMSNorm: w * (x * rsqrt(mean(x^2) + eps)) */
+/* HF's RMSNorm: w * (x * rsqrt(mean(x^2) + eps)); out may be x (in place) */
 static void rms(const float *x, const float *w, float *out, int R, int64_t h, float eps) {
     for (int r = 0; r < R; r++) {
         float ss = 0.f;
@@ -651,18 +666,41 @@ static void rms(const float *x, const float *w, float *out, int R, int64_t h, fl
     }
 }
 
+/* h += norm(y) (Gemma's sandwich: the norm's product rounded, then added, as two fp32 ops in HF;
+ * the library is built with -ffp-contract=off, so no FMA joins them) */
+static void rms_add(const float *y, const float *w, float *h, int R, int64_t hid, float eps) {
+    for (int r = 0; r < R; r++) {
+        float ss = 0.f;
+        for (int64_t c = 0; c < hid; c++) ss += y[r * hid + c] * y[r * hid + c];
+        float inv = 1.0f / sqrtf(ss / (float)hid + eps);
+        for (int64_t c = 0; c < hid; c++) h[r * hid + c] += w[c] * (y[r * hid + c] * inv);
+    }
+}
+
+/* torch's gelu(approximate="tanh") in fp32, its operations in its order (aten's CPU kernel:
+ * 0.5 * x * (1 + tanh(kBeta * (x + kKappa * x^3))), kBeta = sqrt(2 / pi) rounded from double).
+ * tanhf is glibc's where torch's vector loop has Sleef's (both within about 1 ulp): the only
+ * difference, which greedy tokens do not see (tests/engine/test_native_decode.py). */
+static inline float gelu_tanh(float x) {
+    const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+    const float cube = x * x * x, inner = beta * (x + kappa * cube);
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
 typedef struct {
     float *a, *b, *c, *xsum;
 } bufs_t;
 
 static bufs_t buffers(const ctx_t *ctx) {
     int64_t wide = ctx->hidden > 2 * ctx->inter ? ctx->hidden : 2 * ctx->inter;
+    wide = wide > ctx->nq * ctx->head_dim ? wide : ctx->nq * ctx->head_dim;
     int64_t one = ctx->max_rows * wide;
     bufs_t b = {ctx->scratch, ctx->scratch + one, ctx->scratch + 2 * one, ctx->scratch + 3 * one};
     return b;
 }
 
-/* norm + qkv_proj + rotary: qkv [R, nq + 2 nkv, D], q and k rotated; cos/sin [R, D/2]. */
+/* norm + qkv_proj (+ the q/k norms) + rotary: qkv [R, nq + 2 nkv, D], q and k rotated; cos/sin
+ * [R, D/2], the table of L's kind (Gemma's local and global layers have their own). */
 static void pre_in_team(const ctx_t *ctx, const layer_t *L, int R, const float *h, const float *cos,
                         const float *sin, float *qkv) {
     bufs_t bf = buffers(ctx);
@@ -681,6 +719,8 @@ static void pre_in_team(const ctx_t *ctx, const layer_t *L, int R, const float *
             for (int64_t hh = 0; hh < heads; hh++) {
                 float *v = qkv + r * width + hh * d;
                 const float *cs = cos + r * half, *sn = sin + r * half;
+                const float *nw = hh < ctx->nq ? L->q_norm : L->k_norm;
+                if (nw != NULL) rms(v, nw, v, 1, d, ctx->eps);
                 for (int64_t i = 0; i < half; i++) {
                     float x1 = v[i], x2 = v[i + half];
                     v[i] = x1 * cs[i] - x2 * sn[i];
@@ -690,29 +730,35 @@ static void pre_in_team(const ctx_t *ctx, const layer_t *L, int R, const float *
     }
 }
 
-/* h += o_proj(o); h += down(silu(gate) * up) of norm(h), in place. */
+/* h += o_proj(o); h += down(act(gate) * up) of norm(h), in place; with the sandwich norms,
+ * h += post_attn(o_proj(o)) and h += post_ffn(down(...)), the projections written to c first. */
 static void post_in_team(const ctx_t *ctx, const layer_t *L, int R, float *h, const float *o) {
     bufs_t bf = buffers(ctx);
     const int64_t hid = ctx->hidden, inter = ctx->inter;
 #pragma omp single
     prepare_x(&L->o, R, o, bf.b, bf.xsum);
-    gemv(&L->o, R, permuted(&L->o) ? bf.b : o, bf.xsum, h, hid, 1);
+    gemv(&L->o, R, permuted(&L->o) ? bf.b : o, bf.xsum, L->post_attn ? bf.c : h, hid, L->post_attn == NULL);
 #pragma omp single
     {
+        if (L->post_attn != NULL) rms_add(bf.c, L->post_attn, h, R, hid, ctx->eps);
         rms(h, L->ln2, bf.a, R, hid, ctx->eps);
         prepare_x(&L->gu, R, bf.a, bf.b, bf.xsum);
     }
     gemv(&L->gu, R, permuted(&L->gu) ? bf.b : bf.a, bf.xsum, bf.c, 2 * inter, 0);
-#pragma omp single
-    {
-        for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < inter; i++) {
-                float g = bf.c[r * 2 * inter + i], u = bf.c[r * 2 * inter + inter + i];
-                bf.a[r * inter + i] = g / (1.0f + expf(-g)) * u;
-            }
-        prepare_x(&L->d, R, bf.a, bf.b, bf.xsum);
+    /* split over the team: a libm tanhf or expf per element is ~10 ns, 2048 per layer for Gemma */
+#pragma omp for schedule(static)
+    for (int64_t ri = 0; ri < R * inter; ri++) {
+        const int64_t r = ri / inter, i = ri % inter;
+        const float g = bf.c[r * 2 * inter + i], u = bf.c[r * 2 * inter + inter + i];
+        bf.a[ri] = (L->act == ACT_GELU_TANH ? gelu_tanh(g) : g / (1.0f + expf(-g))) * u;
     }
-    gemv(&L->d, R, permuted(&L->d) ? bf.b : bf.a, bf.xsum, h, hid, 1);
+#pragma omp single
+    prepare_x(&L->d, R, bf.a, bf.b, bf.xsum);
+    gemv(&L->d, R, permuted(&L->d) ? bf.b : bf.a, bf.xsum, L->post_ffn ? bf.c : h, hid, L->post_ffn == NULL);
+    if (L->post_ffn != NULL) {
+#pragma omp single
+        rms_add(bf.c, L->post_ffn, h, R, hid, ctx->eps);
+    }
 }
 
 void pd_pre(const ctx_t *ctx, const layer_t *L, int R, const float *h, const float *cos, const float *sin,
@@ -747,10 +793,11 @@ typedef struct {
 #define KCHUNK 64 /* keys scored per pass: one max and one rescale per chunk, not per key */
 
 /* Writes the new tokens' K/V (rows of qkv) to their cache slots, then each token's attention
- * over its request's positions 0..pos, read in place from the paged cache [slots, nkv, D]
- * (no gather): softmax in fp32, one (token, query head) pair per work item. o [R, nq * D]. */
-static void attend_in_team(const ctx_t *ctx, int R, const float *qkv, int64_t width, const attn_t *at, float *kc,
-                           float *vc, float *o) {
+ * over its request's positions 0..pos (with a window W > 0, pos - W + 1..pos: HF's sliding
+ * window, p - W < k <= p), read in place from the paged cache [slots, nkv, D] (no gather):
+ * softmax in fp32, one (token, query head) pair per work item. o [R, nq * D]. */
+static void attend_in_team(const ctx_t *ctx, int R, const float *qkv, int64_t width, int64_t window,
+                           const attn_t *at, float *kc, float *vc, float *o) {
     const int64_t d = ctx->head_dim, nq = ctx->nq, nkv = ctx->nkv, group = nq / nkv, bs = at->block_size;
 #pragma omp single
     for (int t = 0; t < R; t++) {
@@ -761,11 +808,12 @@ static void attend_in_team(const ctx_t *ctx, int R, const float *qkv, int64_t wi
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < R * nq; item++) {
         const int64_t t = item / nq, hq = item % nq, kvh = hq / group, n = at->pos[t] + 1;
+        const int64_t first = window > 0 && n > window ? n - window : 0;
         const float *q = qkv + t * width + hq * d;
         const int64_t *table = at->tables + t * at->width;
         float acc[256], sc[KCHUNK], m = -INFINITY, l = 0.f;
         for (int64_t c = 0; c < d; c++) acc[c] = 0.f;
-        for (int64_t j0 = 0; j0 < n; j0 += KCHUNK) {
+        for (int64_t j0 = first; j0 < n; j0 += KCHUNK) {
             const int64_t nj = n - j0 < KCHUNK ? n - j0 : KCHUNK;
             float cmax = -INFINITY;
             for (int64_t j = 0; j < nj; j++) {
@@ -796,12 +844,12 @@ static void attend_in_team(const ctx_t *ctx, int R, const float *qkv, int64_t wi
 }
 
 /* One layer boundary with attention: layer L's attention (K/V written first), o_proj and MLP into
- * h, then (next != NULL) the next layer's norm + qkv + rotary into qkv. */
+ * h, then (next != NULL) the next layer's norm + qkv + rotary into qkv (cos/sin: next's table). */
 void pd_layer(const ctx_t *ctx, const layer_t *L, const layer_t *next, int R, float *h, float *qkv, float *o,
               const float *cos, const float *sin, const attn_t *at, float *kc, float *vc) {
 #pragma omp parallel num_threads(ctx->threads)
     {
-        attend_in_team(ctx, R, qkv, L->qkv.n, at, kc, vc, o);
+        attend_in_team(ctx, R, qkv, L->qkv.n, L->window, at, kc, vc, o);
         post_in_team(ctx, L, R, h, o);
         if (next != NULL) pre_in_team(ctx, next, R, h, cos, sin, qkv);
     }

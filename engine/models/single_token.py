@@ -35,6 +35,9 @@ engine/models/step_graphs.py, which holds the compiled functions), and are moved
 huge-page buffer (engine/models/hugepages.py) rather than copied. INT4 linears call torch's int4pack
 kernel from inside the compiled graphs (its packed weight moved into the buffer too). For fp32,
 INT8 or INT4 models on CPU; anything else (W8A8, bf16, CUDA) keeps the eager path.
+Families: Llama (Llama, Mistral, Qwen2) on both implementations; Gemma 3 on the native kernels
+only (its QK-norm, sandwich norms, GeGLU and sliding window are data of their layer struct:
+engine/models/layer_specs.py), its eager forward where they do not build.
 Compiling takes a few seconds per row count once per process (inductor caches the kernels on
 disk), done at load so the first request does not pay it.
 """
@@ -53,6 +56,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.memory import release_freed_memory
 from engine.models import int4_blocks
 from engine.models.hugepages import hugepage_empty
+from engine.models.layer_specs import fits as layout_fits, layout
 from engine.models.native import NativeLayers, int4_weights as native_int4_weights, enabled_library as native_library
 from engine.models.step_graphs import compiled
 from engine.quant.formats import interleave4
@@ -81,7 +85,7 @@ def _is_fp32(lin: nn.Module) -> bool:
 
 
 class SingleTokenDecoder:
-    """Runs a one-token step of a Llama-family model (see the module docstring).
+    """Runs a small step of a Llama-family or Gemma 3 model (see the module docstring).
 
     Built from the model's plain ``nn.Linear`` (and INT8/INT4) weights before they are prepacked;
     shares the model's attention backend, rotary tables and KV cache layout, so its results go
@@ -101,8 +105,8 @@ class SingleTokenDecoder:
                      (f"{i}.d", m.down_proj)]
         mods.append(("head", model.lm_head))
         self._mods, self._weights = mods, self._into_huge_pages(mods)
-        self.ln1 = [l.input_layernorm.weight for l in model.layers]
-        self.ln2 = [l.post_attention_layernorm.weight for l in model.layers]
+        self.layout = layout(model)  # each layer's norms, activation, window, rotary table
+        self.ln1, self.ln2 = [s.ln1 for s in self.layout.specs], [s.ln2 for s in self.layout.specs]
         self.native: NativeLayers | None = None  # set by warm_up where the native kernels serve
         self.sync()
         lib = native_library()
@@ -188,7 +192,7 @@ class SingleTokenDecoder:
         return out
 
     def _native_layers(self, lib) -> NativeLayers:
-        return NativeLayers(lib, self._native_lin(lib.pd_vector_width()), self.ln1, self.ln2, self.model.norm.weight,
+        return NativeLayers(lib, self._native_lin(lib.pd_vector_width()), self.layout.specs, self.layout.norm,
                             self.eps, self.nq, self.nkv, self.max_rows,
                             int8_activations=getattr(self.model, "int8_activations", False))
 
@@ -249,15 +253,13 @@ class SingleTokenDecoder:
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """True for a CPU Llama-family model whose decoder linears and LM head are fp32
-        ``nn.Linear``, INT8 or INT4 weight-only, with fp32 embeddings and norms (its kernels
-        are that layer structure: other families run their eager forward)."""
-        if model.config.family != "llama":
+        """True for a CPU Llama-family or Gemma 3 model whose decoder linears and LM head are fp32
+        ``nn.Linear``, INT8 or INT4 weight-only, with fp32 embeddings and norms (the layer
+        structures engine/models/layer_specs.py describes: other families run their eager forward)."""
+        if not hasattr(model, "layers") or not layout_fits(model):
             return False
         p = getattr(model.embed_tokens, "weight", None)  # none: an INT4 table (QuantEmbedding), fp32 rows
         if p is not None and (p.dtype != torch.float32 or p.device.type != "cpu"):
-            return False
-        if not hasattr(model, "layers"):
             return False
         if sys.byteorder != "little":  # INT8 bytes are read out of int32 words by position
             return False
@@ -284,6 +286,10 @@ class SingleTokenDecoder:
                 log.warning("native decode kernels failed at load (%s), using the compiled graphs", e)
                 self.native, self._lib = None, None
                 self.max_rows = self._max_rows()
+        if self.native is None and not self.layout.graphs:
+            log.info("%s: no native decode kernels here and no compiled graphs for the family: eager decode",
+                     self.model.config.family)
+            return False
         try:
             if self.native is None:
                 self._run_once()
@@ -364,19 +370,20 @@ class SingleTokenDecoder:
         return h
 
     def _forward_native(self, input_ids, positions, meta, kv_caches, layer_done) -> torch.Tensor:
-        m, nat = self.model, self.native
+        m, nat, lay = self.model, self.native, self.layout
         nat.set_threads(torch.get_num_threads())
         rows, nq, nkv = input_ids.shape[0], self.nq, self.nkv
-        cos, sin = m.rotary.cos[positions].contiguous(), m.rotary.sin[positions].contiguous()
-        h = m.embed_tokens(input_ids).contiguous()  # a fresh tensor: updated in place below
-        qkv = nat.pre(h, cos, sin)
+        tables = [(r.cos[positions].contiguous(), r.sin[positions].contiguous()) for r in lay.rotaries]
+        rope = [tables[k] for k in lay.rope]  # each layer's (cos, sin): Gemma's local or global
+        h = m.embed(input_ids).contiguous()  # a fresh tensor (Gemma's scaled too): updated in place below
+        qkv = nat.pre(h, *rope[0])
         last = len(m.layers) - 1
         a0 = m.layers[0].self_attn
         if nat.attends(a0.backend, kv_caches):  # attention read in place from the paged cache too
             attn, keep = nat.step_attention(meta, positions, a0.scale)
             attn_p = ctypes.addressof(attn)
             for i in range(last + 1):
-                nat.layer(i, i == last, h, qkv, cos, sin, attn_p, kv_caches[i])
+                nat.layer(i, i == last, h, qkv, *rope[min(i + 1, last)], attn_p, kv_caches[i])
                 if layer_done is not None:
                     layer_done(i)
             del keep
@@ -384,11 +391,11 @@ class SingleTokenDecoder:
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
             o = a.backend.forward(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:], kv_caches[i], meta,
-                                  a.scale).reshape(rows, -1).contiguous()
+                                  a.scale, window=getattr(a, "window", None)).reshape(rows, -1).contiguous()
             if layer_done is not None:
                 layer_done(i)
             if i < last:
-                qkv = nat.post_pre(i, h, o, cos, sin)
+                qkv = nat.post_pre(i, h, o, *rope[i + 1])
             else:
                 nat.post(i, h, o)
         return h
@@ -398,5 +405,6 @@ class SingleTokenDecoder:
         if not 1 <= hidden.shape[0] <= self.max_rows:
             raise ValueError(f"{hidden.shape[0]} rows: the compiled path runs 1..{self.max_rows}")
         if self.native is not None:
-            return self.native.logits(hidden)
+            logits, cap = self.native.logits(hidden), self.layout.softcap
+            return logits if cap is None else torch.tanh(logits / cap) * cap
         return compiled("_logits")(hidden, self.model.norm.weight, self.lin["head"], self.eps)
