@@ -311,14 +311,8 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             self.bm.cache_blocks(req.block_ids, req.all_token_ids, before, req.num_computed_tokens)
             req.prompt_logprobs.extend(result.prompt_logprobs.get(req.request_id, ()))
-            tokens = result.sampled.get(req.request_id, [])  # (more than one: jump-forward's forced tokens)
-            for i, tok in enumerate(tokens):
-                req.append_output_token(tok)
-                status = self.check_stop(req, tok)
-                if status is not None:
-                    self.finish(req, status)
-                    del tokens[i + 1:]  # outputs show only what was appended
-                    break
+            # (more than one: jump-forward's forced tokens)
+            self._append(req, result.sampled.get(req.request_id, []))
             if req.prefill_only and req.status == RequestStatus.RUNNING and req.output_token_ids:
                 # Prefill done: hold the blocks for the KV transfer, compute nothing more.
                 self.running.remove(req)
@@ -345,18 +339,20 @@ class Scheduler:
         # Hash blocks that became full of accepted tokens before a stop may free them.
         self.bm.cache_blocks(req.block_ids, req.all_token_ids + tokens, before, computed)
         req.num_computed_tokens = computed
-        appended = 0
-        for tok in tokens:
+        self._append(req, tokens)
+        if not req.is_finished:
+            self.bm.trim(req.block_ids, req.num_tokens)
+
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        """Append a step's tokens to ``req`` until one stops it; ``tokens`` (the step result's
+        list) loses those after the stop, so outputs show only what was appended."""
+        for i, tok in enumerate(tokens):
             req.append_output_token(tok)
-            appended += 1
             status = self.check_stop(req, tok)
             if status is not None:
                 self.finish(req, status)
-                break
-        if appended < len(tokens):
-            result.sampled[req.request_id] = tokens[:appended]
-        if not req.is_finished:
-            self.bm.trim(req.block_ids, req.num_tokens)
+                del tokens[i + 1:]
+                return
 
     def check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """Stop on EOS (unless ignored), a stop token id, max_tokens or the context limit."""
