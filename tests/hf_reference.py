@@ -68,7 +68,8 @@ def greedy(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     loaded only when some prompt has no recorded entry, and freed before returning."""
     from engine.models import gguf as gguf_files
     folder = _folder()
-    keys = [_key(gguf_files.file_digest(gguf), ids, n) for ids in prompts]
+    digest = gguf_files.file_digest(gguf)  # (the whole file read: once, not per prompt)
+    keys = [_key(digest, ids, n) for ids in prompts]
     got: list[list[int] | None] = [None] * len(prompts)
     if folder is not None:
         for i, key in enumerate(keys):
