@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--rate", type=float, help="open loop: Poisson arrivals at this many requests/s")
     a.add_argument("--rates", help="open loop sweep, e.g. 0.5,1,2: goodput vs rate")
     a.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 4)")
-    a.add_argument("--duration", type=float, default=300.0, help="stop issuing requests after this many s")
+    a.add_argument("--duration", type=float, default=300.0,
+                   help="stop issuing requests after this many s (default 300)")
     s = p.add_argument_group("targets")
     s.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="TTFT target (default 3000 ms)")
     s.add_argument("--tpot-slo-ms", type=float, default=150.0, help="TPOT target (default 150 ms)")
