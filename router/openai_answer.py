@@ -14,6 +14,7 @@ as they are generated; the finish comes last, in a chunk of its own.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pdserve.v1 import pdserve_pb2 as pb
@@ -45,10 +46,11 @@ class Shaper:
     ``echo``; its logprobs then start with the prompt's, the first token's being null)."""
 
     def __init__(self, chat: bool, rid: str, model: str, choices: int, token_text=None,
-                 echo: list[str] | None = None, tools: bool = False) -> None:
+                 echo: list[str] | None = None, tools: Sequence[str] = ()) -> None:
         self.chat, self.rid, self.model, self.echo = chat, rid, model, echo
-        self.tools = tools  # chat with tools offered: parse calls out of the text (router.tools)
-        self._calls = [CallStream() for _ in range(choices)] if chat and tools else None  # (streaming)
+        # chat with tools offered, their names: parse calls out of the text (router.tools)
+        self.tools = tuple(tools) if chat else ()
+        self._calls = [CallStream(self.tools) for _ in range(choices)] if self.tools else None  # (streaming)
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.token_text = token_text or str
@@ -154,7 +156,7 @@ class Shaper:
                 message: dict[str, Any] = {"role": "assistant", "content": t}
                 reason = FINISH.get(f)
                 if self.tools:
-                    content, calls = parse_calls(t)
+                    content, calls = parse_calls(t, self.tools)
                     if calls:
                         message = {"role": "assistant", "content": content, "tool_calls": calls}
                         reason = _tool_finish(reason)

@@ -188,7 +188,7 @@ class _Routes:
             echo = [g.prompt if g.WhichOneof("input") == "prompt" else await _decode(router, g.token_ids.ids)
                     for g in reqs]
         return reqs, Shaper(chat, rid, router.served_model_name, len(reqs), router.token_text, echo,
-                            tools=chat and req.tools_offered)
+                            tools=[t["function"]["name"] for t in req.tools] if chat and req.tools_offered else ())
 
 
 async def _answer(request: Request, req, events, shaper: Shaper, unread_s: float) -> Response:

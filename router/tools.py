@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -28,6 +29,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+_FENCE = re.compile(r"^```[A-Za-z]*\s*\n?(.*?)\n?```$", re.S)  # a Markdown code block, the whole answer
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
@@ -82,9 +84,44 @@ def call_grammar(tools: list[dict[str, Any]], function: str | None, special_toke
     return Guided("grammar", lark)
 
 
-def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def _call(name: str, args: Any) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def bare_calls(text: str, names: Collection[str]) -> list[dict[str, Any]] | None:
+    """Calls written without the ``<tool_call>`` tags: the whole answer one JSON object
+    ``{"name": <an offered function>, "arguments": {...}}``, or a list of them, bare or in a
+    Markdown code fence. Small Qwen2.5 models answer a ``tool_choice: auto`` request so as often
+    as with the tags (the 0.5B on bench/agents.py's asks did so every time it called). Only the
+    whole answer and only offered names count, so prose or JSON that is not a call stays
+    content. None when the answer is anything else."""
+    s = text.strip()
+    m = _FENCE.match(s)
+    if m:
+        s = m.group(1).strip()
+    if not names or not s or s[0] not in "{[":
+        return None
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError:
+        return None
+    calls = []
+    for o in obj if isinstance(obj, list) else [obj]:
+        if not isinstance(o, dict) or o.get("name") not in names or set(o) - {"name", "arguments", "parameters"}:
+            return None
+        args = o.get("arguments", o.get("parameters", {}))
+        if not isinstance(args, dict):
+            return None
+        calls.append(_call(o["name"], args))
+    return calls or None
+
+
+def parse_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, list[dict[str, Any]]]:
     """(content outside the calls or None, OpenAI ``tool_calls``) from a model's output. A block
-    whose JSON does not parse as ``{"name", "arguments"}`` stays in the content."""
+    whose JSON does not parse as ``{"name", "arguments"}`` stays in the content. ``names``: the
+    offered functions; with them, an answer that is only a call without the tags is one too
+    (``bare_calls``)."""
     calls: list[dict[str, Any]] = []
     rest: list[str] = []
     at = 0
@@ -98,8 +135,9 @@ def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         args = obj.get("arguments", obj.get("parameters", {}))
         rest.append(text[at:m.start()])
         at = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+        calls.append(_call(obj["name"], args))
+    if not calls and (bare := bare_calls(text, names)):
+        return None, bare
     rest.append(text[at:])
     content = "".join(rest).strip()
     return (content or None) if calls else text, calls
@@ -152,10 +190,17 @@ class CallStream:
     ``parse_calls`` does: a call, or content again, so text that is no call still reaches the
     client. Once announced a call stays one: cut short (max_tokens), its arguments end where
     the output did.
+
+    With the offered function ``names``, an answer whose first non-blank character opens JSON
+    or a code fence may be a call without the tags (``bare_calls``): it is held whole (``bare``)
+    and at ``finish`` becomes that call, or, if it is not one, the content (and tagged calls)
+    it holds, at once. So such an answer streams in one piece at its end.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: Collection[str] = ()) -> None:
         self.calls = 0  # calls announced
+        self.names = tuple(names)
+        self._fresh = bool(self.names)  # nothing but blanks seen yet: a bare call may be coming
         self._mode = "text"
         self._buf = ""  # text not yet passed on
         self._ws = ""  # trailing whitespace held in text mode
@@ -165,13 +210,34 @@ class CallStream:
     def feed(self, text: str) -> list[tuple]:
         out: list[tuple] = []
         self._buf += text
+        if self._fresh:
+            start = self._buf.lstrip()[:1]
+            if not start:
+                return out
+            self._fresh = False
+            if start in "{[`":
+                self._mode = "bare"
         while getattr(self, "_" + self._mode)(out):
             pass
         return out
 
+    def _bare(self, out: list[tuple]) -> bool:
+        return False  # held to the end (``finish``)
+
     def finish(self) -> list[tuple]:
         """The events for what is still held, at the choice's end."""
         out: list[tuple] = []
+        if self._mode == "bare":
+            calls = bare_calls(self._buf, self.names)
+            if calls:
+                for c in calls:
+                    out += [("call", self.calls, c["id"], c["function"]["name"]),
+                            ("args", self.calls, c["function"]["arguments"])]
+                    self.calls += 1
+                self._buf = ""
+                return out
+            held, self._buf, self._mode = self._buf, "", "text"  # not a bare call: as any other text
+            out = self.feed(held)
         if self._mode == "text":
             rest = self._ws + self._buf
             if self.calls:

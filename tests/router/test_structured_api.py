@@ -144,7 +144,7 @@ def test_tool_calls_are_parsed_into_openais_shape():
     assert parse_calls("<tool_call>\n{broken\n</tool_call>")[1] == []
 
     def answer(stream: bool):
-        sh = Shaper(True, "r", "m", 1, tools=True)
+        sh = Shaper(True, "r", "m", 1, tools=("get_weather", "get_time"))
         parts = [text[:30], text[30:]]
         rs = [pb.GenerateResponse(text=parts[0]),
               pb.GenerateResponse(text=parts[1], finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage())]
@@ -167,6 +167,56 @@ def test_tool_calls_are_parsed_into_openais_shape():
     sh = Shaper(True, "r", "m", 1)
     sh.add(0, pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage()))
     assert sh.whole(1)["choices"][0]["message"] == {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "get_weather", "arguments": {"city": "Madrid", "unit": "celsius"}}',
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Madrid", "unit": "celsius"}\n}\n```',
+    '  [{"name": "get_weather", "parameters": {"city": "Madrid", "unit": "celsius"}}]\n'])
+def test_a_call_without_the_tags_is_a_call_of_an_offered_function(text):
+    """What the 0.5B answers to tool_choice auto (bench/agents.py): the call's JSON alone, bare
+    or fenced, without <tool_call>."""
+    names = ("get_weather", "get_time")
+    content, calls = parse_calls(text, names)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Madrid", "unit": "celsius"}
+    assert parse_calls(text) == (text, [])  # no names (no tools offered): never a call
+
+    def answer(stream: bool):
+        sh = Shaper(True, "r", "m", 1, tools=names)
+        rs = [pb.GenerateResponse(text=text[:7]), pb.GenerateResponse(text=text[7:]),
+              pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage())]
+        if stream:
+            return [c for r in rs for c in sh.chunks(0, r)]
+        for r in rs:
+            sh.add(0, r)
+        return sh.whole(1)
+
+    whole = answer(False)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    chunks = answer(True)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert not any(d.get("content") for d in deltas)  # held, then the call: no JSON as content first
+    [entries] = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [(e["function"]["name"], json.loads(e["function"]["arguments"])) for e in entries] == \
+        [("get_weather", {"city": "Madrid", "unit": "celsius"})]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "launch_rockets", "arguments": {}}',  # not an offered function
+    '{"name": "get_time", "arguments": {}, "why": "asked"}',  # more than a call
+    '{"city": "Madrid"}', '```python\nprint(1)\n```', '{"name": "get_time", "arguments": {}} and then',
+    'Here: {"name": "get_time", "arguments": {}}'])
+def test_json_or_code_that_is_not_only_a_call_stays_content_streamed_or_whole(text):
+    names = ("get_weather", "get_time")
+    assert parse_calls(text, names) == (text, [])
+    sh = Shaper(True, "r", "m", 1, tools=names)
+    rs = [pb.GenerateResponse(text=text[:5]), pb.GenerateResponse(text=text[5:], finish_reason=pb.FINISH_REASON_STOP,
+                                                                 usage=pb.Usage())]
+    chunks = [c for r in rs for c in sh.chunks(0, r)]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 # ---- streamed tool calls, through the real HTTP app on a socket ------------------------------
