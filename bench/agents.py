@@ -10,8 +10,12 @@ time:
   JSON and validate against its schema (the ``jsonschema`` package) -- ``schema_valid_share``;
 - ``--tool-requests`` chats offering :data:`TOOLS`, half with ``tool_choice: "required"``
   (every call must name an offered function and its arguments validate against its parameter
-  schema: ``tool_required_valid_share``), half ``"auto"`` (whenever the model calls a tool,
-  the call must parse and validate: ``tool_auto_parse_share``, over the answers that called);
+  schema: ``tool_required_valid_share``), half ``"auto"`` (whenever the model calls an
+  offered function, tagged or not, the call must come back parsed in ``tool_calls``:
+  ``tool_auto_parse_share``, over the answers that called one; beside it the share of those
+  calls whose arguments validate, ``tool_auto_args_valid_share`` -- under ``auto`` nothing
+  constrains them -- and ``tool_auto_unknown_function``, answers calling a function that was
+  not offered, which stay content);
 - with ``--kill`` (the first cluster with a separate decode worker): one streamed
   schema-constrained chat whose decode worker is SIGKILLed once its first tokens arrived; the
   streamed text must still validate (``kill_schema_valid``).
@@ -148,11 +152,11 @@ def call_errors(calls: list[Any] | None, tools: list[dict]) -> list[str]:
     return out
 
 
-def looks_like_call(text: str | None) -> bool:
-    """Whether an answer is, whole, the JSON of a function call (``{"name": ..., "arguments":
-    ...}``, bare or in a code fence): what a model answers when it means to call a tool
-    without the tags. Judged here apart from the router's parser, so a call it missed counts
-    as called and not parsed."""
+def call_names(text: str | None) -> list[str]:
+    """The function names an answer calls when it is, whole, the JSON of calls
+    (``{"name": ..., "arguments": ...}`` or a list of them, bare or in a code fence): what a
+    model answers when it means to call a tool without the tags. Judged here apart from the
+    router's parser, so a call it missed still counts as one. [] for anything else."""
     s = (text or "").strip()
     if s.startswith("```"):
         s = s.strip("`").strip()
@@ -160,9 +164,13 @@ def looks_like_call(text: str | None) -> bool:
     try:
         obj = json.loads(s)
     except json.JSONDecodeError:
-        return False
-    return any(isinstance(o, dict) and isinstance(o.get("name"), str) and ("arguments" in o or "parameters" in o)
-               for o in (obj if isinstance(obj, list) else [obj]))
+        return []
+    return [o["name"] for o in (obj if isinstance(obj, list) else [obj])
+            if isinstance(o, dict) and isinstance(o.get("name"), str) and ("arguments" in o or "parameters" in o)]
+
+
+def looks_like_call(text: str | None) -> bool:
+    return bool(call_names(text))
 
 
 def plan(requests: int, tool_requests: int) -> list[dict]:
@@ -203,19 +211,24 @@ class Run:
                 c = r.choices[0]
                 calls = c.message.tool_calls or []
                 errs = call_errors(calls, TOOLS)
-                # A call the router could not parse stays in the content (router.tools.parse_calls):
-                # tagged, or the JSON of a call alone (any name, offered or not).
-                unparsed = "<tool_call>" in (c.message.content or "") or looks_like_call(c.message.content)
-                called = bool(calls) or unparsed
-                if spec["kind"] == "required":
-                    ok = bool(calls) and not errs and not unparsed
-                else:
-                    ok = not errs and not unparsed
-                if spec["kind"] == "auto" and not called:
-                    log(f"  auto, no call: {spec['ask']!r} -> {(c.message.content or '')[:120]!r}")
-                out = {"ok": ok, "called": called, "error": "; ".join(errs) or (
-                    "an unparsed <tool_call> in the content" if unparsed else None if ok else "no call"),
-                    "finish": c.finish_reason}
+                content = c.message.content or ""
+                # A call of a function not offered (the model's invention) stays content: a model
+                # error, counted apart. Any other call left in the content is one the router did
+                # not parse (a tagged block, or the JSON of a call alone).
+                offered = {t["function"]["name"] for t in TOOLS}
+                unknown = [n for n in call_names(content) if n not in offered]
+                unparsed = not unknown and ("<tool_call>" in content or looks_like_call(content))
+                called = bool(calls) or unparsed or bool(unknown)
+                if spec["kind"] == "required":  # the grammar forces calls of offered functions, valid
+                    ok = bool(calls) and not errs and not unparsed and not unknown
+                else:  # auto: parsed whenever it called (the arguments are the model's own)
+                    ok = not unparsed
+                if spec["kind"] == "auto" and (not called or unknown or errs):
+                    log(f"  auto: {spec['ask']!r} -> {content[:160]!r} {errs or ''}")
+                out = {"ok": ok, "called": called, "unknown": bool(unknown), "args_valid": not errs if calls else None,
+                       "error": "; ".join(errs) or ("a call left unparsed in the content" if unparsed
+                                                   else None if ok else "no call"),
+                       "finish": c.finish_reason}
         except Exception as e:  # the API answered an error: counted as invalid, named
             out = {"ok": False, "called": False, "error": f"{type(e).__name__}: {e}", "finish": None}
         out["kind"] = spec["kind"]
@@ -288,13 +301,17 @@ def run_cluster(cluster, model: str, args, kill: bool) -> dict:
     wall = time.monotonic() - t0
     schema = [r for r in results if r["kind"] == "schema"]
     required = [r for r in results if r["kind"] == "required"]
-    called = [r for r in results if r["kind"] == "auto" and r["called"]]
+    called = [r for r in results if r["kind"] == "auto" and r["called"] and not r["unknown"]]
+    auto_calls = [r for r in results if r["kind"] == "auto" and r.get("args_valid") is not None]
     out: dict[str, Any] = {
         "requests": len(results), "wall_s": round(wall, 1),
         "schema_valid_share": _share(schema), "schema_requests": len(schema),
         "tool_required_valid_share": _share(required), "tool_required_requests": len(required),
         "tool_auto_parse_share": _share(called), "tool_auto_called": len(called),
         "tool_auto_requests": sum(r["kind"] == "auto" for r in results),
+        "tool_auto_args_valid_share": (round(sum(r["args_valid"] for r in auto_calls) / len(auto_calls), 4)
+                                       if auto_calls else None),
+        "tool_auto_unknown_function": sum(r["kind"] == "auto" and r.get("unknown", False) for r in results),
         "finish_length": sum(r["finish"] == "length" for r in results),
     }
     if kill:
@@ -342,12 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def table(out: dict) -> str:
-    rows = ["| cluster | schema valid | required calls valid | auto calls parsed (called) | length cut | leaked | s |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| cluster | schema valid | required calls valid | auto calls parsed (called) | auto arguments valid "
+            "| auto unknown function | length cut | leaked | s |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, r in out["clusters"].items():
         rows.append(f"| {name} | {r['schema_valid_share']} of {r['schema_requests']} | "
                     f"{r['tool_required_valid_share']} of {r['tool_required_requests']} | "
                     f"{r['tool_auto_parse_share']} ({r['tool_auto_called']} of {r['tool_auto_requests']}) | "
+                    f"{r['tool_auto_args_valid_share']} | {r['tool_auto_unknown_function']} | "
                     f"{r['finish_length']} | {r['leaked_blocks']} | {r['wall_s']} |")
     return "\n".join(rows)
 

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from bench.agents import SCHEMAS, TOOLS, call_errors, looks_like_call, main, plan, schema_error
+from bench.agents import SCHEMAS, TOOLS, call_errors, call_names, looks_like_call, main, plan, schema_error
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.request import Guided
 from router.tools import call_grammar
@@ -60,6 +60,7 @@ def test_an_answer_that_is_a_calls_json_is_seen_as_a_call_whatever_the_parser_ma
     assert not looks_like_call("The weather in Oslo is mild.")
     assert not looks_like_call('{"city": "Oslo"}')
     assert not looks_like_call(None)
+    assert call_names('```json\n[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {}}]\n```') == ["a", "b"]
 
 
 def test_the_plan_covers_every_schema_and_every_ask_and_alternates_tool_choices():
