@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,16 @@ class AutoscaleConfig:
     decode: DecodeTargets = field(default_factory=DecodeTargets)
 
 
+@dataclass(frozen=True)
+class HAConfig:
+    """``ha``: workers that outlive the router (router.ha). Off: the router owns its workers
+    (they end with it), as before."""
+
+    enabled: bool = False  # detached, named workers that a restarted router adopts (router.ha)
+    cluster_name: str = "default"  # the routers of one cluster share it (worker names, epochs, key)
+    grace_s: float = 30.0  # a worker no router called this long aborts and frees everything (worker.fence)
+
+
 # disaggregated: prefill and decode pools; colocated: workers that do both; adaptive: workers
 # that can do both, each in one role at a time, switched at run time (router/roles.py)
 MODES = ("disaggregated", "colocated", "adaptive")
@@ -261,6 +272,7 @@ class ClusterConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     roles: RolesConfig = field(default_factory=RolesConfig)  # mode: adaptive (router/roles.py)
+    ha: HAConfig = field(default_factory=HAConfig)
 
 
 def _one_of(names) -> str:
@@ -315,6 +327,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.quantization": (lambda v: _quantization_ok(v), _QUANTIZATIONS),
     "prefill.quantization": (lambda v: _quantization_ok(v), _QUANTIZATIONS),
     "autoscale.enabled": (lambda v: isinstance(v, bool), "true or false"),
+    "ha.grace_s": (lambda v: v >= 1.0, ">= 1 (a router calls each worker every min(1, grace_s / 4) s)"),
+    "ha.cluster_name": (lambda v: bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", v)),
+                        "1 to 63 letters, digits, '_', '.' or '-' (a Ray actor name's part), starting with a "
+                        "letter or digit"),
     "autoscale.decode.kv_high": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "autoscale.decode.kv_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }

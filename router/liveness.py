@@ -13,6 +13,11 @@ disconnect and the prefill's ``prefill``, await nothing), and then the router al
 process so that Ray starts a fresh one. A lost decode worker's KV address is forgotten by
 every prefill worker. The router re-runs that worker's requests elsewhere (``on_lost``) and
 this module brings the restarted actor back.
+
+With ``ha.enabled`` (router.ha, worker.fence) each bring-up begins with an adoption, the health
+loop pings every serving worker (``ping_period``: a worker no router calls for ``ha.grace_s``
+drops everything), a worker that gave up on this router is lost (and adopted again), one a
+newer router adopted is left to it (GONE, never killed), and a router fenced off kills nothing.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from router import ha
 from router.config import ClusterConfig
 from router.worker_state import Role, Worker, WorkerState
+from worker.fence import FencedError
 from worker.protocol import ModelInfo
 
 log = logging.getLogger("pdserve.router")
@@ -56,6 +63,11 @@ class Liveness:
         self.cfg, self.workers, self.on_lost = cfg, workers, on_lost
         self._spawn, self._notify = spawn, notify
         self.actor_state = actor_state or _actor_state
+        # ha.enabled (set by the pools at start, router.ha): the first step of each bring-up, and
+        # whether this router may end worker processes (blocking; a fenced-off one may not)
+        self.adopt: Callable[[Worker], Awaitable[None]] | None = None
+        self.may_kill: Callable[[], bool] = lambda: True
+        self._pinged = 0.0  # (ha.enabled) when the last round of pings went
         self.model_info: ModelInfo | None = None  # the first worker's; every other must match it
         self._weights: dict[str, str] = {}  # model folder name -> the weights digest the first worker loaded
 
@@ -87,7 +99,7 @@ class Liveness:
                 self.stalled(w, f"a call did not answer in {timeout_s:g}s")
             else:
                 log.warning("worker %s did not answer while coming up; replacing its process", w.worker_id)
-                await asyncio.to_thread(_kill, w.actor)
+                await asyncio.to_thread(self._kill, w.actor)
             raise
 
     def stalled(self, w: Worker, why: str) -> None:
@@ -95,7 +107,7 @@ class Liveness:
         move now, and a fresh process replaces it (a SIGSTOPped one cannot exit by itself)."""
         if w.state.may_hold_blocks:
             self.lost(w, f"stalled: {why}")
-            self._spawn(asyncio.to_thread(_kill, w.actor), f"kill-{w.worker_id}")
+            self._spawn(asyncio.to_thread(self._kill, w.actor), f"kill-{w.worker_id}")
 
     def lost(self, w: Worker, why: str) -> None:
         """Mark ``w`` lost (idempotent per incarnation) and bring it back in the background;
@@ -135,6 +147,9 @@ class Liveness:
                                 "it no longer runs", w.worker_id, freed, len(held))
                 break
             except RayTaskError as e:  # (before TimeoutError: Ray makes it one if the cause was)
+                if isinstance(e.cause, FencedError) and not e.cause.orphaned:  # a newer router has it
+                    self._fenced_off(w, e.cause)
+                    return
                 if not isinstance(e.cause, (ConnectionError, TimeoutError)):  # e.g. another model's layout
                     log.error("worker %s cannot serve: %s", w.worker_id, e)
                     self._gone(w)
@@ -163,16 +178,23 @@ class Liveness:
         process, if any, is ended, so that it holds no GPU, no pool resource and no memory."""
         w.state = WorkerState.GONE
         self.forget_address(w)
-        self._spawn(asyncio.to_thread(_kill, w.actor, False), f"kill-{w.worker_id}")
+        self._spawn(asyncio.to_thread(self._kill, w.actor, False), f"kill-{w.worker_id}")
         gone = [x for x in self.workers.values() if x.state is WorkerState.GONE]
         for x in gone[:max(0, len(gone) - MAX_GONE)]:  # the oldest first (insertion order)
             del self.workers[x.worker_id]
         self._notify()
 
+    def _kill(self, actor: Any, restart: bool = True) -> None:
+        """``_kill``, unless this router may not (``may_kill``). Blocking."""
+        if self.may_kill():
+            _kill(ha.ray_handle(actor), restart)
+
     async def _connect(self, w: Worker) -> ModelInfo:
         """Check the worker's model and wire its KV connections; returns its model info. A
         peer that does not connect (it died or restarts meanwhile) is skipped: when it comes
         back up, its own bring-up connects it to every ready worker of the other pool."""
+        if self.adopt is not None:  # (ha.enabled: it reports here and obeys this router from now on)
+            await self.adopt(w)
         info = await self.call(w, w.actor.model_info.remote(), LOAD_TIMEOUT_S)  # waits while its model loads
         if self.model_info and info.fingerprint != self.model_info.fingerprint:
             raise RuntimeError(f"{w.worker_id} serves another model: {info.model}")
@@ -214,10 +236,16 @@ class Liveness:
                     log.warning("%s did not connect to %s: %s", w.worker_id, d.worker_id, e.cause)
 
     async def health(self) -> None:
-        """Ask Ray about workers whose heartbeat went quiet (a long step is not death)."""
+        """Ask Ray about workers whose heartbeat went quiet (a long step is not death); with
+        ha.enabled, call every serving worker every ``ping_period`` (its grace period restarts)."""
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
             now = time.monotonic()
+            if self.adopt is not None and now - self._pinged >= ping_period(self.cfg.ha.grace_s):
+                self._pinged = now
+                for w in self.workers.values():
+                    if w.state.may_hold_blocks:
+                        self._spawn(self._ping(w), f"ping-{w.worker_id}")
             for w in list(self.workers.values()):
                 if w.state.may_hold_blocks and now - w.last_seen > QUIET_S:
                     if await self.check_restart(w):
@@ -227,6 +255,33 @@ class Liveness:
                         # reads the state again: another path may have marked it lost while Ray
                         # answered, and a process already restarted must not be killed.
                         self.stalled(w, f"no report for {now - w.last_seen:.0f}s (router.stall_s)")
+
+    async def _ping(self, w: Worker) -> None:
+        """One ping (ha.enabled). Refused because the worker gave up on this router (its
+        grace period passed while this router was silent: stopped, or its pings lost): it is
+        lost, and its bring-up adopts it again. Fenced off by a newer router: it is left to it.
+        Any other failure is the stall and restart checks' to judge."""
+        from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
+        try:
+            await asyncio.wait_for(w.actor.ping.remote(), self.cfg.router.stall_s)
+        except RayTaskError as e:
+            if isinstance(e.cause, FencedError) and w.state.may_hold_blocks:
+                if e.cause.orphaned:
+                    self.lost(w, "it gave up on this router (ha.grace_s passed without a call)")
+                else:
+                    self._fenced_off(w, e.cause)
+        except Exception:  # (lost, stalled: judged by the heartbeat checks)
+            pass
+
+    def _fenced_off(self, w: Worker, e: FencedError) -> None:
+        """A newer router adopted ``w`` (ha.enabled): this one leaves it (GONE, its requests
+        moved if it served them); its process is that router's, never ended here."""
+        log.error("worker %s: %s; leaving it to that router", w.worker_id, e)
+        serving = w.state.may_hold_blocks
+        w.state = WorkerState.GONE
+        if serving:
+            self.on_lost(w)
+        self._notify()
 
     async def check_restart(self, w: Worker) -> bool:
         """Ask Ray whether ``w``'s actor restarted (RESTARTING, DEAD, or a restart count above
@@ -241,6 +296,11 @@ class Liveness:
         else:
             return False
         return True
+
+
+def ping_period(grace_s: float) -> float:
+    """How often an HA router calls each worker: several times per grace period, at most once a second."""
+    return min(1.0, grace_s / 4)
 
 
 def _kill(actor: Any, restart: bool = True) -> None:
@@ -259,6 +319,7 @@ def _actor_state(actor: Any) -> tuple[str, int | None]:
         from ray._private import state  # (heavy: Ray) no public API answers this without the dashboard
         # Ray 2.60's ActorHandle has no public id accessor (``_actor_id`` is all it offers;
         # ``get_runtime_context().get_actor_id()`` answers only inside the actor itself).
+        actor = ha.ray_handle(actor)  # (the Ray handle behind an HA router's FencedActor)
         info = state.actors(actor_id=actor._actor_id.hex())
         restarts = info.get("NumRestarts")
         return info.get("State", "UNKNOWN"), restarts if isinstance(restarts, int) else None

@@ -14,6 +14,9 @@ Lifecycle of a worker here (``Worker.state``, a ``WorkerState``: router.worker_s
 Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, a component :class:`Pools` owns
 (``pools.liveness``).
 
+With ``ha.enabled`` (router.ha) the workers are detached, named actors: at start the pools adopt
+the running ones (bring-up ``adopt``s first), create the missing ones; every call carries the epoch.
+
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
 step with outputs and at least every 50 ms (worker.step_loop); one PULL socket here receives
 them all. What is taken (``take_report``), in order of cost:
@@ -46,9 +49,10 @@ import zmq.asyncio
 
 from engine.errors import InvalidRequestError
 from kvtransfer.auth import new_secret
+from router import ha
 from router.config import ClusterConfig
 from router.engine_configs import engine_configs  # (also imported from here)
-from router.liveness import HEALTH_PERIOD_S, QUIET_S, Liveness
+from router.liveness import HEALTH_PERIOD_S, LOAD_TIMEOUT_S, QUIET_S, Liveness
 from router.placement import WorkerLoad
 from router.worker_state import UNREACHABLE, Role, Unreachable, Worker, WorkerState
 from worker.protocol import (MAX_REPORT_BYTES, Failed, Key, ModelInfo, ProtocolError, Record, Reservation,
@@ -103,6 +107,7 @@ class Pools:
         self._tasks: set[asyncio.Task] = set()  # running background tasks (each removes itself)
         self._sock = None
         self._next_index = dict.fromkeys(Role, 0)
+        self.epoch: int | None = None  # ha.enabled: this router's (router.ha), taken at start
         self.liveness = Liveness(cfg, self.workers, on_lost, self._spawn, self._notify)
 
     @property
@@ -120,11 +125,18 @@ class Pools:
         self._address = address
         cfg = self.cfg
         colocated = cfg.mode == "colocated"
-        for _ in range(0 if colocated else cfg.prefill.replicas):  # (adaptive: the workers that begin as prefill)
+        if cfg.ha.enabled:  # this router's epoch, the cluster key, the running workers (STARTING)
+            self.epoch, self.key = await asyncio.to_thread(ha.find, cfg, self.workers, self._next_index)
+            # each bring-up adopts the worker first; a router fenced off ends no process (router.ha)
+            self.liveness.adopt = lambda w: ha.adopt(w, RouterLink(address, w.worker_id), cfg.ha.grace_s,
+                                                     self.liveness.call, LOAD_TIMEOUT_S)
+            self.liveness.may_kill = lambda: ha.may_kill(cfg.ha.cluster_name, self.epoch)
+        have = {pool: sum(w.role.pool == pool for w in self.workers.values()) for pool in ("prefill", "decode")}
+        for _ in range((0 if colocated else cfg.prefill.replicas) - have["prefill"]):  # (adaptive: begin as prefill)
             self._create(Role.PREFILL)
-        for _ in range(cfg.decode.replicas):
+        for _ in range(cfg.decode.replicas - have["decode"]):
             self._create(Role.COLOCATED if colocated else Role.DECODE)
-        progress(f"starting {len(self.workers)} workers ({cfg.mode}) ...")
+        progress(f"starting {len(self.workers)} workers ({cfg.mode}; {len(self.workers) - sum(have.values())} new) ...")
         # Decode workers first: a prefill worker coming up connects to every ready decode worker.
         decode = [w for w in self.workers.values() if w.role is not Role.PREFILL]
         await asyncio.gather(*(self.liveness.bring_up(w) for w in decode))
@@ -161,12 +173,13 @@ class Pools:
                              resolve_model=engine_cfg.model == self.model_path, model=cfg.model,
                              # (an adaptive worker runs the decode pool's engine)
                              kv_cache_auto=(cfg.prefill if prefill and not adaptive else cfg.decode
-                                            ).kv_cache_gb == "auto")
+                                            ).kv_cache_gb == "auto",
+                             epoch=self.epoch, grace_s=cfg.ha.grace_s)
         cpus = pool.threads + (len(cfg.prefill.transfer_cpus) if prefill else 0)  # (the transfer's own)
         actor = cls.options(resources={role.pool: 1}, num_cpus=cpus,
-                            max_restarts=-1, max_task_retries=0,
+                            max_restarts=-1, max_task_retries=0, **ha.actor_options(cfg.ha, wid),
                             **({"num_gpus": 1} if cfg.device == "cuda" else {})).remote(engine_cfg, opts)
-        w = self.workers[wid] = Worker(wid, role, actor, adaptive=adaptive)
+        w = self.workers[wid] = Worker(wid, role, ha.fenced(actor, self.epoch), adaptive=adaptive)
         return w
 
     def grow(self, role: str) -> Worker:
@@ -238,7 +251,8 @@ class Pools:
             await asyncio.wait_for(w.actor.shutdown.remote(), 10)
         except Exception:  # already gone
             pass
-        ray.kill(w.actor, no_restart=True)
+        if await asyncio.to_thread(self.liveness.may_kill):
+            ray.kill(ha.ray_handle(w.actor), no_restart=True)
         self.workers.pop(w.worker_id, None)
         self.liveness.forget_address(w)
         self._notify()
@@ -256,12 +270,13 @@ class Pools:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         import ray  # (heavy: Ray, loaded when the cluster starts)
-        for w in self.workers.values():
+        # (ha.enabled: detached workers end only here; a router fenced off leaves them to the newer one)
+        for w in self.workers.values() if self.workers and await asyncio.to_thread(self.liveness.may_kill) else ():
             try:
                 await asyncio.wait_for(w.actor.shutdown.remote(), 10)
             except Exception:  # already dead or stuck: the kill below settles it
                 pass
-            ray.kill(w.actor, no_restart=True)
+            ray.kill(ha.ray_handle(w.actor), no_restart=True)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._ctx.term()

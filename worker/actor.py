@@ -30,7 +30,8 @@ from engine.llm_engine import LLMEngine
 from engine.models.loader import resolve_model_path
 from kvtransfer.auth import PlaneAuth
 from kvtransfer.base import LEASE_S, FrameTransport, get_transport
-from worker.protocol import Key, ModelInfo, Record, WorkerOptions, WorkerStatus
+from worker.fence import Adopted
+from worker.protocol import Key, ModelInfo, Record, RouterLink, WorkerOptions, WorkerStatus
 from worker.step_loop import StepLoop
 
 
@@ -80,8 +81,29 @@ class WorkerActor:
     (``PrefillActor``, ``DecodeActor``, ``AdaptiveActor``, each wrapped by ``ray.remote``)
     wires a core, its role's calls object and the loop together, and adds the role's calls."""
 
+    # Not callable through ``call``: they are the fence's own entries.
+    _UNFENCED = frozenset({"call", "adopt"})
+
     def __init__(self, loop: StepLoop) -> None:
         self.loop = loop
+
+    # ---- HA (worker.fence): the routers of an HA cluster reach every other call through these --
+    def call(self, epoch: int, method: str, *args, **kwargs):
+        """``method(*args, **kwargs)`` for the router of ``epoch``: the one place a worker checks
+        who calls (worker.fence.Fence.admit; FencedError if it may not)."""
+        if method.startswith("_") or method in self._UNFENCED:
+            raise ValueError(f"no such call: {method}")
+        if self.loop.fence is None:
+            raise ValueError("this worker has no fence (ha.enabled was off when it was made)")
+        self.loop.fence.admit(epoch)
+        return getattr(self, method)(*args, **kwargs)
+
+    def adopt(self, epoch: int, link: RouterLink, grace_s: float | None = None) -> Adopted:
+        """A router of ``epoch`` (>= the one followed) takes this worker over (StepLoop.adopt)."""
+        return self.loop.adopt(epoch, link, grace_s)
+
+    def ping(self) -> None:
+        """Nothing: through ``call``, it tells the fence the router is alive (router.liveness)."""
 
     def abort(self, key: Key) -> None:
         self.loop.abort(key)

@@ -100,6 +100,10 @@ class WorkerOptions:
     # kv_cache_gb: auto: size the engine's KV cache from what this node has left, this worker's
     # share by role (engine/kv_budget.py), instead of the config's cache.memory_gb
     kv_cache_auto: bool = False
+    # ha.enabled (router.ha): the creating router's epoch; the worker obeys only the router
+    # that adopted it last (worker.fence). None: no fence, no grace period (the router owns it).
+    epoch: int | None = None
+    grace_s: float = 30.0  # ha.grace_s: no router call this long, it drops everything (worker.fence)
 
 
 class ProtocolError(ValueError):

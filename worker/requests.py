@@ -56,6 +56,10 @@ class Requests:
                 out.append(key)
         return out
 
+    def live(self) -> list[str]:
+        """The engine ids of every request live here."""
+        return list(self._keys)
+
     @property
     def has_deadlines(self) -> bool:
         return bool(self._deadlines)

@@ -17,14 +17,16 @@ Its parts, each handed in by the actor that wires them::
 The role's calls (``reserve``, ``prefill``...) admit requests into the same ``Requests`` and
 queue their work in the same ``Inbox``; a request whose client deadline passed is dropped here
 even if the router's abort never arrives.
+
+A worker of an HA cluster (``options.epoch`` set) has a :class:`~worker.fence.Fence`: a new
+router ``adopt``s it (its reports go to that router's socket from then on), and a worker no
+router called for ``options.grace_s`` drops every request and stops reporting until one does.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
-import functools
+import dataclasses
 import logging
 import os
 import threading
@@ -34,14 +36,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError
-from engine.memory import account, process_memory
+from engine.memory import process_memory
 from engine.models.loader import weights_digest
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
+from worker.fence import Adopted, Fence
+from worker.heap import load_memory, release_heap  # (also imported from here)
 from worker.inbox import Inbox
 # (RouterLink, WorkerOptions: the router↔worker contract, in the protocol; still importable from here)
-from worker.protocol import (MAX_REPORT_BYTES, REPORT_TARGET_BYTES, Failed, Key, Memory, ModelInfo, Record, Report,
+from worker.protocol import (MAX_REPORT_BYTES, REPORT_TARGET_BYTES, Failed, Key, ModelInfo, Record, Report,
                              RouterLink, Tokens, WorkerOptions, WorkerStatus, encode_report, split_records)
 from worker.requests import Requests
 
@@ -61,38 +65,6 @@ TRIM_S = 30.0
 # How often a status re-reads the process's RSS and PSS (/proc/self/smaps_rollup: ~0.1-1 ms,
 # too much for every 50 ms heartbeat, nothing every few seconds).
 MEMORY_REFRESH_S = 5.0
-
-
-def release_heap() -> bool:
-    """Return the C heap's free memory to the OS (glibc ``malloc_trim``); False where the C
-    library has none (musl, macOS): nothing to do there."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def load_memory(engine: Any) -> Memory | None:
-    """The engine's memory account (engine.memory.account, by category) and this process's
-    figures, now: called once the model is up, so its peak RSS is the loading peak. None if the
-    account fails (it walks the engine's objects: a new layout must not stop a worker)."""
-    try:
-        gb = account(engine).gb()
-    except Exception:
-        log.exception("memory account failed; serving without it")
-        return None
-    proc = process_memory()
-    return Memory(weights_gb=gb["weights"], packed_copies_gb=gb["packed_copies"], kv_cache_gb=gb["kv_cache"],
-                  other_gb=gb["other"], rss_gb=proc["rss_gb"], pss_gb=proc["pss_gb"], peak_rss_gb=proc["peak_rss_gb"])
 
 
 class RoleHooks(Protocol):
@@ -155,6 +127,8 @@ class StepLoop:
                                         self.model_info)
             self._metrics_server, port = serve_metrics(collector, host, port)
             self.metrics_address = f"{host}:{port}"
+        # (HA: the router this worker follows, and the grace period; None: its router owns it)
+        self.fence = None if options.epoch is None else Fence(options.epoch, options.grace_s)
         self.running = True
         self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self.loop.start()
@@ -191,29 +165,35 @@ class StepLoop:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
-        sink = self._connect() if self.options.router is not None else None
+        self._sink = self._connect() if self.options.router is not None else None
         try:
-            self._loop(sink)
+            self._loop()
         except BaseException:  # a bug: die loudly so Ray restarts the actor and the router re-runs
             log.exception("step loop failed; exiting the worker process")
             os._exit(1)
         finally:
-            if sink is not None:
-                sink.close(linger=1000)
+            if self._sink is not None:
+                self._sink.close(linger=1000)
 
-    def _loop(self, sink: Any) -> None:
-        self._sink = sink
+    def _loop(self) -> None:
         next_trim = time.monotonic() + TRIM_S
         while self.running:
             with self.lock:
+                # (``self._sink``, not a local: an adoption in the inbox swaps it, an orphaning drops it)
                 if self.inbox:
                     self._run_inbox()
-                    if sink is not None:  # new work: show it before a step that may take seconds
-                        self._send(sink, time.monotonic())
+                    if self._sink is not None:  # new work: show it before a step that may take seconds
+                        self._send(self._sink, time.monotonic())
                 self._expire(time.monotonic())
+                if self.fence is not None and self.fence.expired():
+                    self._orphan()
                 busy = self.worker.engine.scheduler.has_work() or self.hooks.busy()
+                began = time.monotonic()
                 self._step()
                 now = time.monotonic()
+                if self.fence is not None and now - began > MID_STEP_BEAT_S:  # (calls waited: worker.fence)
+                    self.fence.credit(now - began)
+                sink = self._sink
                 # Outputs go at once; an idle worker still reports its load (a heartbeat).
                 if sink is not None and (self.outbox or now - self._last_beat >= HEARTBEAT_S):
                     self._send(sink, now)
@@ -222,6 +202,51 @@ class StepLoop:
                 next_trim = time.monotonic() + TRIM_S
             if not busy and not self.inbox:
                 time.sleep(0.0005)  # idle: keep polling the network, give the core back
+
+    # ---- HA: adoption and the grace period (worker.fence) ---------------------------------------
+    def adopt(self, epoch: int, link: RouterLink, grace_s: float | None = None) -> Adopted:
+        """A router of ``epoch`` takes this worker over: from the next report on, reports go
+        to ``link``, and its grace period is ``grace_s`` (None: as it was). Returns what it
+        holds (the requests of the router before, which the new one does not know). Raises
+        FencedError for an older epoch, ValueError for another worker id or a worker without
+        a fence."""
+        if self.fence is None:
+            raise ValueError("this worker has no fence (ha.enabled was off when it was made)")
+        if link.worker_id != self.worker_id:
+            raise ValueError(f"worker {self.worker_id} cannot be adopted as {link.worker_id}")
+
+        def adopt() -> Adopted:
+            self.fence.adopt(epoch, grace_s)
+            self.outbox = []  # (records of the router before: the new one knows none of its requests)
+            if self._sink is not None:
+                self._sink.close(linger=0)
+            self.options = dataclasses.replace(self.options, router=link)
+            self._sink = self._connect()
+            eng = self.worker.engine
+            held = {eid: len(r.block_ids) for eid, r in eng.scheduler.requests.items()}
+            held.update({eid: 0 for eid in self.requests.live() if eid not in held})
+            receiver = getattr(self.worker, "receiver", None)
+            log.info("adopted by the router of epoch %d at %s; it holds %d requests", epoch, link.address, len(held))
+            return Adopted(self.worker_id, self.incarnation, self.role, epoch, held, eng.block_manager.num_used_blocks,
+                           receiver.address if receiver is not None else None)
+        return self.inbox.call(adopt)
+
+    def _orphan(self) -> None:
+        """No router called for the grace period (on the loop thread, the lock held): abort
+        every request, free every block, stop reporting (until an adoption)."""
+        eng = self.worker.engine
+        ids = set(eng.scheduler.requests) | set(self.requests.live())
+        before = eng.block_manager.num_used_blocks
+        for eid in ids:
+            self.hooks.drop(eid)
+        self.outbox = []
+        if self._sink is not None:
+            self._sink.close(linger=0)
+            self._sink = None
+        self.fence.orphaned = True
+        log.warning("no router called for %.1fs (ha.grace_s): aborted %d requests, freed %d of %d KV blocks; "
+                    "waiting to be adopted", self.fence.grace_s, len(ids),
+                    before - eng.block_manager.num_used_blocks, before)
 
     def _step(self) -> None:
         """One step of the core; its records join the outbox once it is over (a report sent
