@@ -133,6 +133,19 @@ def test_forced_call_with_response_format_or_without_tools_is_refused(qwen):
         call_grammar(TOOLS, "nope", True)
 
 
+def _answer(tools: tuple[str, ...], parts: list[str], stream: bool):
+    """A chat answer of ``parts`` (the last one finishes it) with ``tools`` offered, shaped for
+    OpenAI: its chunks, or the whole answer."""
+    sh = Shaper(True, "r", "m", 1, tools=tools)
+    rs = [pb.GenerateResponse(text=p) for p in parts[:-1]]
+    rs.append(pb.GenerateResponse(text=parts[-1], finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage()))
+    if stream:
+        return [c for r in rs for c in sh.chunks(0, r)]
+    for r in rs:
+        sh.add(0, r)
+    return sh.whole(1)
+
+
 def test_tool_calls_are_parsed_into_openais_shape():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
@@ -144,15 +157,7 @@ def test_tool_calls_are_parsed_into_openais_shape():
     assert parse_calls("<tool_call>\n{broken\n</tool_call>")[1] == []
 
     def answer(stream: bool):
-        sh = Shaper(True, "r", "m", 1, tools=("get_weather", "get_time"))
-        parts = [text[:30], text[30:]]
-        rs = [pb.GenerateResponse(text=parts[0]),
-              pb.GenerateResponse(text=parts[1], finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage())]
-        if stream:
-            return [c for r in rs for c in sh.chunks(0, r)]
-        for r in rs:
-            sh.add(0, r)
-        return sh.whole(1)
+        return _answer(("get_weather", "get_time"), [text[:30], text[30:]], stream)
 
     whole = answer(False)["choices"][0]
     assert whole["finish_reason"] == "tool_calls" and len(whole["message"]["tool_calls"]) == 2
@@ -183,14 +188,7 @@ def test_a_call_without_the_tags_is_a_call_of_an_offered_function(text):
     assert parse_calls(text) == (text, [])  # no names (no tools offered): never a call
 
     def answer(stream: bool):
-        sh = Shaper(True, "r", "m", 1, tools=names)
-        rs = [pb.GenerateResponse(text=text[:7]), pb.GenerateResponse(text=text[7:]),
-              pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage())]
-        if stream:
-            return [c for r in rs for c in sh.chunks(0, r)]
-        for r in rs:
-            sh.add(0, r)
-        return sh.whole(1)
+        return _answer(names, [text[:7], text[7:], ""], stream)
 
     whole = answer(False)["choices"][0]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
@@ -211,10 +209,7 @@ def test_a_call_without_the_tags_is_a_call_of_an_offered_function(text):
 def test_json_or_code_that_is_not_only_a_call_stays_content_streamed_or_whole(text):
     names = ("get_weather", "get_time")
     assert parse_calls(text, names) == (text, [])
-    sh = Shaper(True, "r", "m", 1, tools=names)
-    rs = [pb.GenerateResponse(text=text[:5]), pb.GenerateResponse(text=text[5:], finish_reason=pb.FINISH_REASON_STOP,
-                                                                 usage=pb.Usage())]
-    chunks = [c for r in rs for c in sh.chunks(0, r)]
+    chunks = _answer(names, [text[:5], text[5:]], stream=True)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
