@@ -9,6 +9,13 @@ turns NOT_SERVING on both ports, new requests are refused with a retry hint (HTT
 (30 s) to finish. Then the servers stop, aborting what still runs, and the pools are shut down.
 A second signal ends the wait at once.
 
+With ``ha.enabled``, ``pdserve serve`` is one of the cluster's routers (``serve_ha``): it stands
+by (router.standby: its ports refuse) until it holds the leader lease (router.leader), then
+leads: starts or adopts the workers and serves. A leader whose lease is lost (it stalled, or
+could not renew) stops serving at once, ends no worker (the next leader adopts them) and stands
+by again. A leader stopped by a signal drains, gives the lease up, and ends the workers only
+if no standby asked for the lease lately (else it leaves them to the one that takes over).
+
 Reloading (SIGHUP; ``reload_security``): the tokens file and the policy file
 (``security.policy_file``) are read again and take effect for the next call: a token no longer
 in the file is refused from then on (its requests already running may finish), new limits
@@ -19,6 +26,7 @@ logged); neither does a reload that would turn tokens off.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -30,9 +38,12 @@ from pathlib import Path
 
 from router.auth import front_door, load_tokens
 from router.config import ClusterConfig
+from router.drain import Gate
+from router.leader import Elector, lease_actor
 from router.nodes import check_model
 from router.policy import load_policy
 from router.server import Router, start_server
+from router.standby import StandbyPorts
 
 log = logging.getLogger("pdserve.router")
 
@@ -174,6 +185,8 @@ def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
     init_ray(cfg, address)
 
     async def main() -> None:
+        if cfg.ha.enabled:
+            return await serve_ha(cfg, host, port, door)
         router, server, _ = await start_cluster(cfg, host, port, door=door)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -189,6 +202,90 @@ def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+async def serve_ha(cfg: ClusterConfig, host: str, port: int, door) -> None:
+    """``serve`` with ``ha.enabled`` (the module docstring): stand by, lead while the lease
+    lasts, stand by again; until SIGINT or SIGTERM."""
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    _standby_hup(loop)
+    lease = await asyncio.to_thread(lease_actor, cfg.ha.cluster_name, cfg.ha.lease_s)
+    await asyncio.to_thread(_warm, cfg)
+    elector = Elector(lease, f"{host}:{port}/pid {os.getpid()}", cfg.ha.lease_s)
+    while not stop.is_set():
+        ports = StandbyPorts(host, port, cfg.router.http_port)
+        await ports.start()
+        _say(f"standby of cluster {cfg.ha.cluster_name!r} on {host}:{ports.port}: its ports refuse until it leads")
+        taking, stopping = asyncio.ensure_future(elector.acquire()), asyncio.ensure_future(stop.wait())
+        await asyncio.wait([taking, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        await ports.stop()
+        if not taking.done():
+            taking.cancel()
+            await elector.release()  # (no longer a standby a leader may leave its workers to)
+            return
+        _say(f"leading cluster {cfg.ha.cluster_name!r} (lease term {elector.term})")
+        await _lead(cfg, host, port, door, elector, stop)
+
+
+def _standby_hup(loop: asyncio.AbstractEventLoop) -> None:
+    """SIGHUP while not leading: nothing to reload (and not the default action: ending the process)."""
+    loop.add_signal_handler(signal.SIGHUP, _say, "SIGHUP ignored: a standby serves nothing (send it to the leader)")
+
+
+def _warm(cfg: ClusterConfig) -> None:
+    """Load now what a term's start would load on the event loop (seconds of imports, the
+    model's folder): a standby that takes over starts sooner."""
+    import transformers  # noqa: F401  (heavy: the tokenizer's, imported by the Router)
+
+    from engine.models.loader import resolve_model_path  # (heavy: torch, through the engine)
+    if cfg.router.http_port is not None:
+        import router.openai_http  # noqa: F401  (optional: fastapi and uvicorn, for the OpenAI API)
+    resolve_model_path(cfg.model, True)
+
+
+async def _lead(cfg: ClusterConfig, host: str, port: int, door, elector: Elector, stop: asyncio.Event) -> None:
+    """One term as the leader: serve until ``stop`` (drain, give the lease up) or the lease is lost."""
+    keeping = asyncio.create_task(elector.hold(), name="lease")
+    door = dataclasses.replace(door, gate=Gate())  # (a drained gate stays drained: each term its own)
+    door.gate.holds = elector.leading  # every call asks: a router whose lease passed serves nothing
+    try:
+        router, server, _ = await start_cluster(cfg, host, port, door=door)
+    except BaseException:
+        if keeping.done():  # (lost the lease while starting: stand by again)
+            log.exception("lost the lease while starting: %s", keeping.result())
+            return
+        keeping.cancel()
+        await elector.release()
+        raise
+    liveness = router.pools.liveness
+    may_kill = liveness.may_kill  # (router.ha: unless fenced off) ... and only while it leads
+    liveness.may_kill = lambda: elector.leading() and may_kill()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, reload_security, router, cfg.security)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([keeping, stopping], return_when=asyncio.FIRST_COMPLETED)
+    _standby_hup(loop)
+    if keeping.done():  # the lease is lost: another router may lead the workers already
+        stopping.cancel()
+        _say(f"lost the leader lease ({keeping.result()}): serving nothing, leaving the workers to the next leader")
+        await stop_cluster(router, server)  # (no kill: it leads no more)
+        return
+    _say("shutting down: health NOT_SERVING, new requests refused ...")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: stop waiting for requests
+        loop.add_signal_handler(sig, door.gate.hurry)
+    left = await door.gate.drain(cfg.front_door.shutdown_grace_s)
+    if left:
+        _say(f"aborting {left} requests still running")
+    lost = keeping.done()  # (while draining: another router may lead them already)
+    keeping.cancel()
+    handed = await elector.release()
+    if handed:
+        _say("a standby waits for the lease: the workers are left to it")
+    liveness.may_kill = (lambda: False) if handed or lost else may_kill
+    await stop_cluster(router, server)
 
 
 class BackgroundCluster:

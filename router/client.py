@@ -32,6 +32,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
 
 
 TOKEN_ENV = "PDSERVE_TOKEN"
+RECONNECT_MAX_MS = 2000  # the longest a list's client waits before it tries an address that refused again
 MAX_ATTEMPTS = 4  # a call's tries on UNAVAILABLE, over a list of servers (backing off 0.2 s .. 2 s)
 _FAILOVER = json.dumps({
     "loadBalancingConfig": [{"pick_first": {}}],
@@ -73,7 +74,10 @@ def target(server: str) -> tuple[str, list[tuple[str, str | int]]]:
     uri = ("ipv4:" + ",".join(f"{a}:{port}" for a, port in addrs) if families == {4}
            else "ipv6:" + ",".join(f"[{a}]:{port}" for a, port in addrs))
     first = parts[0].rpartition(":")[0].strip("[]")
-    return uri, [("grpc.service_config", _FAILOVER), ("grpc.enable_retries", 1), ("grpc.default_authority", first)]
+    return uri, [("grpc.service_config", _FAILOVER), ("grpc.enable_retries", 1), ("grpc.default_authority", first),
+                 # (a standby that refused a while ago may lead now (router.standby): try it again
+                 # within seconds, not after gRPC's default backoff of up to 2 minutes)
+                 ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
 
 
 def channel(server: str, *, tls_ca: str | None = None, token: str | None = None,

@@ -11,13 +11,16 @@ already running go on. ``drain`` returns once the last of them ends, or when ``g
 passed (``front_door.shutdown_grace_s``, SIGTERM in router.app), or at ``hurry()`` (a second
 signal); the servers' stop then aborts whatever still runs. There is no way back to SERVING:
 a drained router is stopping.
+
+A router of an HA cluster serves only while it leads (router.leader): ``holds`` is asked on
+every call, and a router whose lease has passed is DRAINING at once (before its own stop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 RETRY_AFTER_S = 1  # the retry hint on a refusal: another replica, or this one once it has room
 
@@ -26,7 +29,8 @@ class Gate:
     """Counts the calls in progress and refuses new ones once draining. One event loop's."""
 
     def __init__(self) -> None:
-        self.draining = False
+        self._draining = False
+        self.holds: Callable[[], bool] = lambda: True  # this router leads (router.leader); else draining
         self.active = 0  # calls let in and not yet ended
         self._changed: asyncio.Event | None = None  # set at drain, at each last call's end, at hurry
         self._hurried = False
@@ -35,6 +39,10 @@ class Gate:
         if self._changed is None:
             self._changed = asyncio.Event()
         return self._changed
+
+    @property
+    def draining(self) -> bool:
+        return self._draining or not self.holds()
 
     def enter(self) -> bool:
         """Let a call in (True), or not: draining (False). Each True needs one ``leave``."""
@@ -75,7 +83,7 @@ class Gate:
         Returns:
             How many calls still run (0: all finished within the grace period).
         """
-        self.draining, self._hurried = True, False
+        self._draining, self._hurried = True, False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         self._event().set()  # wakes until_draining

@@ -146,6 +146,9 @@ class Guard(grpc.aio.ServerInterceptor):
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as this method's "
                                 f"message: {str(request.error)[:200]}")
+        if not self.gate.holds():  # (an HA router that does not lead its cluster: router.leader)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this router does not lead its cluster; retry on another",
+                                trailing_metadata=(("retry-after", str(RETRY_AFTER_S)),))
         who = client_address(context.peer())
         if self.calls.get(who, 0) >= self.calls_per_client:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -34,6 +34,7 @@ from worker.protocol import RouterLink
 log = logging.getLogger("pdserve.router")
 
 NAMESPACE = "pdserve"  # the Ray namespace of the named workers, and the GCS KV's of the epochs and key
+LEADER = "leader"  # the name, in place of a worker id, of the cluster's leader lease (router.leader): no worker's
 
 
 def actor_name(cluster: str, worker_id: str) -> str:
@@ -78,7 +79,7 @@ def find_workers(cluster: str) -> dict[str, Any]:
     prefix = actor_name(cluster, "")
     found = {}
     for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix):
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix) and a["name"] != prefix + LEADER:
             try:
                 found[a["name"][len(prefix):]] = ray.get_actor(a["name"], namespace=NAMESPACE)
             except ValueError:  # ended since it was listed

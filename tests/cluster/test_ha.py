@@ -11,6 +11,7 @@ and server on it, nothing cleaned up, so it calls no worker again, aborts nothin
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -35,11 +36,13 @@ def abandon(c) -> None:
 def cluster_name(ray_session):
     """The module's HA cluster (each test's routers adopt the workers the test before left, or
     start them); every worker of it is ended after the module."""
-    from router import ha
+    from router import ha, leader
     name = f"test-{uuid.uuid4().hex[:8]}"
     yield name
     for handle in ha.find_workers(name).values():  # (any left by an abandoned last router)
         ray_session.kill(handle, no_restart=True)
+    with contextlib.suppress(ValueError):  # the leader lease of the ``pdserve serve`` processes (router.leader)
+        ray_session.kill(ray_session.get_actor(leader.lease_name(name), namespace=ha.NAMESPACE), no_restart=True)
 
 
 @pytest.fixture(scope="module")
