@@ -136,17 +136,29 @@ async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Call
 async def stop_cluster(router, server, grace_s: float = 0.0, progress: Callable[[str], None] | None = None) -> None:
     """Drain (see the module doc; running requests get ``grace_s``), then stop the servers and
     the pools."""
-    gate = router.door.gate
+    await _drain(router.door.gate, grace_s, progress)
+    if router.http is not None:
+        await router.http.stop()
+    await server.stop(grace=1.0)
+    await router.stop()
+
+
+async def _drain(gate: Gate, grace_s: float, progress: Callable[[str], None] | None) -> int:
+    """``gate.drain(grace_s)``, saying what runs and what is left; returns what is left."""
     if progress is not None and gate.active:
         progress(f"draining: {gate.active} requests running get up to {grace_s:g} s to finish "
                  "(a second signal stops now) ...")
     left = await gate.drain(grace_s)
     if progress is not None and left:
         progress(f"aborting {left} requests still running")
-    if router.http is not None:
-        await router.http.stop()
-    await server.stop(grace=1.0)
-    await router.stop()
+    return left
+
+
+def _shutting_down(loop: asyncio.AbstractEventLoop, gate: Gate) -> None:
+    """Say so; from now on a second SIGINT or SIGTERM stops waiting for running requests."""
+    _say("shutting down: health NOT_SERVING, new requests refused ...")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, gate.hurry)
 
 
 def reload_security(router, sec, env: dict[str, str] | None = None) -> bool:
@@ -192,9 +204,7 @@ def serve(cfg: ClusterConfig, address: str | None, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
         install_signals(loop, router, cfg.security, stop)
         await stop.wait()
-        _say("shutting down: health NOT_SERVING, new requests refused ...")
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: stop waiting for requests
-            loop.add_signal_handler(sig, router.door.gate.hurry)
+        _shutting_down(loop, router.door.gate)
         await stop_cluster(router, server, cfg.front_door.shutdown_grace_s, _say)
 
     try:
@@ -273,12 +283,8 @@ async def _lead(cfg: ClusterConfig, host: str, port: int, door, elector: Elector
         _say(f"lost the leader lease ({keeping.result()}): serving nothing, leaving the workers to the next leader")
         await stop_cluster(router, server)  # (no kill: it leads no more)
         return
-    _say("shutting down: health NOT_SERVING, new requests refused ...")
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: stop waiting for requests
-        loop.add_signal_handler(sig, door.gate.hurry)
-    left = await door.gate.drain(cfg.front_door.shutdown_grace_s)
-    if left:
-        _say(f"aborting {left} requests still running")
+    _shutting_down(loop, door.gate)
+    await _drain(door.gate, cfg.front_door.shutdown_grace_s, _say)
     lost = keeping.done()  # (while draining: another router may lead them already)
     keeping.cancel()
     handed = await elector.release()
