@@ -58,7 +58,7 @@ def test_the_fairness_mode_writes_the_weights_into_the_policy_and_reports_their_
 
 
 def test_the_preemption_probe_preempts_the_low_stream_on_each_protocol_and_it_resumes_as_one():
-    p = Preemption(rounds=1, victim_max_tokens=8)
+    p = Preemption(rounds=1, victim_max_tokens=8, kv_cache_gb=0.005)  # (about 110 tokens: shorter greedy streams)
     sets = ["mode=colocated", "decode.compile_decode=false", f"decode.kv_cache_gb={p.kv_cache_gb}"]
     with tempfile.TemporaryDirectory() as d, serve(0, sets, d, p.policy()) as t:
         tally, summary = asyncio.run(run(t, p))

@@ -198,7 +198,9 @@ def _same_as_eager(fast, eager) -> SamplingParams:
 
 def test_int4_weights_take_the_compiled_path_too(make_engine, monkeypatch):
     """INT4 linears call the int4pack kernel from inside the compiled graphs, on the packed
-    weight moved into the huge-page buffer (shared with the batched path)."""
+    weight moved into the huge-page buffer (shared with the batched path); then a batch of
+    three through them (test_quantized_small_batches_take_the_compiled_path's INT4 case, on the
+    same two engines: each pair costs ~20 s of loading and compiling)."""
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
     fast = make_engine(quantization="int4")
     eager = make_engine(quantization="int4", compile_decode=False, weight_cache=False)
@@ -209,6 +211,7 @@ def test_int4_weights_take_the_compiled_path_too(make_engine, monkeypatch):
     # fp32 activations on both sides: the same kernel on inputs that differ only by the fp32
     # rounding of the fused norms and rotary, so the bound of _same_as_eager.
     _same_as_eager(fast, eager)
+    _small_batches_same_as_eager(fast, eager)
 
 
 @pytest.mark.parametrize("quant", ["int8", "int8-asym"])
@@ -255,14 +258,19 @@ def test_interleaved_int8_state_dict_stays_canonical(make_engine):
     assert mod.qweight.data_ptr() == ptr and torch.equal(mod.quantized_weight().q, ref.qweight)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_small_batches_take_the_compiled_path(make_engine, quant, monkeypatch):
+def test_quantized_small_batches_take_the_compiled_path(make_engine, monkeypatch):
     """A batch of three through the compiled graphs, INT8 (one pass over the weight words
-    updating every row) and INT4 (the int4pack kernel on all rows): fp32 activations on both
-    sides, so only summation order and the fused norms' rounding differ (the bound of
-    _same_as_eager)."""
+    updating every row); INT4 (the int4pack kernel on all rows) in
+    test_int4_weights_take_the_compiled_path_too."""
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
-    fast, eager = make_engine(quantization=quant), make_engine(quantization=quant, compile_decode=False, weight_cache=False)
+    fast, eager = make_engine(quantization="int8"), make_engine(quantization="int8", compile_decode=False,
+                                                                  weight_cache=False)
+    _small_batches_same_as_eager(fast, eager)
+
+
+def _small_batches_same_as_eager(fast, eager) -> None:
+    """Three prompts decoded together, fp32 activations on both sides, so only summation order
+    and the fused norms' rounding differ (the bound of _same_as_eager)."""
     _quant_activations(fast, torch.float32)
     _quant_activations(eager, torch.float32)
     prompts = [list(range(1000, 1006)), list(range(2000, 2011)), list(range(3000, 3004))]
