@@ -178,13 +178,13 @@ async def _one(stub, spec: RequestSpec, results: list[Result], done: Callable[[]
     import grpc
 
     # (heavy: gRPC, loaded only by what uses them)
-    from router.client import make_request
+    from router.client import ResumeMismatch, astream, make_request
     kw = dict(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     req = make_request(spec.prompt, **kw) if spec.prompt is not None else make_request(token_ids=spec.token_ids, **kw)
     r = Result(spec, time.perf_counter())
     results.append(r)
     try:
-        async for msg in stub.Generate(req):
+        async for msg in astream(stub, req):  # (through a lost router: resumed, router.client)
             if msg.token_ids:
                 now = time.perf_counter()
                 r.token_times.extend([now] * len(msg.token_ids))
@@ -193,6 +193,8 @@ async def _one(stub, spec: RequestSpec, results: list[Result], done: Callable[[]
                 r.cached_tokens, r.prefill_worker = msg.usage.cached_prompt_tokens, msg.usage.prefill_worker
     except grpc.aio.AioRpcError as e:
         r.error, r.detail = e.code().name, e.details() or ""
+    except ResumeMismatch as e:  # sent again after its router was lost, it answered other tokens
+        r.error, r.detail = "RESUME_MISMATCH", str(e)
     r.end = time.perf_counter()
     done()
 

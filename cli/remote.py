@@ -32,7 +32,7 @@ def generate(args: argparse.Namespace) -> int:
     """``pdserve generate``: one prompt to the server, its text streamed (or one JSON object at the end)."""
     import grpc  # (heavy: gRPC, loaded only by the commands that call a server)
 
-    from router.client import collect, make_request  # (heavy: gRPC)
+    from router.client import ResumeMismatch, collect, make_request, stream  # (heavy: gRPC)
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if args.chat:
@@ -41,10 +41,13 @@ def generate(args: argparse.Namespace) -> int:
     else:
         req = make_request(args.prompt, stop=args.stop, ignore_eos=args.ignore_eos, **kw)
     try:
-        out = collect(connect(args).Generate(req),
-                      None if args.json else lambda t: print(t, end="", flush=True))
+        # (stream: a stream whose router is lost goes on through the next one: router.client)
+        out = collect(stream(connect(args), req), None if args.json else lambda t: print(t, end="", flush=True))
     except grpc.RpcError as e:
         return rpc_error(e, args.server)
+    except ResumeMismatch as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
     u = out.pop("usage")
     if args.json:
         print(json.dumps({**out, **u}))

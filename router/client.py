@@ -7,17 +7,28 @@ A server may be a list, ``"10.0.0.1:50051,10.0.0.2:50051"`` (``--server a,b``): 
 over the addresses in the order given (gRPC's pick_first: the first that accepts a connection
 serves every call; when its connection fails the next is tried), and a call that fails with
 UNAVAILABLE before its first answer is retried (``MAX_ATTEMPTS`` in all, backing off), so a
-client follows its servers through one's loss without code of its own. A stream already
-answering is not retried: a server lost mid-stream is the caller's UNAVAILABLE.
+client follows its servers through one's loss without code of its own.
+
+A stream already answering is not retried by gRPC; ``stream`` carries it through the loss of
+its router (ha.enabled; the CLI uses it): when it breaks with UNAVAILABLE after tokens came, it
+asks the servers, until one answers (``RESUME_WAIT_S``), to ``Resume`` the request after the
+tokens received (the new leader keeps what the workers decode: router.resume); if none has it
+(NOT_FOUND), it sends the Generate again under the same id and drops what was already
+delivered, checking that the tokens are the same (greedy or seeded output is), else
+``ResumeMismatch``. The caller sees one stream either way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import itertools
 import json
 import os
 import socket
-from collections.abc import Iterable, Sequence
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -34,6 +45,9 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
 TOKEN_ENV = "PDSERVE_TOKEN"
 RECONNECT_MAX_MS = 2000  # the longest a list's client waits before it tries an address that refused again
 MAX_ATTEMPTS = 4  # a call's tries on UNAVAILABLE, over a list of servers (backing off 0.2 s .. 2 s)
+# How long ``stream`` keeps asking for a broken stream: a standby's takeover (ha.lease_s, then
+# its adoption: seconds) with room to spare; ha.resume_s (30 s by default) bounds it on the server
+RESUME_WAIT_S = 30.0
 _FAILOVER = json.dumps({
     "loadBalancingConfig": [{"pick_first": {}}],
     "methodConfig": [{"name": [{"service": "pdserve.v1.Generation"}],
@@ -167,3 +181,127 @@ def collect(responses: Iterable[pb.GenerateResponse], on_text=None) -> dict:
             out["finish_reason"] = FINISH_NAMES[r.finish_reason]
             out["usage"] = usage_dict(r.usage)
     return out
+
+
+class ResumeMismatch(RuntimeError):
+    """A stream sent again after its router was lost answered other tokens than those already
+    delivered (its sampling is not deterministic: a temperature without a seed)."""
+
+
+def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout: float | None = None,
+           wait_s: float = RESUME_WAIT_S) -> Iterator[pb.GenerateResponse]:
+    """``stub.Generate(request)``'s responses, carried through the loss of the router that streams
+    them (module docstring). A request without an id gets one (what ``Resume`` names it by).
+
+    Raises:
+        grpc.RpcError: the call's own error, or UNAVAILABLE still after ``wait_s``.
+        ResumeMismatch: sent again, the request answered other tokens.
+    """
+    request = _with_id(request)
+    got = _Delivered()
+    responses: Iterator[pb.GenerateResponse] = stub.Generate(request, timeout=timeout)
+    while True:
+        try:
+            for r in responses:
+                yield got.add(r)
+            return
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or not got.ids:  # (before any: the channel retried it)
+                raise
+        deadline = time.monotonic() + wait_s
+        while True:  # a router that resumes it, else one that runs it again
+            call = stub.Resume(got.resume_request(request), timeout=timeout)
+            try:
+                responses = itertools.chain([next(call)], call)  # (its error, if any, shows here)
+                break
+            except StopIteration:
+                return
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    replay = got.replay()
+                    responses = (x for r in stub.Generate(request, timeout=timeout) if (x := replay(r)) is not None)
+                    break
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
+async def astream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout: float | None = None,
+                  wait_s: float = RESUME_WAIT_S) -> AsyncIterator[pb.GenerateResponse]:
+    """``stream`` for a ``grpc.aio`` channel's stub (bench/loadgen)."""
+    request = _with_id(request)
+    got, replay, first = _Delivered(), None, None
+    call = stub.Generate(request, timeout=timeout)
+    while True:
+        try:  # (read(), not async for: the first message of a Resume is read before the rest)
+            while (r := first if first is not None else await call.read()) is not grpc.aio.EOF:
+                first = None
+                if replay is None or (r := replay(r)) is not None:
+                    yield got.add(r)
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or not got.ids:
+                raise
+        deadline, replay = time.monotonic() + wait_s, None
+        while True:
+            call = stub.Resume(got.resume_request(request), timeout=timeout)
+            try:
+                first = await call.read()  # (its error, if any, shows here)
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    call, replay = stub.Generate(request, timeout=timeout), got.replay()
+                    break
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
+
+def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """``request``, or a copy of it with an id of its own if it has none."""
+    if request.request_id:
+        return request
+    out = pb.GenerateRequest()
+    out.CopyFrom(request)
+    out.request_id = uuid.uuid4().hex
+    return out
+
+
+class _Delivered:
+    """What a stream delivered to its caller: token ids and characters of text."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.chars = 0
+
+    def add(self, r: pb.GenerateResponse) -> pb.GenerateResponse:
+        self.ids += r.token_ids
+        self.chars += len(r.text)
+        return r
+
+    def resume_request(self, request: pb.GenerateRequest) -> pb.ResumeRequest:
+        return pb.ResumeRequest(request_id=request.request_id, received_tokens=len(self.ids))
+
+    def replay(self):
+        """A filter over the request's responses sent again: each less what was delivered (None
+        when nothing is left of it). Raises ResumeMismatch at tokens other than those delivered."""
+        got, chars = list(self.ids), self.chars
+        at = [0, 0]  # tokens and characters of the replay matched so far
+
+        def trim(r: pb.GenerateResponse) -> pb.GenerateResponse | None:
+            ids = list(r.token_ids)
+            n = min(len(ids), len(got) - at[0])
+            if ids[:n] != got[at[0]:at[0] + n] or (r.finish_reason and at[0] + n < len(got)):
+                raise ResumeMismatch(f"request {r.request_id!r} sent again after its router was lost answered "
+                                     f"other tokens than the {len(got)} delivered (not deterministic: set a seed "
+                                     "or temperature 0)")
+            t = min(len(r.text), chars - at[1])
+            at[0], at[1] = at[0] + n, at[1] + t
+            if n or t:
+                out = pb.GenerateResponse()
+                out.CopyFrom(r)
+                del out.token_ids[:n], out.logprobs[:n], out.prompt_logprobs[:], out.prompt_token_ids[:]
+                out.text = r.text[t:]
+                r = out
+            return r if r.token_ids or r.text or r.finish_reason else None
+        return trim

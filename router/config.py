@@ -22,6 +22,7 @@ from engine.config import DTYPES, MAX_JUMP_FORWARD, SPECULATIVE_METHODS, CacheCo
 from kvtransfer.auth import INTEGRITY
 from kvtransfer.base import BUILTIN_TRANSPORTS, LEASE_S
 from router.autoscale import DecodeTargets, PrefillTargets
+from router.ha_config import HA_CHECKS, HAConfig  # (also imported from here)
 from router.roles import RolesConfig
 
 
@@ -236,16 +237,6 @@ class AutoscaleConfig:
     decode: DecodeTargets = field(default_factory=DecodeTargets)
 
 
-@dataclass(frozen=True)
-class HAConfig:
-    """``ha``: workers that outlive the router (router.ha), routers that stand by (router.leader)."""
-
-    enabled: bool = False  # detached, named workers that a restarted router adopts (router.ha)
-    cluster_name: str = "default"  # the routers of one cluster share it (worker names, epochs, key)
-    grace_s: float = 30.0  # a worker no router called this long aborts and frees everything (worker.fence)
-    lease_s: float = 3.0  # `pdserve serve`: a standby leads at most this long (+ its start) after the leader is lost
-
-
 # disaggregated: prefill and decode pools; colocated: workers that do both; adaptive: workers
 # that can do both, each in one role at a time, switched at run time (router/roles.py)
 MODES = ("disaggregated", "colocated", "adaptive")
@@ -327,11 +318,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.quantization": (lambda v: _quantization_ok(v), _QUANTIZATIONS),
     "prefill.quantization": (lambda v: _quantization_ok(v), _QUANTIZATIONS),
     "autoscale.enabled": (lambda v: isinstance(v, bool), "true or false"),
-    "ha.grace_s": (lambda v: v >= 1.0, ">= 1 (a router calls each worker every min(1, grace_s / 4) s)"),
-    "ha.lease_s": (lambda v: 0.5 <= v <= 60, "in [0.5, 60] (the leader renews it every lease_s / 3)"),
-    "ha.cluster_name": (lambda v: bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", v)),
-                        "1 to 63 letters, digits, '_', '.' or '-' (a Ray actor name's part), starting with a "
-                        "letter or digit"),
+    **HA_CHECKS,
     "autoscale.decode.kv_high": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "autoscale.decode.kv_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }

@@ -29,6 +29,7 @@ from typing import Any
 from kvtransfer.auth import new_secret
 from router.config import ClusterConfig, HAConfig
 from router.worker_state import Role, Worker
+from worker.fence import Adopted
 from worker.protocol import RouterLink
 
 log = logging.getLogger("pdserve.router")
@@ -107,25 +108,43 @@ def find(cfg: ClusterConfig, workers: dict[str, Worker], next_index: dict[Role, 
 
 
 async def adopt(w: Worker, link: RouterLink, grace_s: float, call: Callable[..., Awaitable[Any]],
-                timeout_s: float) -> None:
+                timeout_s: float, handover: Callable[[Worker, Adopted], set[str]] | None = None,
+                replay: Callable[[bytes], None] | None = None) -> None:
     """The first step of an HA worker's bring-up: it reports to ``link``, obeys this epoch and
-    waits ``grace_s`` (this router's ``ha.grace_s``) for a call from now on. The requests it
-    held for the router before are aborted and their blocks freed (this step does not resume
-    them), and that is logged. Raises RuntimeError if it plays
+    waits ``grace_s`` (this router's ``ha.grace_s``) for a call from now on. At this router's
+    first adoption of it, the requests it decodes for the router before are ``handover``'s
+    to rebuild (router.resume: it returns the engine ids it keeps); the others it held are
+    aborted and their blocks freed, and that is logged. Raises RuntimeError if it plays
     another role than the cluster's config gives it.
 
     Args:
         call: ``Liveness.call`` (each call with the stall deadline; ``timeout_s`` for the adoption,
             which waits while a new worker loads its model).
+        replay: takes a report again (router.pools ``take_report``): those it sent to this
+            router before the answer came, which the pools kept (``Worker.early``), go
+            through it after the rebuild and before any later report, in the order sent.
     """
-    a = await call(w, w.actor.adopt(link, grace_s), timeout_s)
+    first = w.incarnation is None and handover is not None  # (a worker this router never knew)
+    w.early = [] if first else None
+    try:
+        a = await call(w, w.actor.adopt(link, grace_s), timeout_s)
+    finally:
+        early, w.early = w.early or [], None
     want = "adaptive" if w.adaptive else w.role.value
     if a.role != want:
         raise RuntimeError(f"{w.worker_id} is a {a.role} worker, this cluster's config makes it {want}")
-    if a.requests:
-        freed = await call(w, w.actor.release.remote(list(a.requests)))
-        log.warning("worker %s adopted (epoch %d) holding %d requests of the router before: aborted them, "
-                    "freed %d of its %d KV blocks", w.worker_id, a.epoch, len(a.requests), freed, a.kv_blocks_used)
+    kept: set[str] = set()
+    if first:  # (no await from here to the replay: a later report must not overtake the kept ones)
+        w.incarnation = a.incarnation
+        kept = handover(w, a)
+        for msg in early:
+            replay(msg)
+    drop = [eid for eid in a.requests if eid not in kept]
+    if drop:
+        freed = await call(w, w.actor.release.remote(drop))
+        log.warning("worker %s adopted (epoch %d) holding %d requests of the router before: kept %d to resume, "
+                    "aborted %d, freed %d of its %d KV blocks", w.worker_id, a.epoch, len(a.requests), len(kept),
+                    len(drop), freed, a.kv_blocks_used)
 
 
 def may_kill(cluster: str, epoch: int) -> bool:

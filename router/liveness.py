@@ -137,8 +137,9 @@ class Liveness:
                 # Ray's restart count before its incarnation is read: a restart after this shows
                 # as a higher count (``check_restart``), one before it as a new incarnation.
                 restarts = (await asyncio.to_thread(self.actor_state, w.actor))[1]
+                known = w.incarnation  # (a first adoption sets it: router.ha ``adopt``)
                 info = await self._connect(w)
-                if info.incarnation == w.incarnation:
+                if info.incarnation == known:
                     # The process outlived being lost (its kill failed): every request it holds
                     # was moved elsewhere, so its blocks are nobody's. Free them all now.
                     held = await self.call(w, w.actor.held.remote())

@@ -10,6 +10,8 @@ file, never the token (``-`` with auth off).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -17,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.cluster_view import ClusterView
 from worker.metrics import serve_metrics, worker_families
+
+log = logging.getLogger("pdserve.router")
 
 # Seconds; fine at the low end for TPOT/ITL, wide for TTFT/e2e of long prompts.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
@@ -60,6 +64,23 @@ class RouterMetrics:
         reg.register(self)
         self._server = None
         self.address: str | None = None
+
+    def observe(self, job, outcome: str) -> None:
+        """A request (router.jobs.Job) ended with ``outcome``: its counts and latencies, and its log line."""
+        m = self
+        m.requests.labels(outcome).inc()
+        m.generation_tokens.inc(len(job.generated))
+        m.e2e.observe(time.monotonic() - job.arrival)
+        if job.ttft is not None:
+            m.ttft.observe(job.ttft)
+        if job.tpot is not None:
+            m.tpot.observe(job.tpot)
+        for gap in job.gaps:
+            m.itl.observe(gap)
+        log.info("rid=%s event=finished outcome=%s prompt_tokens=%d tokens=%d ttft_s=%s tpot_s=%s prefill=%s "
+                 "decode=%s attempts=%d", job.request_id, outcome, len(job.prompt_ids), len(job.generated),
+                 f"{job.ttft:.3f}" if job.ttft is not None else "-", f"{job.tpot:.4f}" if job.tpot else "-",
+                 job.prefill_id or "-", job.decode_id or "-", job.attempt + 1)
 
     def serve(self, host: str, port: int) -> str:
         """Serve ``/metrics``; returns ``host:port``."""

@@ -338,8 +338,16 @@ def check_logprob_budget(reqs: list[pb.GenerateRequest], chat: bool, context_len
                             "fewer choices, max_tokens or alternatives", param)
 
 
-def requests_for(req: _Sampling, id_prefix: str, most_choices: int) -> tuple[str, list[pb.GenerateRequest]]:
-    """The response id and one GenerateRequest per choice, in choice order (prompt-major)."""
+IDEMPOTENCY_HEADER = "idempotency-key"  # (Idempotency-Key: the IETF draft's name, as Stripe and others use it)
+IDEMPOTENCY_KEY_CHARS = 64
+
+
+def requests_for(req: _Sampling, id_prefix: str, most_choices: int,
+                 idempotency_key: str | None = None) -> tuple[str, list[pb.GenerateRequest]]:
+    """The response id and one GenerateRequest per choice, in choice order (prompt-major).
+    ``idempotency_key`` (the request's Idempotency-Key header) makes the ids: the same request
+    sent again under it, to the router that replaced the one it ran on, gets the same answer
+    (router.resume); absent, the ids are fresh."""
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, req.n):
             raise ApiError(400, "best_of other than n is not supported", "best_of")
@@ -353,7 +361,11 @@ def requests_for(req: _Sampling, id_prefix: str, most_choices: int) -> tuple[str
     if len(prompts) * req.n > most_choices:
         raise ApiError(400, f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} choices; the limit is "
                             f"{most_choices} (limits.choices)", "n")
-    rid = f"{id_prefix}-{uuid.uuid4().hex}"
+    key = idempotency_key
+    if key is not None and not (0 < len(key) <= IDEMPOTENCY_KEY_CHARS and all(33 <= ord(ch) <= 126 for ch in key)):
+        raise ApiError(400, f"the Idempotency-Key header must be 1..{IDEMPOTENCY_KEY_CHARS} printable ASCII "
+                            "characters without spaces", "Idempotency-Key")
+    rid = f"{id_prefix}-{key if key is not None else uuid.uuid4().hex}"
     out = []
     for p in prompts:
         for k in range(req.n):

@@ -51,8 +51,8 @@ from router.http_body import read_json
 from router.http_conn import ABORT, guarded
 from router.http_guard import Guard
 from router.openai_answer import Shaper, models_list
-from router.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest, api_error, check_logprob_budget,
-                               parse, requests_for)
+from router.openai_api import (IDEMPOTENCY_HEADER, ApiError, ChatCompletionRequest, CompletionRequest, api_error,
+                               check_logprob_budget, parse, requests_for)
 from router.reject import Reject, retry_after
 from router.unread import Unread, relay
 
@@ -170,17 +170,18 @@ class _Routes:
         except ClientDisconnect:  # gone while sending the body: nothing started
             return Response(status_code=499)
         req = parse(kind, raw, self.limits.choices)
-        reqs, shaper = await self._shape(req, kind is ChatCompletionRequest)
+        reqs, shaper = await self._shape(req, kind is ChatCompletionRequest, request.headers.get(IDEMPOTENCY_HEADER))
         return await _answer(request, req, _merged(self.router, reqs, owner, req.n), shaper,
                              self.door_cfg.unread_stream_timeout_s)
 
-    async def _shape(self, req, chat: bool) -> tuple[list, Shaper]:
-        """The request's choices as router requests, checked, and the shaper of its answer."""
+    async def _shape(self, req, chat: bool, key: str | None = None) -> tuple[list, Shaper]:
+        """The request's choices as router requests (ids from ``key``: its Idempotency-Key), checked,
+        and the shaper of its answer."""
         router = self.router
         if req.model != router.served_model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist here; this server serves "
                                 f"{router.served_model_name!r} (GET /v1/models)", "model", code="model_not_found")
-        rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", self.limits.choices)
+        rid, reqs = requests_for(req, "chatcmpl" if chat else "cmpl", self.limits.choices, key)
         check_logprob_budget(reqs, chat, router.limits.context_length, router.limits.default_max_tokens,
                              self.door_cfg.logprob_entries)
         echo = None

@@ -11,11 +11,11 @@ Lifecycle of a worker here (``Worker.state``, a ``WorkerState``: router.worker_s
     model, other weights than the other workers), or lost while draining: GONE (its process is
     ended; the last ``liveness.MAX_GONE`` gone workers stay listed for `pdserve status`).
 
-Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, a component :class:`Pools` owns
-(``pools.liveness``).
+Liveness (``up``, ``lost``, stalls, bring-up): router.liveness, owned here (``pools.liveness``).
 
 With ``ha.enabled`` (router.ha) the workers are detached, named actors: at start the pools adopt
-the running ones (bring-up ``adopt``s first), create the missing ones; every call carries the epoch.
+the running ones (bring-up ``adopt``s first; what they decode: router.resume), create the
+missing ones; every call carries the epoch.
 
 Every worker pushes a ``worker.protocol.Report`` (its records and status) over zmq after each
 step with outputs and at least every 50 ms (worker.step_loop); one PULL socket here receives
@@ -55,9 +55,8 @@ from router.engine_configs import engine_configs  # (also imported from here)
 from router.liveness import HEALTH_PERIOD_S, LOAD_TIMEOUT_S, QUIET_S, Liveness
 from router.placement import WorkerLoad
 from router.worker_state import UNREACHABLE, Role, Unreachable, Worker, WorkerState
-from worker.protocol import (MAX_REPORT_BYTES, Failed, Key, ModelInfo, ProtocolError, Record, Reservation,
-                             decode_report, join_pieces, report_key, report_origin)
-from worker.protocol import RouterLink, WorkerOptions
+from worker.protocol import (MAX_REPORT_BYTES, Failed, Key, ModelInfo, ProtocolError, Record, Reservation, RouterLink,
+                             WorkerOptions, decode_report, join_pieces, report_key, report_origin)
 
 log = logging.getLogger("pdserve.router")
 
@@ -108,6 +107,7 @@ class Pools:
         self._sock = None
         self._next_index = dict.fromkeys(Role, 0)
         self.epoch: int | None = None  # ha.enabled: this router's (router.ha), taken at start
+        self.handover: Callable[[Worker, Any], set[str]] = lambda w, a: set()  # ha.enabled: router.resume's
         self.liveness = Liveness(cfg, self.workers, on_lost, self._spawn, self._notify)
 
     @property
@@ -129,7 +129,8 @@ class Pools:
             self.epoch, self.key = await asyncio.to_thread(ha.find, cfg, self.workers, self._next_index)
             # each bring-up adopts the worker first; a router fenced off ends no process (router.ha)
             self.liveness.adopt = lambda w: ha.adopt(w, RouterLink(address, w.worker_id), cfg.ha.grace_s,
-                                                     self.liveness.call, LOAD_TIMEOUT_S)
+                                                     self.liveness.call, LOAD_TIMEOUT_S, self.handover,
+                                                     self.take_report)
             self.liveness.may_kill = lambda: ha.may_kill(cfg.ha.cluster_name, self.epoch)
         have = {pool: sum(w.role.pool == pool for w in self.workers.values()) for pool in ("prefill", "decode")}
         for _ in range((0 if colocated else cfg.prefill.replicas) - have["prefill"]):  # (adaptive: begin as prefill)
@@ -148,8 +149,7 @@ class Pools:
         self._spawn(self.liveness.health(), "pools-health")
 
     def _create(self, role: str) -> Worker:
-        """Create one worker actor (not yet up). Ray places it by its resources; on a cluster
-        with an autoscaler a pending actor makes it add a node of the right type."""
+        """Create one worker actor (not yet up), placed by Ray (a pending one makes an autoscaler add a node)."""
         # (heavy: torch, the engines: only the pools' owner creates actors)
         from adaptive_worker.actor import AdaptiveActor
         from decode_worker.actor import DecodeActor
@@ -304,8 +304,8 @@ class Pools:
     # ---- calls to workers: each Ray call the router makes to place, free or sweep a request ---
     async def submit(self, w: Worker, key: Key, ids: list[int], params: Any, time_left: float | None,
                      check: int | None) -> bool | Unreachable:
-        """``w`` prefills and decodes the request itself (colocated, or a local prefill). False:
-        ``check`` was given and it does not cache that much of the prompt (it took nothing)."""
+        """``w`` prefills and decodes the request itself (colocated, or a local prefill). False: it
+        caches less of the prompt than ``check`` (it took nothing)."""
         return await self._admitting(w, key, "submit",
                                      lambda: w.actor.submit.remote(key, ids, params, time_left, check))
 
@@ -313,8 +313,7 @@ class Pools:
                       ) -> Reservation | None | Unreachable:
         """``w`` reserves the request's KV; returns what to send there (the transfer's secret, the
         first prompt position it lacks), or None: it is full (not now)."""
-        return await self._admitting(w, key, "reserve",
-                                     lambda: w.actor.reserve.remote(key, ids, params, time_left))
+        return await self._admitting(w, key, "reserve", lambda: w.actor.reserve.remote(key, ids, params, time_left))
 
     async def _admitting(self, w: Worker, key: Key, what: str, make: Callable[[], Any]) -> Any:
         """Await an admitting call with the stall deadline (``call``), mapping Ray's errors: a
@@ -435,6 +434,8 @@ class Pools:
         its claimed incarnation, has the router ask Ray (at most every RESTART_CHECK_S) whether
         the actor restarted; a starting (or dead) worker's new process reports before its
         bring-up adopts it, which is expected."""
+        if w is not None and w.keep_early(msg):  # (this router adopts it: router.ha ``adopt``)
+            return
         self.stale_reports += 1
         if w is None or not w.state.may_hold_blocks or self.clock() - w.checked_at < RESTART_CHECK_S:
             return

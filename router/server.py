@@ -27,7 +27,8 @@ even if no abort arrives. Every call awaited from a worker has the stall deadlin
 (router.pools, which makes every call to a worker). Every ``router.sweep_s`` the sweep frees
 KV blocks held for no live request (router.sweep: the last line, expected never to fire). The
 status RPCs' answers: router.status. The controllers (router.autoscale, router.roles) and the
-metrics read ``Router.view()``, a frozen snapshot (router.cluster_view).
+metrics read ``Router.view()``, a frozen snapshot (router.cluster_view). ``Resume``: the rest of
+a request the router before ran (ha.enabled), kept decoding for its client (router.resume).
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError
 from pdserve.v1 import pdserve_pb2 as pb
@@ -52,22 +52,22 @@ from router.auth import FrontDoor
 from router.autoscale import PoolController, Recent
 from router.cluster_view import ClusterView, cluster_view
 from router.config import ClusterConfig
-from router.grpc_guard import server_kwargs  # limits, keepalive, connection age, Watch cap, drain
+from router.grpc_server import answer, start_server  # (start_server: also imported from here)
 from router.holdings import Holdings
-from router.jobs import Aborted, Job, Lost, Preempted
+from router.jobs import Aborted, Job, JobState, Lost, Preempted
 from router.metrics import RouterMetrics
 from router.nodes import served_name
 from router.place import Placer
 from router.pools import Pools
 from router.preempt import Preemptor
 from router.prefix_index import PrefixIndex
-from router.reject import Reject, retry_after
+from router.reject import Reject
+from router.resume import Resumable, catch_up
 from router.requests import (Limits, has_constraint, prompt_ids, request_id, sampling_params, tool_call_token,
                              with_tool_choice)
 from router.roles import RoleController
 from router.status import cluster_status, model_info
 from router.sweep import Sweeper
-from router.unread import Unread, relay
 from router.worker_state import Role, Worker
 from worker.protocol import Failed, Record
 
@@ -84,6 +84,8 @@ class Router(pb_grpc.GenerationServicer):
         model_path: the model folder (already resolved; every worker loads it).
     """
 
+    resumable = Resumable({}, 0.0, lambda job: None)  # (one that keeps nothing: __init__ makes the real one)
+
     def __init__(self, cfg: ClusterConfig, model_path: str, door: FrontDoor | None = None) -> None:
         from transformers import AutoTokenizer  # (heavy: loaded only by a serving router)
         self.cfg = cfg
@@ -95,6 +97,9 @@ class Router(pb_grpc.GenerationServicer):
         self._tool_token = tool_call_token(self.tokenizer)  # (read once, before the tokenizing thread owns it)
         self.pools = Pools(cfg, model_path, self._on_records, self._on_lost)
         self.jobs: dict[str, Job] = {}
+        # (what an adopted worker decodes for the router before, waiting for its client)
+        self.resumable = Resumable(self.jobs, cfg.ha.resume_s, self._release)
+        self.pools.handover = self.resumable.handover
         self.admission = Admission(self.door.policy)  # per-token limits, fair order (router.admission)
         self.limits: Limits | None = None
         self.colocated = cfg.mode == "colocated"
@@ -160,6 +165,7 @@ class Router(pb_grpc.GenerationServicer):
         if self.roles_controller is not None:
             self._roles_task.cancel()
         self._sweep_task.cancel()
+        self.resumable.stop()
         for job in list(self.jobs.values()):
             job.put(None, Aborted())
         await self.pools.stop()
@@ -183,39 +189,41 @@ class Router(pb_grpc.GenerationServicer):
     # ---- Generate ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         owner = await self._caller(context)
-        try:  # (a stream its client stops reading ends here: router.unread)
-            async for response in relay(self.generate(request, owner, context.time_remaining()),
-                                        self.cfg.front_door.unread_stream_timeout_s):
-                yield response
-        except Unread as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except Reject as e:
-            if e.retry_after_s is None:
-                await context.abort(e.code, str(e))
-            await context.abort(e.code, str(e), trailing_metadata=(("retry-after", retry_after(e.retry_after_s)),))
-        except Exception as e:  # a bug: INTERNAL naming it (not gRPC's bare UNKNOWN), the trace in the log
-            log.exception("rid=%s event=internal_error", request.request_id or "-")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the router ({type(e).__name__}: {e}); "
-                                                          "see its log")
+        responses = self.generate(request, owner, context.time_remaining())
+        async for response in answer(context, request.request_id, responses,
+                                     self.cfg.front_door.unread_stream_timeout_s):
+            yield response
 
-    async def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
-                       prefer: tuple[str, str] | None = None):
-        """One request's responses, whichever API it came by (gRPC's Generate, the OpenAI HTTP
-        API in router.openai_http): the same validation, admission, placement and limits.
-        Closing the generator early (the client went away) frees the request on every worker.
-        ``prefer``: (prefill, decode) worker ids to place it on if they can take it (another
-        choice of the same prompt runs there: its blocks are in their prefix caches).
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext):
+        owner = await self._caller(context)
+        async for response in answer(context, request.request_id, self.resume(request, owner),
+                                     self.cfg.front_door.unread_stream_timeout_s):
+            yield response
+
+    def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
+                 prefer: tuple[str, str] | None = None):
+        """One request's responses (an async generator), whichever API it came by (gRPC's
+        Generate, the OpenAI HTTP API in router.openai_http): the same validation, admission,
+        placement and limits. Closing the generator early (the client went away) frees the
+        request on every worker. ``prefer``: (prefill, decode) worker ids to place it on if they
+        can take it (another choice of the same prompt runs there: its blocks are in their
+        prefix caches). A retry of a request the router before ran gets its answer (router.resume).
 
         Raises:
             Reject: with the status for the client (INVALID_ARGUMENT, ALREADY_EXISTS,
                 RESOURCE_EXHAUSTED, UNAVAILABLE).
         """
+        return self._serve(lambda: self._open(request, owner, time_left, prefer))
+
+    async def _open(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
+                    prefer: tuple[str, str] | None) -> tuple[Job, str, int | None]:
+        """``generate``'s request as a live job: (job, the client's id, tokens the client has of it)."""
         try:
             rid = request_id(request, self.limits)
         except InvalidRequestError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         jid = scoped_id(owner, rid)  # ids are the caller's own (router.admin): no oracle across tokens
-        if jid in self.jobs:
+        if jid in self.jobs and self.resumable.find(jid) is None:
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
         try:
             # Tokenizing a long prompt takes a while: in its own thread, off the event loop that
@@ -230,19 +238,54 @@ class Router(pb_grpc.GenerationServicer):
             params = await asyncio.to_thread(build) if has_constraint(request) else build()
         except InvalidRequestError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if jid in self.jobs:  # the same id again while this one was tokenized
+        # The same id again while this one was tokenized, unless a retry of a request resumable here
+        rebuilt = self.resumable.find(jid)
+        if (jid in self.jobs and rebuilt is None) or \
+                (rebuilt is not None and (rebuilt.prompt_ids, rebuilt.params.max_tokens) != (ids, params.max_tokens)):
             raise Reject(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
         lease = self.admission.admit(owner, len(ids))  # the token's limits (router.policy)
         if isinstance(lease, Refused):
             raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, lease.message, lease.retry_after_s)
-        job = Job(jid, ids, params, owner=owner, deadline=None if time_left is None else time.monotonic() + time_left,
-                  prefer=prefer, lease=lease)
-        self.jobs[jid] = job
-        self.metrics.prompt_tokens.inc(len(ids))
-        outcome, charged = "cancelled", 0
+        if rebuilt is not None:  # its whole answer, from the first token (router.resume)
+            job = self.resumable.claim(jid, owner, lease)
+        else:
+            job = Job(jid, ids, params, owner=owner, lease=lease, prefer=prefer,
+                      deadline=None if time_left is None else time.monotonic() + time_left)
+            self.jobs[jid] = job
+            self.metrics.prompt_tokens.inc(len(ids))
+        return job, rid, None if rebuilt is None else 0
+
+    def resume(self, request: pb.ResumeRequest, owner: str):
+        """The rest of a request the router before ran, which this one decodes still (router.resume):
+        what the client lacks after ``received_tokens``, then the live tokens. Raises Reject:
+        NOT_FOUND (none waits here, or it is another token's), OUT_OF_RANGE, RESOURCE_EXHAUSTED."""
+        return self._serve(lambda: self._reopen(request, owner))
+
+    async def _reopen(self, request: pb.ResumeRequest, owner: str) -> tuple[Job, str, int]:
+        rid = request.request_id
+        job = self.resumable.find(scoped_id(owner, rid))
+        if job is None:  # (another token's is as absent as one never seen: no oracle across tokens)
+            raise Reject(grpc.StatusCode.NOT_FOUND, f"no request {rid!r} waits to be resumed here: send it again")
+        if request.received_tokens > len(job.generated):
+            raise Reject(grpc.StatusCode.OUT_OF_RANGE, f"request {rid!r} has {len(job.generated)} tokens so far, "
+                                                       f"not the {request.received_tokens} received")
+        lease = self.admission.admit(owner, len(job.prompt_ids))
+        if isinstance(lease, Refused):
+            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, lease.message, lease.retry_after_s)
+        self.resumable.claim(job.request_id, owner, lease)
+        return job, rid, request.received_tokens
+
+    async def _serve(self, opening: Callable[[], Awaitable[tuple[Job, str, int | None]]]):
+        """Run the job ``opening`` makes live (in ``self.jobs``) to its end and account for it.
+        It returns the job, the client's id and, for a rebuilt job a client attaches to
+        (router.resume), how many of its tokens the client has (else None)."""
+        job, rid, received = await opening()
+        outcome, charged = "cancelled", len(job.generated)
         try:
+            if received is not None and (first := catch_up(job, self.tokenizer, received, rid)) is not None:
+                yield first
             async for response in self._run(job):
-                self.admission.charge(lease, len(job.generated) - charged)  # (tokens per minute)
+                self.admission.charge(job.lease, len(job.generated) - charged)  # (tokens per minute)
                 charged = len(job.generated)
                 if response.finish_reason:
                     outcome = {1: "stop", 2: "length", 3: "abort"}[response.finish_reason]
@@ -252,9 +295,9 @@ class Router(pb_grpc.GenerationServicer):
             outcome = e.code.name.lower()
             raise
         finally:
-            self.jobs.pop(jid, None)
+            self.jobs.pop(job.request_id, None)
             self.placer.live.drop(job)  # (what it held counts no more: router.holdings)
-            self.admission.release(lease)
+            self.admission.release(job.lease)
             if not job.finished:  # cancelled by the client, aborted or failed: free both sides
                 self._release(job)
             self._observe(job, outcome)
@@ -273,29 +316,15 @@ class Router(pb_grpc.GenerationServicer):
         return any(worker is j.prefill or worker is j.decode for j in self.jobs.values())
 
     def _first_token(self, job: Job, record: Any) -> None:
-        """This attempt's first token is out. Its TTFT goes to the pool signals now, not when
-        the answer ends (minutes later for a long one), once per request (a re-run's first
-        token is no TTFT); placement learns the prefill ended and what it found cached."""
+        """This attempt's first token is out. Its TTFT goes to the pool signals now, not when the
+        answer ends, once per request (a re-run's is none); placement learns what it found cached."""
         if job.base == 0:
             self.recent.add(time.monotonic(), job.ttft, None, len(job.prompt_ids))
         self.placer.prefilled(job, record.cached_tokens)
 
     def _observe(self, job: Job, outcome: str) -> None:
         self.recent.add(time.monotonic(), None, job.tpot)  # (its TTFT went in at its first token)
-        m = self.metrics
-        m.requests.labels(outcome).inc()
-        m.generation_tokens.inc(len(job.generated))
-        m.e2e.observe(time.monotonic() - job.arrival)
-        if job.ttft is not None:
-            m.ttft.observe(job.ttft)
-        if job.tpot is not None:
-            m.tpot.observe(job.tpot)
-        for gap in job.gaps:
-            m.itl.observe(gap)
-        log.info("rid=%s event=finished outcome=%s prompt_tokens=%d tokens=%d ttft_s=%s tpot_s=%s prefill=%s "
-                 "decode=%s attempts=%d", job.request_id, outcome, len(job.prompt_ids), len(job.generated),
-                 f"{job.ttft:.3f}" if job.ttft is not None else "-", f"{job.tpot:.4f}" if job.tpot else "-",
-                 job.prefill_id or "-", job.decode_id or "-", job.attempt + 1)
+        self.metrics.observe(job, outcome)
 
     async def _run(self, job: Job):
         """Drive the job: PLACING → RUNNING → DONE, or back to PLACING for a re-run."""
@@ -303,10 +332,12 @@ class Router(pb_grpc.GenerationServicer):
             if len(job.generated) >= job.params.max_tokens:  # lost right after its last token
                 yield job.final("length")
                 return
-            if job.aborted:  # aborted as its attempt ended (behind a preemption): not placed again
-                yield job.final("abort")
+            if job.aborted or job.stopped:  # aborted as its attempt ended (behind a preemption): not placed again
+                self._release(job)  # (stopped: a rebuilt job's stop string, router.resume ``catch_up``)
+                yield job.final("stop" if job.stopped else "abort")
                 return
-            await self.placer.place(job)
+            if job.state is not JobState.RUNNING:  # (a rebuilt job runs already: router.resume)
+                await self.placer.place(job)
             async for response in self._stream(job):
                 yield response
             if job.finished:
@@ -400,12 +431,10 @@ class Router(pb_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return model_info(self.pools, self.served_model_name, self.limits.context_length)
 
-    async def stranded(self) -> dict[str, dict[str, int]] | None:
-        """Per ready worker, the requests holding KV blocks there that are no live attempt of ours."""
+    async def stranded(self) -> dict[str, dict[str, int]] | None:  # per ready worker, blocks of no live attempt
         return await self.sweeper.stranded()
 
-    async def sweep(self) -> int:
-        """Free KV blocks that no live request owns (router.sweep); returns the blocks freed."""
+    async def sweep(self) -> int:  # free KV blocks that no live request owns (router.sweep); the blocks freed
         return await self.sweeper.sweep()
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
@@ -415,30 +444,3 @@ class Router(pb_grpc.GenerationServicer):
             self.roles_controller.events if self.roles_controller else []
         return cluster_status(self.cfg.mode, self.pools.workers.values(), stranded, self.metrics.address or "",
                               self.queued, len(self.jobs), events)
-
-
-async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Serve ``router`` plus grpc.health.v1 and reflection; returns (server, bound port)."""
-    lim, door = router.cfg.limits, router.door
-    server = grpc.aio.server(**server_kwargs(router.cfg, door))
-    pb_grpc.add_GenerationServicer_to_server(router, server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-    if door.reflection:
-        reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{host}:{port}"
-    bound = server.add_secure_port(address, door.tls.server_credentials()) if door.tls else \
-        server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    for name in ("", service):
-        await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
-    return server, bound
-
-
-async def _maybe_await(x: Any) -> None:
-    if asyncio.iscoroutine(x):
-        await x
-

@@ -18,6 +18,8 @@ from typing import Any
 from router.placement import WorkerLoad
 from worker.protocol import Key, ModelInfo, WorkerStatus
 
+MAX_EARLY = 4096  # reports kept while this router adopts a worker (``Worker.early``)
+
 
 class WorkerState(enum.StrEnum):
     STARTING = "starting"
@@ -104,6 +106,18 @@ class Worker:
     # (incarnation, its report key): worker.protocol.report_key, derived once per incarnation
     rkey: tuple[str, bytes] | None = field(default=None, repr=False)
     pieces: dict[Key, list] = field(default_factory=dict, repr=False)  # worker.protocol.join_pieces
+    # While this router adopts it for the first time (router.ha ``adopt``): the reports it sends
+    # before the answer tells its incarnation, kept to be taken after (router.resume); else None
+    early: list[bytes] | None = field(default=None, repr=False)
+
+    def keep_early(self, msg: bytes) -> bool:
+        """Keep a report of an incarnation not known yet if this router is adopting the worker
+        (``early``; at most ``MAX_EARLY``: ms of reports); whether it was taken."""
+        if self.early is None:
+            return False
+        if len(self.early) < MAX_EARLY:
+            self.early.append(msg)
+        return True
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":

@@ -15,9 +15,9 @@ worker checks it here, in one place::
 Time spent in a step longer than a second does not count (the step loop's ``credit``): a
 router's pings queue behind a call that waits for such a step, and a worker must not give up on
 a live router because its own step was long. The grace period is what keeps a worker decoding
-while its router restarts: the requests it holds keep running (their records wait in zmq's
-queue for a router that may come back); a router that never comes does not strand their
-blocks. An orphaned worker does not exit: the next router adopts it without reloading its model.
+while its router restarts: the requests it holds keep running, and the router that adopts it
+takes over those that decode (``Adopted.handover``: router.resume rebuilds them for their
+clients); a router that never comes does not strand their blocks. An orphaned worker does not exit: the next router adopts it without reloading its model.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import time
 from collections.abc import Callable
 
 import msgspec
+
+from engine.request import RequestStatus, SamplingParams
+from worker.protocol import Key
 
 
 class FencedError(RuntimeError):
@@ -52,6 +55,32 @@ class FencedError(RuntimeError):
         return FencedError, (self.epoch, self.current, self.orphaned)
 
 
+class Handover(msgspec.Struct, frozen=True):
+    """One request a worker decodes for a router that is gone, as the new router rebuilds it
+    (router.resume): the attempt's inputs and every output token so far. Its key's request id
+    is the old router's scoped id, which names the token that sent it (router.admin.scoped_id),
+    so the new router hands it to that token alone; nothing else of the owner is kept."""
+
+    key: Key
+    prompt_ids: list[int]  # this attempt's prompt: after a re-run, the tail of it is ``params.resumed`` outputs
+    output_ids: list[int]  # this attempt's output tokens so far (the first among them)
+    params: SamplingParams  # this attempt's (max_tokens: what was left when it began)
+
+
+def handovers(engine_requests: dict, keys: dict[str, Key]) -> list[Handover]:
+    """The requests of ``engine_requests`` (engine id -> engine Request) a new router can
+    resume: decoding (a first token out, not prefill-only, not waiting for KV), without
+    logprobs (a resumed stream could not replay them). ``keys``: engine id -> key (worker.requests)."""
+    out = []
+    for eid, r in engine_requests.items():
+        p, key = r.sampling_params, keys.get(eid)
+        if key is None or r.prefill_only or r.is_finished or not r.output_token_ids \
+                or r.status == RequestStatus.WAITING_FOR_KV or p.logprobs is not None or p.prompt_logprobs is not None:
+            continue
+        out.append(Handover(key, list(r.prompt_token_ids), list(r.output_token_ids), p))
+    return out
+
+
 class Adopted(msgspec.Struct, frozen=True):
     """A worker's answer to ``adopt``: what it holds when a new router takes it over."""
 
@@ -62,6 +91,8 @@ class Adopted(msgspec.Struct, frozen=True):
     requests: dict[str, int]  # engine id -> KV blocks of every request it holds (the old router's)
     kv_blocks_used: int
     kv_address: str | None  # its KV receiver's (decode, colocated, adaptive); None for prefill
+    # of ``requests``, those it can hand over (they keep decoding); the router releases the rest
+    handover: list[Handover] = []
 
 
 class Fence:

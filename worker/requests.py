@@ -56,6 +56,10 @@ class Requests:
                 out.append(key)
         return out
 
+    def keys(self) -> dict[str, Key]:
+        """Engine id -> key of every request live here (a copy)."""
+        return dict(self._keys)
+
     def live(self) -> list[str]:
         """The engine ids of every request live here."""
         return list(self._keys)

@@ -41,7 +41,7 @@ from engine.models.loader import weights_digest
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
-from worker.fence import Adopted, Fence
+from worker.fence import Adopted, Fence, handovers
 from worker.heap import load_memory, release_heap  # (also imported from here)
 from worker.inbox import Inbox
 # (RouterLink, WorkerOptions: the router↔worker contract, in the protocol; still importable from here)
@@ -207,7 +207,8 @@ class StepLoop:
     def adopt(self, epoch: int, link: RouterLink, grace_s: float | None = None) -> Adopted:
         """A router of ``epoch`` takes this worker over: from the next report on, reports go
         to ``link``, and its grace period is ``grace_s`` (None: as it was). Returns what it
-        holds (the requests of the router before, which the new one does not know). Raises
+        holds (the requests of the router before, which the new one does not know), with
+        what the new one needs to resume those that decode (``Adopted.handover``). Raises
         FencedError for an older epoch, ValueError for another worker id or a worker without
         a fence."""
         if self.fence is None:
@@ -228,7 +229,8 @@ class StepLoop:
             receiver = getattr(self.worker, "receiver", None)
             log.info("adopted by the router of epoch %d at %s; it holds %d requests", epoch, link.address, len(held))
             return Adopted(self.worker_id, self.incarnation, self.role, epoch, held, eng.block_manager.num_used_blocks,
-                           receiver.address if receiver is not None else None)
+                           receiver.address if receiver is not None else None,
+                           handovers(eng.scheduler.requests, self.requests.keys()))
         return self.inbox.call(adopt)
 
     def _orphan(self) -> None:

@@ -1,7 +1,8 @@
 """ha.enabled end to end (router.ha, worker.fence): workers outlive their router; the next
 router adopts the same processes (no model reload) and serves the same greedy answers; the
 router before is fenced off; a worker left without a router frees everything after its grace
-period. Real Ray actors, real gRPC, KV over UCX; one Ray for the module (the session's), which
+period; streams in flight through a lost router complete on the next, token-identical
+(router.resume). Real Ray actors, real gRPC, KV over UCX; one Ray for the module (the session's), which
 the ``pdserve serve`` processes of the SIGKILL test join.
 
 In-process, a router "dies" by abandonment (``abandon``): its event loop halts with every task
@@ -12,17 +13,22 @@ and server on it, nothing cleaned up, so it calls no worker again, aborts nothin
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 
+import grpc
 import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
-from router.client import collect, connect, make_request
+from router.admin import scoped_id
+from router.client import collect, connect, make_request, stream
 from tests.cluster.conftest import CONFIG
 
 GRACE_S = 2.0  # the grace period the fencing test's second router sets (the default here: longer than a router's start)
 PROMPTS = ["The capital of France is", "Q: What is 17 times 3?\nA:"]
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"  # (the resume test's tokens file)
+RESUME_S, RESUME_TOKENS = 5.0, 64  # its routers' ha.resume_s; its streams' length
 
 
 def abandon(c) -> None:
@@ -52,12 +58,13 @@ def ha_cluster(cluster_name):
     from router.config import load_config
     name = cluster_name
 
-    def start(grace_s: float = 60.0):
+    def start(grace_s: float = 60.0, port: int = 0, http_port: int | None = None, **config):
+        """``config``: more config keys (``{"ha.resume_s": 5}``); ``http_port``: 0 a free one, None off."""
         cfg = load_config(CONFIG, {"mode": "disaggregated", "prefill.replicas": 1, "decode.replicas": 1,
                                    "decode.kv_cache_gb": 0.05, "prefill.kv_cache_gb": 0.05, "metrics.port": 0,
                                    "router.http_port": None, "ha.enabled": True, "ha.cluster_name": name,
-                                   "ha.grace_s": grace_s})
-        return BackgroundCluster(cfg, http_port=None)
+                                   "ha.grace_s": grace_s, **config})
+        return BackgroundCluster(cfg, port=port, http_port=http_port)
 
     start.cluster_name = name
     return start
@@ -67,10 +74,12 @@ def _greedy(stub) -> list[list[int]]:
     return [collect(stub.Generate(make_request(p, max_tokens=16, temperature=0)))["token_ids"] for p in PROMPTS]
 
 
-def _hold(stub, rid: str):
-    """A generation far longer than the tests, running (its first tokens came): the worker holds its blocks."""
+def _hold(stub, rid: str, max_tokens: int | None = None):
+    """A generation far longer than the tests (unless ``max_tokens``), running (its first tokens
+    came): the worker holds its blocks."""
     ctx = stub.GetModelInfo(pb.GetModelInfoRequest()).context_length
-    call = stub.Generate(make_request("Count to a million:", request_id=rid, max_tokens=ctx - 16, ignore_eos=True))
+    call = stub.Generate(make_request("Count to a million:", request_id=rid, max_tokens=max_tokens or ctx - 16,
+                                      ignore_eos=True))
     next(call)
     return call
 
@@ -126,6 +135,88 @@ def test_an_older_router_is_fenced_off_and_a_worker_alone_frees_everything_after
         assert (got.requests, got.kv_blocks_used) == ({}, 0), wid
 
 
+def test_streams_survive_their_router_resumed_token_identical(ha_cluster, tmp_path):
+    """Streams that resume (router.resume): the router is lost while greedy streams run (its
+    clients reach it through proxies that drop every connection at once, as a SIGKILL would);
+    the next router adopts the workers, keeps what they decode, and every stream completes
+    token-identical to its undisturbed run: gRPC through the client library's Resume, HTTP by
+    a retry with the same Idempotency-Key. Another token's Resume finds nothing; a request no
+    client resumes is aborted after ha.resume_s, and no block is left held."""
+    from tests.cluster.resume_clients import Proxy, free_port, http_retrying, http_stream
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ALICE} alice\n{BOB} bob\n")
+    config = {"security.tokens_file": str(tokens), "ha.resume_s": RESUME_S}
+    a = ha_cluster(http_port=0, **config)  # (adopts the workers the test before left: no model load)
+    n = len(PROMPTS)  # gRPC streams, then an HTTP stream and a whole HTTP answer
+    reqs = [make_request(p, request_id=f"stream-{i}", max_tokens=RESUME_TOKENS, temperature=0, ignore_eos=True)
+            for i, p in enumerate(PROMPTS)]
+    plain, want = connect(f"127.0.0.1:{a.port}", token=ALICE), {}
+    runs = [threading.Thread(target=lambda i=i: want.__setitem__(i, collect(plain.Generate(reqs[i]))))
+            for i in range(n)]
+    for k, streamed in ((n, True), (n + 1, False)):  # (HTTP: a stream, and a whole answer)
+        runs.append(threading.Thread(target=lambda k=k, streamed=streamed: want.__setitem__(k, http_stream(
+            a.http_port, ALICE, PROMPTS[0], RESUME_TOKENS, key=f"undisturbed-{k}", stream=streamed))))
+    _all(runs)  # (undisturbed)
+
+    grpc_proxy, http_proxy = Proxy(a.port), Proxy(a.http_port)
+    port_b, http_b = free_port(), free_port()
+    stub = connect(f"127.0.0.1:{grpc_proxy.port},127.0.0.1:{port_b}", token=ALICE)
+    seen, got = [0] * (n + 1), {}  # responses each stream delivered; what each delivered in all
+
+    def count(i: int):
+        return lambda *_: seen.__setitem__(i, seen[i] + 1)
+    runs = [threading.Thread(target=lambda i=i: got.__setitem__(i, collect(stream(stub, reqs[i]), count(i))))
+            for i in range(n)]
+    for k, streamed in ((n, True), (n + 1, False)):
+        runs.append(threading.Thread(target=lambda k=k, streamed=streamed: got.__setitem__(k, http_retrying(
+            [http_proxy.port, http_b], ALICE, PROMPTS[0], RESUME_TOKENS, key=f"retry-{k}", stream=streamed,
+            on_chunk=count(n)))))
+    for t in runs:
+        t.start()
+    held = _hold(stub, "held", max_tokens=RESUME_TOKENS * 4)  # its client gives up with the router
+    deadline = time.monotonic() + 60
+    def whole_has_tokens() -> bool:  # (the whole answer shows nothing before its end: ask the router)
+        job = a.router.job("alice", f"cmpl-retry-{n + 1}-0")
+        return job is not None and len(job.generated) >= 2
+    while min(seen) < 2 or not whole_has_tokens():  # every one has tokens: the router is lost mid-stream
+        assert time.monotonic() < deadline and all(t.is_alive() for t in runs), (seen, got)
+        time.sleep(0.01)
+    abandon(a)
+    grpc_proxy.close()
+    http_proxy.close()
+    held.cancel()
+    b = ha_cluster(port=port_b, http_port=http_b, **config)
+    try:
+        resumable = b.router.resumable
+        assert resumable.find(scoped_id("alice", "held")) is not None
+        with pytest.raises(grpc.RpcError) as e:  # Bob asks for Alice's by its id: as absent as one never seen
+            next(connect(f"127.0.0.1:{port_b}", token=BOB).Resume(pb.ResumeRequest(request_id="held")))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        _all(runs, start=False)
+        for i in range(n):  # token-identical, text too
+            assert (got[i]["token_ids"], got[i]["text"], got[i]["finish_reason"], got[i]["request_id"]) == \
+                (want[i]["token_ids"], want[i]["text"], "length", f"stream-{i}"), i
+        assert len(want[0]["token_ids"]) == RESUME_TOKENS and (got[n], got[n + 1]) == (want[n], want[n + 1])
+        assert want[n] == want[n + 1]  # (HTTP: the same completion, streamed or whole)
+        # every stream attached to the job rebuilt from its worker (none ran again from its prompt)
+        assert (resumable.rebuilt, resumable.attached) == (n + 3, n + 2), vars(resumable)
+        deadline = time.monotonic() + RESUME_S + 10  # the unclaimed one is aborted: no block held anywhere
+        while any(w.status.kv_blocks_used for w in b.router.pools.workers.values()):
+            assert time.monotonic() < deadline, "the request nobody resumed still holds blocks"
+            time.sleep(0.1)
+        assert resumable.expired == 1 and not any(b.call(b.router.stranded).values())
+    finally:
+        abandon(b)  # (its workers are left to the next test's routers: no model load there)
+
+
+def _all(threads: list[threading.Thread], start: bool = True) -> None:
+    for t in threads if start else ():
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a stream did not end"
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -178,7 +269,9 @@ def test_sigkill_of_pdserve_serve_then_a_second_one_adopts_the_same_processes(ra
     config.write_text(yaml.safe_dump({
         "mode": "disaggregated", "prefill": {"replicas": 1, "kv_cache_gb": 0.05},
         "decode": {"replicas": 1, "kv_cache_gb": 0.05}, "router": {"http_port": None},
-        "metrics": {"port": 0}, "ha": {"enabled": True, "cluster_name": name, "grace_s": 60.0}}))
+        # (resume_s 0: the first router's request is aborted at adoption, as a router does that
+        # resumes nothing; tests/cluster/test_resume.py resumes them)
+        "metrics": {"port": 0}, "ha": {"enabled": True, "cluster_name": name, "grace_s": 60.0, "resume_s": 0}}))
     gcs = ray_session.get_runtime_context().gcs_address
     with open(tmp_path / "serve.log", "w") as log:
         first, stub = _serve(config, gcs, log)

@@ -182,6 +182,14 @@ class AbortRequest(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "received_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    received_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., received_tokens: _Optional[int] = ...) -> None: ...
+
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]

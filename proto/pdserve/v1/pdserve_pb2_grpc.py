@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/pdserve.v1.Generation/Resume',
+                request_serializer=pdserve_dot_v1_dot_pdserve__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pdserve.v1.Generation/GetModelInfo',
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
@@ -74,6 +79,16 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """After the router a stream ran through was lost (ha.enabled): the rest of the request's
+        responses, from the token after the received_tokens the client has, from the new router
+        that keeps the request decoding (ha.resume_s). NOT_FOUND: no such request waits here
+        (nor does one of another token's); send the Generate again (router/client.py does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -98,6 +113,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_pdserve__pb2.AbortResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.ResumeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -164,6 +184,33 @@ class Generation:
             '/pdserve.v1.Generation/Abort',
             pdserve_dot_v1_dot_pdserve__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_pdserve__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Generation/Resume',
+            pdserve_dot_v1_dot_pdserve__pb2.ResumeRequest.SerializeToString,
+            pdserve_dot_v1_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
