@@ -227,3 +227,23 @@ def test_an_idempotency_key_names_the_request_and_a_bad_one_is_a_400():
         with pytest.raises(ApiError) as e:
             requests_for(req, "cmpl", 8, bad)
         assert e.value.status == 400
+
+
+def test_catch_up_sends_the_text_after_what_the_client_has_and_sees_a_stop_string(tokenizer):
+    from engine.detokenizer import TextStream
+    from router.resume import catch_up
+    ids = tokenizer("Grüße aus Köln, the café is open. Done.")["input_ids"]
+    whole = TextStream(tokenizer)
+    whole.step(ids)
+    for k in range(len(ids) + 1):  # the client has k tokens and the text a stream sent with them
+        had = TextStream(tokenizer)
+        had.step(ids[:k])
+        job = rebuild(Handover(Key("r"), [1], ids, SamplingParams(max_tokens=99)), SimpleNamespace(worker_id="d"))
+        r = catch_up(job, tokenizer, k, "mine")
+        assert had.delta(False) + (r.text if r else "") == whole.text, k  # nothing twice, nothing lost
+        assert (list(r.token_ids) if r else []) == ids[k:] and (r is None or r.request_id == "mine")
+        assert not job.stopped
+    job = rebuild(Handover(Key("r"), [1], ids, SamplingParams(max_tokens=99, stop=["open"])),
+                  SimpleNamespace(worker_id="d"))
+    r = catch_up(job, tokenizer, 2, "mine")
+    assert job.stopped and not r.text.endswith("open") and "open" not in r.text  # (the router then ends it: stop)
