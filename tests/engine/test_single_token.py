@@ -220,6 +220,7 @@ def test_int8_weights_take_the_compiled_path_too(make_engine, quant, monkeypatch
     fast = make_engine(quantization=quant, compile_decode_rows=1)  # batched steps: the INT8 kernel
     eager = make_engine(quantization=quant, compile_decode=False, weight_cache=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
+    assert fast.model.single_token.kernel == "compiled"  # (PDSERVE_NATIVE_DECODE=0 keeps the compiled graphs)
     assert "compiled fp32 GEMV" in fast.kernels and "compiled" not in eager.kernels
     st = fast.model.single_token
     qkv = fast.model.layers[0].self_attn.qkv_proj
