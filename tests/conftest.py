@@ -38,17 +38,14 @@ GREEDY_NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="session")
-def greedy_reference(hf_model, tokenizer) -> list[tuple[str, list[int]]]:
+def greedy_reference(request, model_path, tokenizer) -> list[tuple[str, list[int]]]:
     """(prompt, HF generate's greedy new tokens, at most 64), one prompt at a time (no padding
-    effects in the reference). HF stops at EOS: so must every path compared with it."""
-    out = []
-    with torch.inference_mode():
-        for p in GREEDY_PROMPTS:
-            ids = torch.tensor([tokenizer(p)["input_ids"]])
-            g = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY_NEW_TOKENS,
-                                  do_sample=False)
-            out.append((p, g[0, ids.shape[1]:].tolist()))
-    return out
+    effects in the reference). HF stops at EOS: so must every path compared with it. Recorded
+    per input by tests/hf_reference.py (the model's files, versions, CPU dispatch, prompt)."""
+    from tests import hf_reference
+    prompts = [tokenizer(p)["input_ids"] for p in GREEDY_PROMPTS]
+    tokens = hf_reference.generate(model_path, prompts, GREEDY_NEW_TOKENS, lambda: request.getfixturevalue("hf_model"))
+    return list(zip(GREEDY_PROMPTS, tokens))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""transformers' greedy tokens on a GGUF file: computed by transformers once per input and
-machine, then kept on disk.
+"""transformers' greedy tokens on a GGUF file (and ``generate``'s on an HF folder): computed by
+transformers once per input and machine, then kept on disk.
 
 Loading a GGUF into transformers dequantizes every tensor in numpy and builds the fp32 model
 before the first forward: on a 2-core machine that is most of a real-model test's time (the
@@ -67,9 +67,34 @@ def greedy(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     """HF's ``n`` greedy tokens after each prompt (see the module docstring); the model is
     loaded only when some prompt has no recorded entry, and freed before returning."""
     from engine.models import gguf as gguf_files
-    folder = _folder()
     digest = gguf_files.file_digest(gguf)  # (the whole file read: once, not per prompt)
-    keys = [_key(digest, ids, n) for ids in prompts]
+    return _recorded(digest, gguf.name, "greedy", prompts, n, lambda: load_hf(gguf), hf_greedy)
+
+
+def generate(folder: Path, prompts: list[list[int]], n: int, load) -> list[list[int]]:
+    """HF ``generate``'s greedy new tokens (at most ``n``: it stops at EOS) after each prompt, on
+    the HF folder ``folder`` (its config and weights files' bytes are the key), one prompt at a
+    time; ``load()`` gives the model, called only when some prompt has no recorded entry."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(folder / name, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+
+    def run(model, ids: list[int], k: int) -> list[int]:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, do_sample=False)
+        return g[0, x.shape[1]:].tolist()
+    return _recorded(h.hexdigest(), folder.name, "generate", prompts, n, load, run, free=False)
+
+
+def _recorded(digest: str, source: str, recipe: str, prompts: list[list[int]], n: int, load, run,
+              free: bool = True) -> list[list[int]]:
+    """Each prompt's tokens from its recorded entry, else ``run(load(), ids, n)`` (the model
+    loaded once, for the prompts without one, freed after when ``free``), then recorded."""
+    folder = _folder()
+    keys = [_key(digest if recipe == "greedy" else f"{recipe}:{digest}", ids, n) for ids in prompts]
     got: list[list[int] | None] = [None] * len(prompts)
     if folder is not None:
         for i, key in enumerate(keys):
@@ -78,18 +103,18 @@ def greedy(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
                 got[i] = json.loads(entry.read_text())["tokens"]
     missing = [i for i, g in enumerate(got) if g is None]
     if missing:
-        model = load_hf(gguf)
+        model = load()
         try:
             for i in missing:
-                got[i] = hf_greedy(model, prompts[i], n)
+                got[i] = run(model, prompts[i], n)
         finally:
-            del model
-            gc.collect()
+            if free:
+                del model
+                gc.collect()
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             for i in missing:
                 tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"  # whole files only, under any race
-                tmp.write_text(json.dumps({"file": gguf.name, "n": n, "prompt": prompts[i], "tokens": got[i]}))
+                tmp.write_text(json.dumps({"file": source, "n": n, "prompt": prompts[i], "tokens": got[i]}))
                 os.replace(tmp, folder / f"{keys[i]}.json")
     return [list(g) for g in got]  # type: ignore[arg-type]
-

@@ -54,3 +54,41 @@ def test_off_computes_every_reference(tmp_path, monkeypatch):
     for _ in range(2):
         assert hf_reference.greedy(gguf, [[1]], 2) == [[2, 3]]
     assert len(loads) == 2
+
+
+class _Generating:
+    """A stand-in for ``generate``: appends (last + 1) mod 50 until ``max_new_tokens`` or token 0
+    (its EOS)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def generate(self, x, attention_mask=None, max_new_tokens=1, do_sample=False):
+        self.calls += 1
+        out = x[0].tolist()
+        for _ in range(max_new_tokens):
+            out.append((out[-1] + 1) % 50)
+            if out[-1] == 0:
+                break
+        return torch.tensor([out])
+
+
+def test_generate_on_a_folder_is_keyed_by_its_files_and_recipe(tmp_path, monkeypatch):
+    """HF ``generate``'s tokens (stopping at EOS) on an HF folder: recorded per config and
+    weights bytes, never mixed up with the GGUF recipe's entries."""
+    monkeypatch.setenv("PDSERVE_HF_REFERENCE_DIR", str(tmp_path / "refs"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(bytes(64))
+    models: list[_Generating] = []
+
+    def load():
+        models.append(_Generating())
+        return models[-1]
+    assert hf_reference.generate(folder, [[1, 2], [47]], 4, load) == [[3, 4, 5, 6], [48, 49, 0]]
+    assert hf_reference.generate(folder, [[47], [1, 2]], 4, load) == [[48, 49, 0], [3, 4, 5, 6]]
+    assert len(models) == 1 and models[0].calls == 2
+    (folder / "model.safetensors").write_bytes(bytes(65))  # other weights: another reference
+    hf_reference.generate(folder, [[1, 2]], 4, load)
+    assert len(models) == 2
