@@ -262,7 +262,10 @@ class Router(pb_grpc.GenerationServicer):
         return self._serve(lambda: self._reopen(request, owner))
 
     async def _reopen(self, request: pb.ResumeRequest, owner: str) -> tuple[Job, str, int]:
-        rid = request.request_id
+        try:  # (the id's limits, as Generate's: it is echoed and logged)
+            rid = request_id(request, self.limits)
+        except InvalidRequestError as e:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         job = self.resumable.find(scoped_id(owner, rid))
         if job is None:  # (another token's is as absent as one never seen: no oracle across tokens)
             raise Reject(grpc.StatusCode.NOT_FOUND, f"no request {rid!r} waits to be resumed here: send it again")

@@ -82,6 +82,23 @@ def test_a_request_id_is_the_callers_own(monkeypatch):
     asyncio.run(main())
 
 
+def test_resume_checks_the_id_as_generate_does(monkeypatch):
+    """Resume's request id has Generate's limits (it is echoed in the answer and logged): too long
+    or unprintable is INVALID_ARGUMENT; a valid id nobody keeps is NOT_FOUND."""
+    from router.resume import Resumable
+    r = _router(monkeypatch)
+    r.resumable = Resumable(r.jobs, 30.0, lambda job: None)
+
+    async def resume(rid: str):
+        await r.resume(pb.ResumeRequest(request_id=rid, received_tokens=1), "alice").__anext__()
+
+    for rid, code in (("x" * 129, grpc.StatusCode.INVALID_ARGUMENT), ("a b", grpc.StatusCode.INVALID_ARGUMENT),
+                      ("job-1", grpc.StatusCode.NOT_FOUND)):
+        with pytest.raises(Reject) as e:
+            asyncio.run(resume(rid))
+        assert e.value.code == code, rid
+
+
 def test_scoped_ids_never_meet():
     assert scoped_id("", "x") == "x"  # auth off: one identity
     ids = {scoped_id(o, rid) for o in ("alice", "bob", "a") for rid in ("x", "x~" + "0" * 16)}
