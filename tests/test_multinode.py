@@ -87,15 +87,13 @@ def generate_all(port: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(model_path, tokenizer):
+    """HF generate's greedy tokens of PROMPTS (recorded per input: tests/hf_reference.py)."""
     import torch
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(str(model_path), torch_dtype=torch.float32)
-    out = []
-    for p in PROMPTS:
-        ids = tokenizer(p, return_tensors="pt")["input_ids"]
-        g = m.generate(ids, max_new_tokens=16, do_sample=False)
-        out.append(g[0, ids.shape[1]:].tolist())
-    return out
+
+    from tests import hf_reference as ref
+    return ref.generate(model_path, [tokenizer(p)["input_ids"] for p in PROMPTS], 16,
+                        lambda: AutoModelForCausalLM.from_pretrained(str(model_path), torch_dtype=torch.float32))
 
 
 @pytest.mark.parametrize("transport", ["ucx", "zmq"])
