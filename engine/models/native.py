@@ -134,6 +134,9 @@ def _load(cap: str, vnni: bool) -> ctypes.CDLL | None:
     lib.pd_linear.argtypes = [p, i, p, p, i]
     lib.pd_dequant_i4.argtypes = [p, p, i]
     lib.pd_linear.restype = lib.pd_dequant_i4.restype = None
+    i64 = ctypes.c_int64
+    lib.pd_mask_logits.argtypes = [p, i64, p, i, p, i64, i64]
+    lib.pd_mask_logits.restype = None
     return lib
 
 

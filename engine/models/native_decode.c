@@ -907,3 +907,39 @@ void pd_dequant_i4(const lin_t *L, float *out, int threads) {
 
 /* What this build vectorizes with: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (plain C). */
 int pd_vector_width(void) { return VW; }
+
+/* Structured outputs (engine/grammar.py apply_bitmask): logits[rows[r]][t] = -inf wherever bit
+ * t % 32 of word t / 32 of bits[r] is 0, for t < vocab (the caller checks words * 32 >= vocab).
+ * A word of ones leaves its 32 logits, a word of zeros sets them all: a JSON grammar's masks are
+ * words of zeros outside strings and about half mixed words inside one (Qwen2.5's 151,936
+ * tokens), so this reads each mask once and writes only what it forbids, 8 lanes a store. torch's
+ * masked_fill over the bits expanded to one byte a token took 2-14 ms of a batch-8 step there. */
+void pd_mask_logits(float *logits, int64_t ld, const int64_t *rows, int nrows, const uint32_t *bits,
+                    int64_t words, int64_t vocab) {
+    const float ninf = -INFINITY;
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int r = 0; r < nrows; r++) {
+        float *l = logits + rows[r] * ld;
+        const uint32_t *b = bits + (int64_t)r * words;
+        for (int64_t w = 0; w * 32 < vocab; w++) {
+            const uint32_t m = b[w];
+            if (m == 0xffffffffu)
+                continue;
+            const int64_t t0 = w * 32, n = vocab - t0 < 32 ? vocab - t0 : 32;
+            if (n == 32) {  /* a byte's 8 bits as 8 lanes: -inf stored where a bit is 0 (AVX2, both builds) */
+                for (int k = 0; k < 4; k++) {
+                    const uint32_t byte = (m >> (8 * k)) & 0xffu;
+                    if (byte == 0xffu)
+                        continue;
+                    const __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)byte), lane_bit),
+                                                           _mm256_setzero_si256());
+                    _mm256_maskstore_ps(l + t0 + 8 * k, hit, _mm256_set1_ps(ninf));
+                }
+                continue;
+            }
+            for (int64_t j = 0; j < n; j++)
+                if (!((m >> j) & 1u))
+                    l[t0 + j] = ninf;
+        }
+    }
+}

@@ -192,6 +192,27 @@ def test_jump_forward_appends_forced_tokens_without_a_forward_each(make_engine, 
     _valid(lp.text, JSON)
 
 
+@pytest.mark.parametrize("vocab", [96, 100, 31])
+def test_the_native_mask_equals_torchs(vocab):
+    """pd_mask_logits (native_decode.c) against the torch ops it replaces, bit for bit: words of
+    zeros, of ones and mixed, masked rows among unmasked ones, a vocabulary that ends inside a
+    word (the bits beyond it set and clear), and a bitmask wider than the logits."""
+    import numpy as np
+
+    from engine.grammar import apply_bitmask, apply_bitmask_torch
+    from engine.models import native
+    assert native.library() is not None  # (x86-64 with gcc: every machine of this project's kind)
+    gen = np.random.default_rng(vocab)
+    logits = torch.randn(5, vocab)
+    rows = [4, 0, 2]
+    words = (vocab + 31) // 32 + 1
+    bits = gen.integers(-2**31, 2**31, size=(len(rows), words), dtype=np.int64).astype(np.int32)
+    bits[0, 0], bits[1, 0], bits[2, -2:] = 0, -1, 0  # whole words forbidden / allowed
+    got, want = apply_bitmask(logits, rows, bits), apply_bitmask_torch(logits, rows, bits)
+    assert torch.equal(got, want) and torch.equal(got[[1, 3]], logits[[1, 3]])
+    assert torch.isinf(got[4, :32]).all() and torch.equal(got[0, :32], logits[0, :32])
+
+
 def test_compiled_grammars_are_cached(tokenizer):
     comp = GrammarCompiler(tokenizer, 49152, (2,))
     a, b = comp.state(JSON), comp.state(JSON)
