@@ -8,7 +8,10 @@ undisturbed, then runs the load again while faults land at random times from ``-
 - ``stop_prefill`` / ``stop_decode``: SIGSTOP one for a random time up to twice ``stall_s``
   (short: it resumes; long: the router must notice, re-run its streams, replace it);
 - ``corrupt`` / ``drop`` / ``sever``: the next KV message of a prefill worker is corrupted,
-  lost, or its transport connection cut (``kv_transfer.fault_injection``).
+  lost, or its transport connection cut (``kv_transfer.fault_injection``);
+- ``kill_router`` / ``stop_router``: the leading router of an HA pair killed, or stopped past
+  its lease; a run of their own after the worker faults', on two ``pdserve serve`` processes
+  (bench/chaos_router.py, which says why ``restart_head`` is not a kind).
 
 Every request must end either with exactly the undisturbed run's tokens or with a clear gRPC
 status; never hang (no answer within ``--hang-s``), never a wrong answer with OK. At the end no
@@ -38,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 FAULT_KINDS = ("kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "corrupt", "drop", "sever")
+ROUTER_KINDS = ("kill_router", "stop_router")  # bench/chaos_router.py
 # A local cluster for the run: two workers per pool (a fault leaves one), a short stall bound,
 # a lease short enough that a leak shows within the run, admission that outwaits recoveries.
 CLUSTER = {"prefill.replicas": 2, "decode.replicas": 2, "prefill.kv_cache_gb": 0.1, "decode.kv_cache_gb": 0.1,
@@ -339,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=200, help="at least this many requests (default 200); "
                    "the load goes on until every fault is in")
     p.add_argument("--faults-per-kind", type=int, default=20, help="faults of each kind (default 20)")
-    p.add_argument("--kinds", default=",".join(FAULT_KINDS), help=f"fault kinds (default: all: {','.join(FAULT_KINDS)})")
+    kinds = ",".join(FAULT_KINDS + ROUTER_KINDS)
+    p.add_argument("--kinds", default=kinds, help=f"fault kinds (default: all: {kinds})")
     p.add_argument("--fault-gap-s", type=float, default=3.0, help="mean seconds between faults (default 3)")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent streams (default 8)")
     p.add_argument("--specs", type=int, default=24, help="distinct requests the load cycles through (default 24)")
@@ -351,15 +356,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default="ucx", help="KV transport: ucx | zmq (default ucx)")
     p.add_argument("--config", default=None, help="base cluster config (default: built-in)")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and every fault's time and victim")
+    p.add_argument("--router-stop-s", type=float, default=10.0, help="stop_router: SIGSTOP this long (default 10)")
+    p.add_argument("--router-lease-s", type=float, default=3.0, help="router faults: ha.lease_s (default 3)")
+    p.add_argument("--router-resume-s", type=float, default=15.0, help="router faults: ha.resume_s (default 15)")
     return p
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    args.kinds = [k for k in args.kinds.split(",") if k]
-    bad = sorted(set(args.kinds) - set(FAULT_KINDS))
-    if bad or not args.kinds:
-        raise SystemExit(f"chaos: unknown fault kinds {bad}; valid: {', '.join(FAULT_KINDS)}")
+    kinds = [k for k in args.kinds.split(",") if k]
+    bad = sorted(set(kinds) - set(FAULT_KINDS + ROUTER_KINDS))
+    if bad or not kinds:
+        raise SystemExit(f"chaos: unknown fault kinds {bad}; valid: {', '.join(FAULT_KINDS + ROUTER_KINDS)}")
+    # The worker faults' run (``kinds``) and the router faults' (``router_kinds``) are two runs
+    args.kinds = [k for k in kinds if k in FAULT_KINDS]
+    args.router_kinds = [k for k in kinds if k in ROUTER_KINDS]
     return args
 
 
@@ -391,6 +402,24 @@ def run_chaos(cluster, args, make=None) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    out = main_workers(args) if args.kinds else {}
+    if args.router_kinds:
+        # (heavy: Ray and two routers, loaded only by what uses them)
+        from bench.chaos_router import bad, main_router
+        from bench.chaos_router import table as router_table
+        routers = main_router(args)
+        print(router_table(routers))
+        print(json.dumps(routers))
+        if out:  # both runs: the one line says both (the worker run's keys, the router run's beside)
+            out = {**out, "router": routers, **{k: routers[k] for k in ("router_kills", "takeover_s_p50",
+                                                                        "takeover_s_p99")},
+                   **{k: out[k] + routers[k] for k in ("wrong", "hung", "leaked_blocks")}}
+            print(json.dumps(out))
+        return 1 if bad(routers) or (out and _bad(out)) else 0
+    return 1 if _bad(out) else 0
+
+
+def main_workers(args) -> dict:
     # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import BackgroundCluster, init_ray
     cfg = cluster_config(args)
@@ -404,9 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ray.shutdown()
     print(table(out))
     print(json.dumps(out))
-    bad = (out["wrong"] or out["hung"] or out["leaked_blocks"] or out["swept_blocks"] or out["leaked_processes"]
-           or out["leaked_ports"])
-    return 1 if bad else 0
+    return out
+
+
+def _bad(out: dict) -> bool:
+    return bool(out["wrong"] or out["hung"] or out["leaked_blocks"] or out["swept_blocks"]
+                or out["leaked_processes"] or out["leaked_ports"])
 
 
 if __name__ == "__main__":

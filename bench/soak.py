@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="growth this small counts as flat whatever the noise (default 5 MB/h)")
     p.add_argument("--samples-out", default=None,
                    help="write every memory sample and fault time here as JSON (to attribute steps to faults)")
-    p.set_defaults(requests=0, faults_per_kind=0)
+    p.set_defaults(requests=0, faults_per_kind=0, kinds=",".join(FAULT_KINDS))  # (router faults: not yet)
     return p
 
 

@@ -13,9 +13,15 @@ A stream already answering is not retried by gRPC; ``stream`` carries it through
 its router (ha.enabled; the CLI uses it): when it breaks with UNAVAILABLE after tokens came, it
 asks the servers, until one answers (``RESUME_WAIT_S``), to ``Resume`` the request after the
 tokens received (the new leader keeps what the workers decode: router.resume); if none has it
-(NOT_FOUND), it sends the Generate again under the same id and drops what was already
-delivered, checking that the tokens are the same (greedy or seeded output is), else
-``ResumeMismatch``. The caller sees one stream either way.
+(NOT_FOUND, or fewer tokens than received: OUT_OF_RANGE), it sends the Generate again under the
+same id and drops what was already delivered, checking that the tokens are the same (greedy or seeded output is), else
+``ResumeMismatch``. The caller sees one stream either way. A stream that broke before its first
+token (no router serves for now: a standby taking over) is sent again under its id, again until
+one answers (``RESUME_WAIT_S``): a router that kept it attaches it from token 0 (router.resume),
+any other runs it. A router that stops answering
+without closing its connections (SIGSTOP, a frozen host) is found out by keepalive pings
+(``KEEPALIVE_S``), and a list's connection attempt to it gives up after ``CONNECT_TIMEOUT_MS``,
+so the stream resumes on the standby rather than when, if ever, the stopped one wakes.
 """
 
 from __future__ import annotations
@@ -44,10 +50,28 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
 
 TOKEN_ENV = "PDSERVE_TOKEN"
 RECONNECT_MAX_MS = 2000  # the longest a list's client waits before it tries an address that refused again
+CONNECT_TIMEOUT_MS = 2000  # a list's connection attempt that has not shaken hands by then has failed
 MAX_ATTEMPTS = 4  # a call's tries on UNAVAILABLE, over a list of servers (backing off 0.2 s .. 2 s)
 # How long ``stream`` keeps asking for a broken stream: a standby's takeover (ha.lease_s, then
 # its adoption: seconds) with room to spare; ha.resume_s (30 s by default) bounds it on the server
 RESUME_WAIT_S = 30.0
+# Keepalive: a stream whose router stops answering (SIGSTOP, a frozen VM, a cable pulled: no FIN
+# or RST arrives) would wait forever for its next token; a ping every KEEPALIVE_S while a call is
+# open, unanswered for KEEPALIVE_TIMEOUT_S, ends the connection with UNAVAILABLE, so ``stream``
+# resumes on the standby within ~5 s of the stall instead of when (if) the old leader wakes.
+# 2 s: well under a standby's takeover (ha.lease_s, 3 s by default), so the client asks again
+# while the standby takes over; 3 s: a loaded leader's poller still acks a ping within it (acks
+# come from gRPC's C core, not the event loop). Only while calls are open (an idle channel sends
+# none), and the server permits one every MIN_PING_INTERVAL_S (router.grpc_guard).
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 2.0, 3.0
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+                     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                     ("grpc.keepalive_permit_without_calls", 0),
+                     # (gRPC's default stops pinging after 2 pings until the client sends data, and a
+                     # stream's client sends nothing after its request: keep pinging while it is open)
+                     ("grpc.http2.max_pings_without_data", 0),
+                     # (grpc 1.85 times a keepalive ping out by this, default 1 min, not by keepalive_timeout)
+                     ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000))]
 _FAILOVER = json.dumps({
     "loadBalancingConfig": [{"pick_first": {}}],
     "methodConfig": [{"name": [{"service": "pdserve.v1.Generation"}],
@@ -56,7 +80,7 @@ _FAILOVER = json.dumps({
 
 
 def target(server: str) -> tuple[str, list[tuple[str, str | int]]]:
-    """gRPC's target and channel options for ``server``: one ``host:port`` as it is; a comma
+    """gRPC's target and channel options for ``server`` (keepalive, either way): one ``host:port`` as it is; a comma
     list as one ``ipv4:``/``ipv6:`` target over every address in order (each name resolved
     now, its first address), with pick_first, retries on UNAVAILABLE and the first name as the
     authority (what a TLS certificate is checked against).
@@ -67,7 +91,7 @@ def target(server: str) -> tuple[str, list[tuple[str, str | int]]]:
     """
     parts = [p.strip() for p in server.split(",") if p.strip()]
     if len(parts) <= 1:
-        return server, []
+        return server, list(KEEPALIVE_OPTIONS)
     addrs: list[tuple[str, int]] = []
     for p in parts:
         host, sep, port = p.rpartition(":")
@@ -91,7 +115,11 @@ def target(server: str) -> tuple[str, list[tuple[str, str | int]]]:
     return uri, [("grpc.service_config", _FAILOVER), ("grpc.enable_retries", 1), ("grpc.default_authority", first),
                  # (a standby that refused a while ago may lead now (router.standby): try it again
                  # within seconds, not after gRPC's default backoff of up to 2 minutes)
-                 ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
+                 ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+                 # (also the longest a connection attempt may take, 20 s by default: a stopped router's
+                 # kernel accepts the connection and its handshake never comes, and pick_first waits for
+                 # that attempt to fail before it connects to the leader that serves meanwhile)
+                 ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS), *KEEPALIVE_OPTIONS]
 
 
 def channel(server: str, *, tls_ca: str | None = None, token: str | None = None,
@@ -200,14 +228,21 @@ def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout
     request = _with_id(request)
     got = _Delivered()
     responses: Iterator[pb.GenerateResponse] = stub.Generate(request, timeout=timeout)
+    unanswered = time.monotonic() + wait_s
     while True:
         try:
             for r in responses:
                 yield got.add(r)
             return
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or not got.ids:  # (before any: the channel retried it)
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
+            if not got.ids:  # (none delivered: no router for now, e.g. a standby taking over)
+                if time.monotonic() > unanswered:
+                    raise
+                time.sleep(0.2)
+                responses = stub.Generate(request, timeout=timeout)
+                continue
         deadline = time.monotonic() + wait_s
         while True:  # a router that resumes it, else one that runs it again
             call = stub.Resume(got.resume_request(request), timeout=timeout)
@@ -217,7 +252,7 @@ def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout
             except StopIteration:
                 return
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                if e.code() in _SEND_AGAIN:
                     replay = got.replay()
                     responses = (x for r in stub.Generate(request, timeout=timeout) if (x := replay(r)) is not None)
                     break
@@ -232,6 +267,7 @@ async def astream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, 
     request = _with_id(request)
     got, replay, first = _Delivered(), None, None
     call = stub.Generate(request, timeout=timeout)
+    unanswered = time.monotonic() + wait_s
     while True:
         try:  # (read(), not async for: the first message of a Resume is read before the rest)
             while (r := first if first is not None else await call.read()) is not grpc.aio.EOF:
@@ -240,8 +276,14 @@ async def astream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, 
                     yield got.add(r)
             return
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or not got.ids:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
+            if not got.ids:  # (as in ``stream``)
+                if time.monotonic() > unanswered:
+                    raise
+                await asyncio.sleep(0.2)
+                call = stub.Generate(request, timeout=timeout)
+                continue
         deadline, replay = time.monotonic() + wait_s, None
         while True:
             call = stub.Resume(got.resume_request(request), timeout=timeout)
@@ -249,12 +291,18 @@ async def astream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, 
                 first = await call.read()  # (its error, if any, shows here)
                 break
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                if e.code() in _SEND_AGAIN:
                     call, replay = stub.Generate(request, timeout=timeout), got.replay()
                     break
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise
             await asyncio.sleep(0.2)
+
+
+# Resume's answers that call for sending the request again: none kept here (NOT_FOUND), or one
+# kept with fewer tokens than were delivered (OUT_OF_RANGE: a run sent again before, which the
+# router was lost in; its replay from token 0 is checked against what was delivered)
+_SEND_AGAIN = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE)
 
 
 def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:

@@ -12,6 +12,12 @@
   that send nothing do not hold places under ``grpc_connections`` for long.
 - keepalive: a connection quiet for ``grpc_keepalive_s`` is pinged and closed when the ping goes
   unanswered for ``grpc_keepalive_timeout_s`` (a peer that vanished does not hold a slot).
+  The other way, a client may ping while it has calls open (router.client does every
+  ``KEEPALIVE_S``, to notice a stopped router), at most one every ``MIN_PING_INTERVAL_S`` while
+  the server sends nothing: a third ping sooner (``grpc.http2.max_ping_strikes``) or any ping on a
+  connection without calls (``grpc.keepalive_permit_without_calls`` off) is answered with GOAWAY
+  ``too_many_pings``, so pings cannot be a flood (one a second per connection at most, and
+  connections are capped).
 - ``grpc_max_idle_s``: a connection with no call this long is closed; ``grpc_max_age_s``: a
   connection this old is asked to reconnect (GOAWAY; clients do so transparently), and the
   calls still on it are ended ``grpc_max_age_grace_s`` later. No stream lives forever: not even
@@ -65,6 +71,10 @@ from router.drain import RETRY_AFTER_S, Gate
 HEALTH = "/grpc.health.v1.Health/"
 GENERATE = "/pdserve.v1.Generation/Generate"
 NOT_SERVING = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+# Half router.client's KEEPALIVE_S (2 s): its pings come late, never early, but timers and a
+# loaded machine bunch two of them; gRPC's default (5 min) would end a queued call's connection
+# after the third of them, as a flood
+MIN_PING_INTERVAL_S, PING_STRIKES = 1.0, 2
 
 
 def server_options(front_door, limits) -> list[tuple[str, int]]:
@@ -80,6 +90,8 @@ def server_options(front_door, limits) -> list[tuple[str, int]]:
             ("grpc.server_handshake_timeout_ms", ms(fd.grpc_handshake_timeout_s)),
             ("grpc.keepalive_time_ms", ms(fd.grpc_keepalive_s)),
             ("grpc.keepalive_timeout_ms", ms(fd.grpc_keepalive_timeout_s)),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(MIN_PING_INTERVAL_S)),
+            ("grpc.http2.max_ping_strikes", PING_STRIKES), ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.max_connection_idle_ms", ms(fd.grpc_max_idle_s)),
             ("grpc.max_connection_age_ms", ms(fd.grpc_max_age_s)),
             ("grpc.max_connection_age_grace_ms", ms(fd.grpc_max_age_grace_s))]

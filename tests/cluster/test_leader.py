@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 
-import grpc
-
-from pdserve.v1 import pdserve_pb2 as pb
+from bench.ha_pair import Router, worker_pids
+from bench.ha_pair import leader as _leader  # (router.leader is `leader` below)
 from router.client import collect, connect, make_request
 
 LEASE_S = 2.0
@@ -28,71 +23,8 @@ TAKEOVER_S = LEASE_S + 8.0  # the lease lapses, the standby notices, takes an ep
 PROMPTS = ["The capital of France is", "Q: What is 17 times 3?\nA:"]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Router:
-    """One ``pdserve serve`` process, its ports and a stub on its gRPC port alone."""
-
-    def __init__(self, config, gcs: str, log) -> None:
-        self.port, self.http_port = _free_port(), _free_port()
-        self.proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve", "--config",
-                                      str(config), "--address", gcs, "--port", str(self.port),
-                                      "--http-port", str(self.http_port)], stdout=log, stderr=log)
-
-    @property
-    def stub(self):
-        return connect(f"127.0.0.1:{self.port}")  # (a new channel: see ``serves``)
-
-    def serves(self) -> bool:
-        """Whether it answers on a new channel (one refused a moment ago would be backing off)."""
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
-            try:
-                ch.unary_unary("/pdserve.v1.Generation/GetModelInfo", pb.GetModelInfoRequest.SerializeToString,
-                               pb.ModelInfo.FromString)(pb.GetModelInfoRequest(), timeout=1)
-                return True
-            except grpc.RpcError as e:
-                assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e
-                return False
-
-    def http_status(self) -> int | None:
-        """The OpenAI port's answer (None: it refused the connection, between two states)."""
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v1/models", timeout=2).status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except urllib.error.URLError:
-            return None
-
-
-def _leader(routers: list[Router], timeout: float) -> Router:
-    """The one router that serves, once one does (the others must refuse)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in routers:
-            assert r.proc.poll() is None, "a pdserve serve exited"
-        serving = [r for r in routers if r.serves()]
-        if serving:
-            assert len(serving) == 1, "two routers serve at once"
-            return serving[0]
-        assert time.monotonic() < deadline, f"no router leads after {timeout} s"
-        time.sleep(0.2)
-
-
 def _greedy(stub) -> list[list[int]]:
     return [collect(stub.Generate(make_request(p, max_tokens=16, temperature=0)))["token_ids"] for p in PROMPTS]
-
-
-def _worker_pids(name: str) -> dict[str, int]:
-    import ray
-
-    from router import ha
-    epoch = ha.current_epoch(name)
-    return {wid: ray.get(h.call.remote(epoch, "status"), timeout=30).pid for wid, h in ha.find_workers(name).items()}
 
 
 def _standbys_refuse(standbys: list[Router]) -> None:
@@ -116,7 +48,7 @@ def test_a_standby_leads_when_the_leader_is_killed_stalled_or_stopped_and_the_st
     routers = [Router(config, gcs, log) for _ in range(3)]
     try:
         first = _leader(routers, 240)
-        before, pids = _greedy(first.stub), _worker_pids(name)
+        before, pids = _greedy(first.stub), worker_pids(name)
         assert len(pids) == 2
         for r in routers:
             r.proc.send_signal(signal.SIGHUP)  # the leader reloads its tokens; a standby ignores it (not killed)
@@ -130,13 +62,13 @@ def test_a_standby_leads_when_the_leader_is_killed_stalled_or_stopped_and_the_st
         rest = [r for r in routers if r is not first]
         second = _leader(rest, TAKEOVER_S)
         took = time.monotonic() - killed
-        assert _greedy(second.stub) == before and _worker_pids(name) == pids, f"took over in {took:.1f} s"
+        assert _greedy(second.stub) == before and worker_pids(name) == pids, f"took over in {took:.1f} s"
 
         second.proc.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         third = _leader([r for r in rest if r is not second], TAKEOVER_S)
         took_stopped = time.monotonic() - stopped
-        assert _greedy(third.stub) == before and _worker_pids(name) == pids
+        assert _greedy(third.stub) == before and worker_pids(name) == pids
         second.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 30
         _standbys_refuse([second])  # at once: it finds its lease passed before it serves a call
@@ -146,14 +78,14 @@ def test_a_standby_leads_when_the_leader_is_killed_stalled_or_stopped_and_the_st
             time.sleep(0.2)
         _standbys_refuse([second])
         assert second.proc.poll() is None and third.serves()
-        assert _greedy(third.stub) == before and _worker_pids(name) == pids  # it ended no worker
+        assert _greedy(third.stub) == before and worker_pids(name) == pids  # it ended no worker
 
         third.proc.send_signal(signal.SIGTERM)  # a clean stop, a standby waiting: it hands the lease over
         termed = time.monotonic()
         assert _leader([second], TAKEOVER_S) is second
         took_handed = time.monotonic() - termed
         assert third.proc.wait(timeout=60) == 0
-        assert _greedy(second.stub) == before and _worker_pids(name) == pids  # the workers were left to it
+        assert _greedy(second.stub) == before and worker_pids(name) == pids  # the workers were left to it
         second.proc.send_signal(signal.SIGTERM)  # the last router: it ends the workers
         assert second.proc.wait(timeout=120) == 0 and ha.find_workers(name) == {}
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from router.client import MAX_ATTEMPTS, connect, target
+from router.client import KEEPALIVE_OPTIONS, MAX_ATTEMPTS, connect, target
 
 
 class _Named(pb_grpc.GenerationServicer):
@@ -93,7 +93,7 @@ def test_a_list_becomes_one_target_of_one_family_and_bad_lists_are_refused():
     uri, options = target("127.0.0.1:5001, localhost:5002")
     assert uri == "ipv4:127.0.0.1:5001,127.0.0.1:5002" and dict(options)["grpc.default_authority"] == "127.0.0.1"
     assert target("[::1]:5001,[::1]:5002")[0] == "ipv6:[::1]:5001,[::1]:5002"
-    assert target("127.0.0.1:5001") == ("127.0.0.1:5001", [])  # one server: as it always was
+    assert target("127.0.0.1:5001") == ("127.0.0.1:5001", KEEPALIVE_OPTIONS)  # one server: as it was, with keepalive
     for bad in ("127.0.0.1,127.0.0.2:5002", "127.0.0.1:5001,[::1]:5002", "no-such-host.invalid:1,127.0.0.1:2"):
         with pytest.raises(ValueError):
             target(bad)

@@ -187,6 +187,19 @@ def test_a_stream_no_router_kept_runs_again_less_what_was_delivered():
     assert rid and stub.calls == [("Generate", rid), ("Resume", rid, 3), ("Generate", rid)]  # (an id of its own)
 
 
+def test_a_stream_kept_with_fewer_tokens_than_delivered_runs_again_less_what_was_delivered():
+    # (a run sent again before, whose router was lost too: the new one kept it shorter)
+    stub = _Stub(ANSWER, 2, [grpc.StatusCode.OUT_OF_RANGE])
+    assert _collect(stream(stub, make_request("hi", request_id="r3"))) == ([1, 2, 3, 4, 5], "abcde")
+    assert stub.calls == [("Generate", "r3"), ("Resume", "r3", 3), ("Generate", "r3")]
+
+
+def test_a_stream_broken_before_its_first_token_is_sent_again_under_its_id():
+    stub = _Stub(ANSWER, 0, [])  # (no router serves for now: a standby taking over)
+    assert _collect(stream(stub, make_request("hi", request_id="r4"))) == ([1, 2, 3, 4, 5], "abcde")
+    assert stub.calls == [("Generate", "r4"), ("Generate", "r4")]
+
+
 def test_astream_resumes_and_runs_again_as_stream_does():
     from grpc import aio
 

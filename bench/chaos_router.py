@@ -1,0 +1,344 @@
+"""Router faults for bench/chaos.py (``--kinds kill_router,stop_router``): an HA pair under
+greedy streams while the leading router is killed or stopped.
+
+Two ``pdserve serve`` processes of one cluster (``ha.enabled``, one Ray: router.leader) serve
+1 prefill + 1 decode worker (detached: router.ha). ``--concurrency`` clients, each on its own
+channel to ``--server a,b`` (router.client ``stream``: Resume on UNAVAILABLE, else sent again
+under the same id), stream greedy requests whose tokens were computed once undisturbed. Faults,
+one at a time at seeded random gaps, always on the router that leads:
+
+- ``kill_router``: SIGKILL. Then a new ``pdserve serve`` on the killed one's ports (the
+  clients' list stays valid), waited for until it stands by, so the next fault has a standby.
+- ``stop_router``: SIGSTOP for ``--router-stop-s`` (past the lease), then SIGCONT: it must find
+  its lease gone and stand by again (router.app), fenced off the workers (worker.fence), doing
+  no harm; it is the next fault's standby. Its clients' streams learn of the stall from gRPC
+  keepalive (router.client ``KEEPALIVE_S``), not from its wake.
+- ``restart_head`` is not here: on one machine the Ray head's GCS cannot be restarted honestly
+  without an external Redis (Ray's GCS fault tolerance) and a head of our own; without it a
+  head's restart ends every actor, workers included (deploy/README.md).
+
+Takeover: from the fault until the other router answers a call on a new channel. Checks: every
+stream complete and token-identical (``wrong``: not; ``hung``: no end within ``--hang-s`` or
+still open after the run), no KV block held once the leader tracks no request (``leaked_blocks``),
+no worker process replaced (``workers_replaced``), and after both routers stop, no worker left.
+``stream_gap_s_max``: the longest wait of any stream between two responses (a fault's cost as
+a client sees it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from bench.ha_pair import NoLeader, Router, leader, worker_pids
+
+# (bench/chaos.py's, not imported from there: chaos.py imports this module)
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
+        "books were made, how ideas travelled and who could read them. ")
+SHORT = ["The capital of France is", "Write a haiku about rain.", "def fibonacci(n):",
+         "List three uses of copper.", "Why is the sky blue?", "Translate 'good morning' to Spanish."]
+TAKEOVER_GUARD_S = 120.0  # only against a hang: a standby that never leads
+START_GUARD_S = 240.0  # a router process's start (imports, the model's folder) on a loaded machine
+
+
+def log(msg: str) -> None:
+    print(f"[chaos] {msg}", file=sys.stderr, flush=True)
+
+
+def cluster_yaml(args, name: str) -> dict:
+    """The pair's cluster: small caches, the lease and the resume window from ``args``."""
+    return {"mode": "disaggregated", "prefill": {"replicas": 1, "kv_cache_gb": 0.1},
+            "decode": {"replicas": 1, "kv_cache_gb": 0.2}, "metrics": {"port": 0},
+            "ha": {"enabled": True, "cluster_name": name, "grace_s": 60.0, "lease_s": args.router_lease_s,
+                   "resume_s": args.router_resume_s}}
+
+
+def greedy_prompts(n: int, seed: int, long_words: int) -> list[str]:
+    """``n`` distinct prompts, short and long."""
+    rng, words = random.Random(seed), TEXT.split()
+    return [SHORT[i % len(SHORT)] + f" ({i})" if i % 3 != 2 else
+            " ".join(words[j % len(words)] for j in range(rng.randint(long_words // 4, long_words // 2)))
+            for i in range(n)]
+
+
+class RouterChaos:
+    """The pair, its clients, its faults and its checks (``args``: bench.chaos's, router kinds)."""
+
+    def __init__(self, args, gcs: str, workdir: str) -> None:
+        import yaml  # (heavy: only the router run writes a config)
+        self.args, self.gcs = args, gcs
+        self.name = f"chaos-{uuid.uuid4().hex[:8]}"
+        self.config = Path(workdir) / "cluster.yaml"
+        self.config.write_text(yaml.safe_dump(cluster_yaml(args, self.name)))
+        self.log = open(Path(workdir) / "serve.log", "w")
+        self.rng = random.Random(args.seed)
+        self.prompts = greedy_prompts(args.concurrency, args.seed, args.long_words)
+        self.status: Counter = Counter()
+        self.gaps: list[float] = []
+        self.in_flight = 0
+        self.requests = 0
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.takeovers: list[tuple[str, float]] = []
+        self.faults: list[str] = []
+        self.routers: list[Router] = []
+
+    def sampling(self, i: int) -> dict:
+        return dict(max_tokens=self.args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    # ---- streams (one event loop in a thread: router.client ``astream``, as bench/loadgen) -----
+    async def one(self, stub, i: int, rid: str) -> tuple[list[int], float]:
+        """Stream prompt ``i`` through the client library; its tokens and longest gap."""
+        # (heavy: gRPC, loaded only by what uses them)
+        from router.client import astream, make_request
+        ids, gap, last = [], 0.0, time.monotonic()
+        async for r in astream(stub, make_request(self.prompts[i], request_id=rid, **self.sampling(i)),
+                               timeout=self.args.hang_s):
+            now = time.monotonic()
+            gap, last = max(gap, now - last), now
+            ids += r.token_ids
+        return ids, gap
+
+    async def client(self, i: int, want: list[int], servers: str) -> None:
+        # (heavy: gRPC, loaded only by what uses them)
+        import grpc
+        from router.client import ResumeMismatch
+        async with _channel(servers) as stub:
+            k = 0
+            while not self.done.is_set():
+                with self.lock:
+                    self.requests += 1
+                    self.in_flight += 1
+                try:  # (our own bound too: a call gRPC failed to end would still count, as hung)
+                    ids, gap = await asyncio.wait_for(self.one(stub, i, f"s{i}-{k}-{uuid.uuid4().hex[:6]}"),
+                                                      self.args.hang_s + 30)
+                    status = "identical" if ids == want else "wrong"
+                    self.gaps.append(gap)
+                except grpc.aio.AioRpcError as e:
+                    status = "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
+                    log(f"stream {i}: {status}: {e.details()}")
+                except asyncio.TimeoutError:
+                    status = "hung"
+                    log(f"stream {i}: hung: no end within {self.args.hang_s + 30:g} s")
+                except ResumeMismatch as e:
+                    status = "ResumeMismatch"
+                    log(f"stream {i}: {e}")
+                with self.lock:
+                    self.status[status] += 1
+                    self.in_flight -= 1
+                k += 1
+
+    def clients(self, want: list[list[int]], servers: str) -> None:
+        async def every():
+            await asyncio.gather(*(self.client(i, want[i], servers) for i in range(len(want))))
+        asyncio.run(every())
+
+    def reference(self, server: str) -> list[list[int]]:
+        async def each():
+            async with _channel(server) as stub:
+                return [(await self.one(stub, i, f"ref{i}"))[0] for i in range(len(self.prompts))]
+        return asyncio.run(each())
+
+    # ---- faults ------------------------------------------------------------------------------
+    def fault(self, kind: str, lead: Router, standby: Router, last: bool) -> tuple[Router, Router]:
+        """One fault on ``lead``; returns the router that leads after it (``standby``) and the
+        one that stands by beside it (none is waited for after the ``last`` fault)."""
+        t0 = time.monotonic()
+        if kind == "kill_router":
+            lead.proc.send_signal(signal.SIGKILL)
+        else:
+            lead.proc.send_signal(signal.SIGSTOP)
+        leader([standby], TAKEOVER_GUARD_S)
+        took = time.monotonic() - t0
+        self.takeovers.append((kind, took))
+        self.faults.append(kind)
+        log(f"fault {len(self.faults)}: {kind}: the standby led after {took:.1f} s")
+        if kind == "kill_router":
+            lead.proc.wait(timeout=60)
+            if not last:  # a new router on its ports, the next fault's standby
+                fresh = Router(self.config, self.gcs, self.log, lead.port, lead.http_port)
+                self.routers[self.routers.index(lead)] = fresh
+                self._until(fresh.stands_by, START_GUARD_S, "the restarted router did not stand by")
+                return standby, fresh
+            return standby, lead
+        time.sleep(max(0.0, t0 + self.args.router_stop_s - time.monotonic()))
+        lead.proc.send_signal(signal.SIGCONT)
+        self._until(lead.stands_by, START_GUARD_S, "the woken router did not stand by again")
+        if not standby.serves():
+            raise NoLeader("the leader stopped serving when the old one woke")
+        return standby, lead
+
+    def _until(self, ok, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ok():
+            if time.monotonic() > deadline:
+                raise NoLeader(what)
+            time.sleep(0.2)
+
+    # ---- the run -----------------------------------------------------------------------------
+    def __call__(self) -> dict:
+        try:
+            return self.run()
+        except BaseException:  # (Ctrl-C, a failed check: no router process outlives the run)
+            for r in self.routers:
+                r.proc.send_signal(signal.SIGCONT)
+                r.proc.kill()
+            raise
+
+    def run(self) -> dict:
+        a = self.args
+        t0 = time.monotonic()
+        self.routers = [Router(self.config, self.gcs, self.log) for _ in range(2)]
+        lead = leader(self.routers, START_GUARD_S)
+        standby = next(r for r in self.routers if r is not lead)
+        self._until(standby.stands_by, START_GUARD_S, "the second router did not stand by")
+        pids = worker_pids(self.name)
+        log(f"reference: {len(self.prompts)} greedy streams undisturbed ...")
+        want = self.reference(f"127.0.0.1:{lead.port}")
+        servers = ",".join(f"127.0.0.1:{r.port}" for r in self.routers)
+        clients = threading.Thread(target=self.clients, args=(want, servers), daemon=True)
+        clients.start()
+        plan = [k for k in a.router_kinds for _ in range(a.faults_per_kind)]
+        self.rng.shuffle(plan)
+        error = None
+        try:
+            for n, kind in enumerate(plan):
+                time.sleep(self.rng.uniform(0.5, 1.5) * a.fault_gap_s)
+                lead, standby = self.fault(kind, lead, standby, n == len(plan) - 1)
+        except NoLeader as e:  # (the run goes on to its checks: counted as hung)
+            error = str(e)
+            log(f"stopping faults: {e}")
+        self.done.set()
+        clients.join(a.hang_s + 60)
+        leaked, stranded = self.leaked_blocks(lead)
+        now = worker_pids(self.name)
+        replaced = sum(1 for w, p in pids.items() if now.get(w) != p)
+        left = self.stop()
+        return self.summary(leaked, stranded, replaced, left, error, time.monotonic() - t0)
+
+    def leaked_blocks(self, lead: Router) -> tuple[int, int | None]:
+        """KV blocks still held once the leader tracks no request (waited for up to the resume
+        window and more: a stream sent again leaves its adopted twin until then)."""
+        # (heavy: gRPC, loaded only by what uses them)
+        from pdserve.v1 import pdserve_pb2 as pb
+        stub = lead.stub
+        end = time.monotonic() + self.args.router_resume_s + 60
+        while True:
+            st = stub.GetClusterStatus(pb.GetClusterStatusRequest(check_blocks=True), timeout=60)
+            used = sum(w.kv_blocks_used for w in st.workers)
+            if (not used and not st.active_requests) or time.monotonic() > end:
+                stranded = sum(w.stranded_blocks for w in st.workers) if st.blocks_checked else None
+                return used, stranded
+            time.sleep(0.25)
+
+    def stop(self) -> int:
+        """SIGTERM the standby, then the leader (the last router ends the workers); worker
+        processes left after them (then ended here)."""
+        # (heavy: Ray, joined by the caller)
+        import ray
+        from router import ha, leader as lease
+        for r in sorted(self.routers, key=lambda r: r.serves()):
+            r.proc.send_signal(signal.SIGCONT)  # (a stopped one would never end)
+            r.proc.send_signal(signal.SIGTERM)
+            try:
+                r.proc.wait(timeout=120)
+            except Exception:
+                r.proc.kill()
+                r.proc.wait(timeout=30)
+        self.log.close()
+        left = ha.find_workers(self.name)
+        for handle in left.values():
+            ray.kill(handle, no_restart=True)
+        try:
+            ray.kill(ray.get_actor(lease.lease_name(self.name), namespace=ha.NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
+        return len(left)
+
+    def summary(self, leaked: int, stranded: int | None, replaced: int, left: int, error: str | None,
+                wall: float) -> dict:
+        # (heavy: numpy, loaded only by what uses them)
+        import numpy as np
+
+        def pct(xs: list[float], q: float) -> float | None:
+            return round(float(np.percentile(xs, q)), 2) if xs else None
+        took = [t for _, t in self.takeovers]
+        by_kind = {k: [t for kk, t in self.takeovers if kk == k] for k in sorted(set(self.faults))}
+        errored = {k: v for k, v in self.status.items() if k not in ("identical", "wrong", "hung")}
+        return {"requests": self.requests, "router_faults": len(self.faults),
+                "faults_by_kind": dict(Counter(self.faults)), "router_kills": self.faults.count("kill_router"),
+                "router_stops": self.faults.count("stop_router"),
+                "takeover_s_p50": pct(took, 50), "takeover_s_p99": pct(took, 99),
+                "takeover_s_max": round(max(took), 2) if took else None,
+                "takeover_s_by_kind": {k: [pct(v, 50), pct(v, 99)] for k, v in by_kind.items() if v},
+                "completed_identical": self.status["identical"], "wrong": self.status["wrong"],
+                "hung": self.status["hung"] + self.in_flight + int(error is not None),
+                "errored": sum(errored.values()), "errored_by_status": errored,
+                "leaked_blocks": leaked, "stranded_blocks": stranded, "workers_replaced": replaced,
+                "workers_left": left, "stream_gap_s_max": round(max(self.gaps), 2) if self.gaps else None,
+                "router_stop_s": self.args.router_stop_s, "lease_s": self.args.router_lease_s,
+                "concurrency": self.args.concurrency, "max_tokens": self.args.max_tokens, "error": error,
+                "wall_s": round(wall, 1), "seed": self.args.seed}
+
+
+@contextlib.asynccontextmanager
+async def _channel(server: str):
+    """A Generation stub on a ``grpc.aio`` channel to ``server`` (router.client's target and options)."""
+    # (heavy: gRPC, loaded only by what uses them)
+    import grpc
+    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+    from router.client import target
+    uri, options = target(server)
+    async with grpc.aio.insecure_channel(uri, options=options) as ch:
+        yield pb_grpc.GenerationStub(ch)
+
+
+def table(out: dict) -> str:
+    rows = [("router faults", out["router_faults"])] + [(f"  {k}", v) for k, v in
+                                                         sorted(out["faults_by_kind"].items())]
+    took = (out["takeover_s_p50"] or 0, out["takeover_s_p99"] or 0, out["takeover_s_max"] or 0)
+    rows += [("takeover p50 / p99 / max (s)", " / ".join(f"{t:.1f}" for t in took))]
+    rows += [(f"  {k} p50 / p99 (s)", f"{v[0]:.1f} / {v[1]:.1f}")
+             for k, v in out["takeover_s_by_kind"].items()]
+    rows += [("streams", out["requests"]), ("  completed identical", out["completed_identical"]),
+             ("  errored", out["errored"]), ("  wrong", out["wrong"]), ("  hung", out["hung"]),
+             ("longest wait in a stream (s)", out["stream_gap_s_max"]), ("KV blocks leaked", out["leaked_blocks"]),
+             ("workers replaced", out["workers_replaced"]), ("workers left", out["workers_left"]),
+             ("wall (s)", out["wall_s"])]
+    return "\n".join(f"{k:<30}{v!s:>18}" for k, v in rows)
+
+
+def bad(out: dict) -> bool:
+    return bool(out["wrong"] or out["hung"] or out["errored"] or out["leaked_blocks"] or out["workers_replaced"]
+                or out["workers_left"])
+
+
+def run_router_chaos(args, gcs: str) -> dict:
+    """The router run on the Ray at ``gcs`` (joined by this process too)."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-chaos-router-") as d:
+        out = RouterChaos(args, gcs, d)()
+        if bad(out):  # (what the routers said, for the one who reads the failure)
+            log("serve.log tail:\n" + "".join((Path(d) / "serve.log").read_text().splitlines(True)[-60:]))
+    return out
+
+
+def main_router(args) -> dict:
+    """Start a private local Ray for the pair, run, shut it down."""
+    # (heavy: Ray and a cluster, loaded only by what uses them)
+    import ray
+    from router.app import init_ray
+    from router.config import load_config
+    init_ray(load_config(None, {"prefill.replicas": 1, "decode.replicas": 1}))
+    try:
+        return run_router_chaos(args, ray.get_runtime_context().gcs_address)
+    finally:
+        ray.shutdown()
