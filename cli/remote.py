@@ -41,8 +41,11 @@ def generate(args: argparse.Namespace) -> int:
     else:
         req = make_request(args.prompt, stop=args.stop, ignore_eos=args.ignore_eos, **kw)
     try:
-        # (stream: a stream whose router is lost goes on through the next one: router.client)
-        out = collect(stream(connect(args), req), None if args.json else lambda t: print(t, end="", flush=True))
+        # (stream: a stream whose router is lost goes on through the next one: router.client; a
+        # request to one server that does not answer fails at once: no standby to wait for)
+        wait = None if "," in args.server else 0.0
+        out = collect(stream(connect(args), req, unanswered_s=wait),
+                      None if args.json else lambda t: print(t, end="", flush=True))
     except grpc.RpcError as e:
         return rpc_error(e, args.server)
     except ResumeMismatch as e:

@@ -217,9 +217,12 @@ class ResumeMismatch(RuntimeError):
 
 
 def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout: float | None = None,
-           wait_s: float = RESUME_WAIT_S) -> Iterator[pb.GenerateResponse]:
+           wait_s: float = RESUME_WAIT_S, unanswered_s: float | None = None) -> Iterator[pb.GenerateResponse]:
     """``stub.Generate(request)``'s responses, carried through the loss of the router that streams
     them (module docstring). A request without an id gets one (what ``Resume`` names it by).
+    ``unanswered_s`` (default ``wait_s``): how long a request no router has answered yet is sent
+    again on UNAVAILABLE (a standby taking over); 0 for a client of one server, which has no
+    standby to wait for (``pdserve generate`` against a server that is not there fails at once).
 
     Raises:
         grpc.RpcError: the call's own error, or UNAVAILABLE still after ``wait_s``.
@@ -228,7 +231,7 @@ def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout
     request = _with_id(request)
     got = _Delivered()
     responses: Iterator[pb.GenerateResponse] = stub.Generate(request, timeout=timeout)
-    unanswered = time.monotonic() + wait_s
+    unanswered = time.monotonic() + (wait_s if unanswered_s is None else unanswered_s)
     while True:
         try:
             for r in responses:
@@ -262,12 +265,13 @@ def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout
 
 
 async def astream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, *, timeout: float | None = None,
-                  wait_s: float = RESUME_WAIT_S) -> AsyncIterator[pb.GenerateResponse]:
+                  wait_s: float = RESUME_WAIT_S,
+                  unanswered_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
     """``stream`` for a ``grpc.aio`` channel's stub (bench/loadgen)."""
     request = _with_id(request)
     got, replay, first = _Delivered(), None, None
     call = stub.Generate(request, timeout=timeout)
-    unanswered = time.monotonic() + wait_s
+    unanswered = time.monotonic() + (wait_s if unanswered_s is None else unanswered_s)
     while True:
         try:  # (read(), not async for: the first message of a Resume is read before the rest)
             while (r := first if first is not None else await call.read()) is not grpc.aio.EOF:

@@ -200,6 +200,15 @@ def test_a_stream_broken_before_its_first_token_is_sent_again_under_its_id():
     assert stub.calls == [("Generate", "r4"), ("Generate", "r4")]
 
 
+def test_a_client_of_one_server_is_not_kept_waiting_before_its_first_token():
+    """unanswered_s=0 (``pdserve generate --server one``): UNAVAILABLE before any token is the
+    caller's at once, not after sending the request again for RESUME_WAIT_S."""
+    stub = _Stub(ANSWER, 0, [])
+    with pytest.raises(grpc.RpcError) as e:
+        _collect(stream(stub, make_request("hi", request_id="r5"), unanswered_s=0))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and stub.calls == [("Generate", "r5")]
+
+
 def test_astream_resumes_and_runs_again_as_stream_does():
     from grpc import aio
 
