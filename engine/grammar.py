@@ -233,8 +233,9 @@ def apply_bitmask(logits: Tensor, rows: Sequence[int], bitmask: np.ndarray) -> T
     other rows are untouched (the same values, not recomputed). Returns a new tensor.
 
     On the native library where it is built (engine/models/native.py: x86-64 with a compiler):
-    one pass over each mask, whole words at a time (native_decode.c pd_mask_logits), ~0.1 ms a
-    batch-8 step of a 151,936-token vocabulary; elsewhere torch over the bits expanded, 2-5 ms."""
+    one pass over each mask, whole words at a time (native_decode.c pd_mask_logits): 0.23-0.55 ms
+    for 4 constrained rows of a 151,936-token vocabulary, where torch over the bits expanded (the
+    fallback) took 1.7-14 ms (real JSON-schema masks, 2026-12-06)."""
     lib = native.library()
     if (lib is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
             and bitmask.shape[1] * 32 >= logits.shape[1]):
