@@ -40,6 +40,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench.ha_pair import NoLeader, Router, leader, worker_pids
+from router.aio import within
 
 # (bench/chaos.py's, not imported from there: chaos.py imports this module)
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
@@ -119,8 +120,8 @@ class RouterChaos:
                     self.requests += 1
                     self.in_flight += 1
                 try:  # (our own bound too: a call gRPC failed to end would still count, as hung)
-                    ids, gap = await asyncio.wait_for(self.one(stub, i, f"s{i}-{k}-{uuid.uuid4().hex[:6]}"),
-                                                      self.args.hang_s + 30)
+                    ids, gap = await within(self.one(stub, i, f"s{i}-{k}-{uuid.uuid4().hex[:6]}"),
+                                           self.args.hang_s + 30)
                     status = "identical" if ids == want else "wrong"
                     self.gaps.append(gap)
                 except grpc.aio.AioRpcError as e:

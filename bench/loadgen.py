@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.aio import within
+
 SLO_ATTAINMENT = 0.9  # a rate counts toward goodput when this share of requests meets both SLOs
 
 
@@ -231,7 +233,7 @@ async def run(server: str, specs: Sequence[RequestSpec], rate: float | None = No
     uri, options = target(server)
     async with grpc.aio.insecure_channel(uri, options=options) as channel:
         try:
-            await asyncio.wait_for(channel.channel_ready(), 10)
+            await within(channel.channel_ready(), 10)
         except TimeoutError:
             raise BenchError(f"cannot reach a pdserve server at {server}") from None
         stub = pb_grpc.GenerationStub(channel)

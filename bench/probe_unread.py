@@ -28,6 +28,7 @@ import socket
 import time
 
 from bench.probe_wire import PROMPT, Tally, Target, completion, http_call, http_request, split
+from router.aio import within
 
 LOOKAHEAD = 1024  # bytes a gRPC stream reads ahead of its reader: a few messages
 END_READ_S = 10.0  # at the end, how long each unread gRPC call is read for its status
@@ -95,7 +96,7 @@ class UnreadStreams:
             try:
                 await loop.sock_connect(s, (host, port))
                 await loop.sock_sendall(s, raw)
-                first = await asyncio.wait_for(loop.sock_recv(s, 16), 300)
+                first = await within(loop.sock_recv(s, 16), 300)
             except (OSError, asyncio.TimeoutError) as e:
                 self.tally.add("unread", f"failed: {type(e).__name__}")
                 s.close()

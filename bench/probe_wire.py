@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from router.aio import within
+
 GREEDY = "greedy-" + "g" * 25  # the tokens of a server the probe starts (>= 16 characters)
 VICTIM = "victim-" + "v" * 25
 PROMPT = "The capital of France is"
@@ -86,7 +88,7 @@ async def http_call(addr: str, raw: bytes, timeout: float = 120.0) -> tuple[int,
     reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(raw)
-        data = await asyncio.wait_for(reader.read(), timeout)
+        data = await within(reader.read(), timeout)
     finally:
         writer.close()
     head, _, body = data.partition(b"\r\n\r\n")

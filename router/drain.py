@@ -22,6 +22,8 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 
+from router.aio import within
+
 RETRY_AFTER_S = 1  # the retry hint on a refusal: another replica, or this one once it has room
 
 
@@ -93,5 +95,5 @@ class Gate:
             if left <= 0:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._event().wait(), left)
+                await within(self._event().wait(), left)
         return self.active

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from router.aio import within
 from router.openai_api import ApiError
 
 # A JSON string, its closing quote optional: an unterminated one ends at the end of the body
@@ -98,7 +99,7 @@ async def read_json(request, most_bytes: int, most_depth: int, timeout_s: float)
                 break  # (the rest is dropped with the connection)
 
     try:
-        await asyncio.wait_for(read(), timeout_s)
+        await within(read(), timeout_s)
     except asyncio.TimeoutError:
         if over:
             raise too_big from None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from router import ha
+from router.aio import within
 from router.config import ClusterConfig
 from router.worker_state import Role, Worker, WorkerState
 from worker.fence import FencedError
@@ -91,7 +92,7 @@ class Liveness:
         from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
         timeout_s = timeout_s or self.cfg.router.stall_s
         try:
-            return await asyncio.wait_for(ref, timeout_s)
+            return await within(ref, timeout_s)
         except RayTaskError:
             raise
         except TimeoutError:
@@ -220,7 +221,7 @@ class Liveness:
         deadline = self.cfg.router.stall_s + HANDSHAKE_S  # a connect waits for a handshake
         if w.role is not Role.PREFILL:
             prefills = [p for p in self.workers.values() if p.ready_as((Role.PREFILL,))]
-            answers = await asyncio.gather(*(asyncio.wait_for(p.actor.connect.remote(w.address), deadline)
+            answers = await asyncio.gather(*(within(p.actor.connect.remote(w.address), deadline)
                                              for p in prefills), return_exceptions=True)
             for p, a in zip(prefills, answers):
                 if isinstance(a, TimeoutError) and not isinstance(a, RayTaskError):  # that prefill worker
@@ -264,7 +265,7 @@ class Liveness:
         Any other failure is the stall and restart checks' to judge."""
         from ray.exceptions import RayTaskError  # (heavy: Ray, loaded when the cluster starts)
         try:
-            await asyncio.wait_for(w.actor.ping.remote(), self.cfg.router.stall_s)
+            await within(w.actor.ping.remote(), self.cfg.router.stall_s)
         except RayTaskError as e:
             if isinstance(e.cause, FencedError) and w.state.may_hold_blocks:
                 if e.cause.orphaned:

@@ -50,6 +50,7 @@ import zmq.asyncio
 from engine.errors import InvalidRequestError
 from kvtransfer.auth import new_secret
 from router import ha
+from router.aio import within
 from router.config import ClusterConfig
 from router.engine_configs import engine_configs  # (also imported from here)
 from router.liveness import HEALTH_PERIOD_S, LOAD_TIMEOUT_S, QUIET_S, Liveness
@@ -201,10 +202,9 @@ class Pools:
 
     def switch(self, old: str, new: str, holds: Callable[[Worker], bool], worker_id: str | None = None
                ) -> Worker | None:
-        """Move an adaptive worker from role ``old`` to ``new`` (router.roles): ``worker_id``,
-        or the least loaded ready one. It takes no new work at once (draining), and joins the
-        other pool, the same process, once it holds nothing (as for retiring). None: no such
-        worker."""
+        """Move an adaptive worker from role ``old`` to ``new`` (router.roles): ``worker_id``, or the
+        least loaded ready one. It takes no new work at once (draining), and joins the other pool, the
+        same process, once it holds nothing (as for retiring). None: no such worker."""
         w = _least_loaded(w for w in self.workers.values() if w.adaptive and w.ready_as((old,))
                           and worker_id in (None, w.worker_id))
         if w is None:
@@ -248,7 +248,7 @@ class Pools:
         await self._drained(w, holds)
         log.info("worker %s drained; retiring it", w.worker_id)
         try:
-            await asyncio.wait_for(w.actor.shutdown.remote(), 10)
+            await within(w.actor.shutdown.remote(), 10)
         except Exception:  # already gone
             pass
         if await asyncio.to_thread(self.liveness.may_kill):
@@ -273,7 +273,7 @@ class Pools:
         # (ha.enabled: detached workers end only here; a router fenced off leaves them to the newer one)
         for w in self.workers.values() if self.workers and await asyncio.to_thread(self.liveness.may_kill) else ():
             try:
-                await asyncio.wait_for(w.actor.shutdown.remote(), 10)
+                await within(w.actor.shutdown.remote(), 10)
             except Exception:  # already dead or stuck: the kill below settles it
                 pass
             ray.kill(ha.ray_handle(w.actor), no_restart=True)
@@ -353,7 +353,7 @@ class Pools:
         (engine id → blocks); None if one did not answer within ``timeout_s``."""
         ready = [w for w in self.workers.values() if w.state.may_hold_blocks]
         try:
-            held = await asyncio.wait_for(asyncio.gather(*(w.actor.held.remote() for w in ready)), timeout_s)
+            held = await within(asyncio.gather(*(w.actor.held.remote() for w in ready)), timeout_s)
         except Exception:  # a worker died or stalled meanwhile: no verdict this time
             return None
         return list(zip(ready, held))
@@ -383,7 +383,7 @@ class Pools:
     async def wait_change(self, timeout: float) -> None:
         """Until the next :meth:`_notify`, or ``timeout`` seconds."""
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            await within(self._changed.wait(), timeout)
         except TimeoutError:
             pass
 

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 
+from router.aio import within
 from router.drain import RETRY_AFTER_S
 
 HEAD_BYTES, HEAD_TIMEOUT_S = 16384, 5.0  # what a standby reads of a request before answering (it answers anyway)
@@ -38,7 +39,7 @@ async def _refuse_grpc(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 async def _refuse_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(Exception):  # (a client that sends nothing, or too much, gets the answer too)
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+        await within(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
     with contextlib.suppress(ConnectionError):
         writer.write(_ANSWER)
         await writer.drain()

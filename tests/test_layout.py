@@ -268,3 +268,21 @@ def test_the_private_check_finds_a_reach_into_another_object():
     tree = ast.parse("import torch\nclass A:\n    def f(self, other):\n        self._mine = torch._C\n"
                      "        return other._theirs, self.pools._workers\n")
     assert [t for _, t in _private_accesses(tree)] == ["other._theirs", "self.pools._workers"]
+
+
+# ---- deadlines ------------------------------------------------------------------------------------
+# Python 3.11's asyncio.wait_for swallows a cancel that meets its awaitable's result (router/aio.py):
+# a client's cancel lost that way left its request running for nobody. router.aio.within keeps it.
+def _wait_fors(tree: ast.AST) -> list[int]:
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and node.attr == "wait_for" and isinstance(node.value, ast.Name) and node.value.id == "asyncio"]
+
+
+def test_no_code_of_ours_awaits_with_asyncio_wait_for():
+    found = [f"{f.relative_to(ROOT)}:{line}" for package in OURS for f in sorted((ROOT / package).rglob("*.py"))
+             for line in _wait_fors(ast.parse(f.read_text(), str(f)))]
+    assert not found, f"asyncio.wait_for loses cancels on 3.11; use router.aio.within: {found}"
+
+
+def test_the_wait_for_check_finds_one():
+    assert _wait_fors(ast.parse("import asyncio\nasync def f(x):\n    await asyncio.wait_for(x, 1)\n")) == [3]
