@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-stop-s", type=float, default=10.0, help="stop_router: SIGSTOP this long (default 10)")
     p.add_argument("--router-lease-s", type=float, default=3.0, help="router faults: ha.lease_s (default 3)")
     p.add_argument("--router-resume-s", type=float, default=15.0, help="router faults: ha.resume_s (default 15)")
+    p.add_argument("--client-threads", type=int, default=None,
+                   help="router faults: how many of the streams use the threaded client (router.client stream, "
+                        "the CLI's), the rest the asyncio one (default: half)")
     return p
 
 
@@ -371,6 +374,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # The worker faults' run (``kinds``) and the router faults' (``router_kinds``) are two runs
     args.kinds = [k for k in kinds if k in FAULT_KINDS]
     args.router_kinds = [k for k in kinds if k in ROUTER_KINDS]
+    if args.client_threads is None:
+        args.client_threads = args.concurrency // 2
     return args
 
 

@@ -3,8 +3,10 @@ greedy streams while the leading router is killed or stopped.
 
 Two ``pdserve serve`` processes of one cluster (``ha.enabled``, one Ray: router.leader) serve
 1 prefill + 1 decode worker (detached: router.ha). ``--concurrency`` clients, each on its own
-channel to ``--server a,b`` (router.client ``stream``: Resume on UNAVAILABLE, else sent again
-under the same id), stream greedy requests whose tokens were computed once undisturbed. Faults,
+channel to ``--server a,b`` (Resume on UNAVAILABLE, else sent again under the same id), stream
+greedy requests whose tokens were computed once undisturbed: ``--client-threads`` of them
+through the threaded client (router.client ``stream``, the CLI's), the rest through the asyncio
+one (``astream``, bench/loadgen's). Faults,
 one at a time at seeded random gaps, always on the router that leads:
 
 - ``kill_router``: SIGKILL. Then a new ``pdserve serve`` on the killed one's ports (the
@@ -138,10 +140,54 @@ class RouterChaos:
                     self.in_flight -= 1
                 k += 1
 
+    def thread_client(self, i: int, want: list[int], servers: str) -> None:
+        """``client`` through the threaded client (router.client ``stream`` on a sync channel of
+        its own: the CLI's path), in a thread of its own."""
+        # (heavy: gRPC, loaded only by what uses them)
+        import grpc
+        from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+        from router.client import ResumeMismatch, make_request, stream, target
+        uri, options = target(servers)
+        with grpc.insecure_channel(uri, options=options) as ch:
+            stub, k = pb_grpc.GenerationStub(ch), 0
+            while not self.done.is_set():
+                with self.lock:
+                    self.requests += 1
+                    self.in_flight += 1
+                ids, gap, last = [], 0.0, time.monotonic()
+                try:  # (the call's deadline is the bound: no second one around a thread)
+                    for r in stream(stub, make_request(self.prompts[i], request_id=f"t{i}-{k}-{uuid.uuid4().hex[:6]}",
+                                                       **self.sampling(i)), timeout=self.args.hang_s):
+                        now = time.monotonic()
+                        gap, last = max(gap, now - last), now
+                        ids += r.token_ids
+                    status = "identical" if ids == want else "wrong"
+                    self.gaps.append(gap)
+                except grpc.RpcError as e:
+                    status = "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
+                    log(f"stream {i} (threaded): {status}: {e.details()}")
+                except ResumeMismatch as e:
+                    status = "ResumeMismatch"
+                    log(f"stream {i} (threaded): {e}")
+                with self.lock:
+                    self.status[status] += 1
+                    self.in_flight -= 1
+                k += 1
+
     def clients(self, want: list[list[int]], servers: str) -> None:
+        """Streams ``--client-threads`` .. ``--concurrency``-1 through the asyncio client (one
+        event loop), the first ``--client-threads`` through the threaded one."""
+        threaded = min(self.args.client_threads, len(want))
+
         async def every():
-            await asyncio.gather(*(self.client(i, want[i], servers) for i in range(len(want))))
+            await asyncio.gather(*(self.client(i, want[i], servers) for i in range(threaded, len(want))))
+        threads = [threading.Thread(target=self.thread_client, args=(i, want[i], servers), daemon=True,
+                                    name=f"stream-{i}") for i in range(threaded)]
+        for t in threads:
+            t.start()
         asyncio.run(every())
+        for t in threads:
+            t.join()
 
     def reference(self, server: str) -> list[list[int]]:
         async def each():
@@ -287,7 +333,8 @@ class RouterChaos:
                 "leaked_blocks": leaked, "stranded_blocks": stranded, "workers_replaced": replaced,
                 "workers_left": left, "stream_gap_s_max": round(max(self.gaps), 2) if self.gaps else None,
                 "router_stop_s": self.args.router_stop_s, "lease_s": self.args.router_lease_s,
-                "concurrency": self.args.concurrency, "max_tokens": self.args.max_tokens, "error": error,
+                "concurrency": self.args.concurrency, "client_threads": self.args.client_threads,
+                "max_tokens": self.args.max_tokens, "error": error,
                 "wall_s": round(wall, 1), "seed": self.args.seed}
 
 

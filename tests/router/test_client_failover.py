@@ -4,6 +4,7 @@ servers on loopback (their Generation service answers GetModelInfo with its own 
 
 from __future__ import annotations
 
+import json
 import socket
 from concurrent import futures
 
@@ -93,6 +94,9 @@ def test_a_list_becomes_one_target_of_one_family_and_bad_lists_are_refused():
     uri, options = target("127.0.0.1:5001, localhost:5002")
     assert uri == "ipv4:127.0.0.1:5001,127.0.0.1:5002" and dict(options)["grpc.default_authority"] == "127.0.0.1"
     assert target("[::1]:5001,[::1]:5002")[0] == "ipv6:[::1]:5001,[::1]:5002"
+    # gRPC retries no stream: router.client ``stream`` resends them (its retries on top hung some)
+    retried = {n["method"] for c in json.loads(dict(options)["grpc.service_config"])["methodConfig"] for n in c["name"]}
+    assert retried == {"GetModelInfo", "GetClusterStatus", "Abort"}
     assert target("127.0.0.1:5001") == ("127.0.0.1:5001", KEEPALIVE_OPTIONS)  # one server: as it was, with keepalive
     for bad in ("127.0.0.1,127.0.0.2:5002", "127.0.0.1:5001,[::1]:5002", "no-such-host.invalid:1,127.0.0.1:2"):
         with pytest.raises(ValueError):
