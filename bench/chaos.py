@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from bench.chaos_clients import CLIENT_KINDS
+
 FAULT_KINDS = ("kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "corrupt", "drop", "sever")
 ROUTER_KINDS = ("kill_router", "stop_router")  # bench/chaos_router.py
 # A local cluster for the run: two workers per pool (a fault leaves one), a short stall bound,
@@ -359,9 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-stop-s", type=float, default=10.0, help="stop_router: SIGSTOP this long (default 10)")
     p.add_argument("--router-lease-s", type=float, default=3.0, help="router faults: ha.lease_s (default 3)")
     p.add_argument("--router-resume-s", type=float, default=15.0, help="router faults: ha.resume_s (default 15)")
-    p.add_argument("--client-threads", type=int, default=None,
-                   help="router faults: how many of the streams use the threaded client (router.client stream, "
-                        "the CLI's), the rest the asyncio one (default: half)")
+    p.add_argument("--clients", default=",".join(CLIENT_KINDS),
+                   help="router faults: the client kinds the streams take in turn (bench/chaos_clients.py): "
+                        f"asyncio (router.client astream), threads (stream, the CLI's), openai (SSE retried with "
+                        f"its Idempotency-Key) (default: {','.join(CLIENT_KINDS)})")
     return p
 
 
@@ -374,8 +377,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # The worker faults' run (``kinds``) and the router faults' (``router_kinds``) are two runs
     args.kinds = [k for k in kinds if k in FAULT_KINDS]
     args.router_kinds = [k for k in kinds if k in ROUTER_KINDS]
-    if args.client_threads is None:
-        args.client_threads = args.concurrency // 2
+    args.clients = [c for c in args.clients.split(",") if c]
+    if not args.clients or set(args.clients) - set(CLIENT_KINDS):
+        raise SystemExit(f"chaos: --clients {','.join(args.clients)}: valid kinds: {', '.join(CLIENT_KINDS)}")
     return args
 
 

@@ -2,11 +2,11 @@
 greedy streams while the leading router is killed or stopped.
 
 Two ``pdserve serve`` processes of one cluster (``ha.enabled``, one Ray: router.leader) serve
-1 prefill + 1 decode worker (detached: router.ha). ``--concurrency`` clients, each on its own
-channel to ``--server a,b`` (Resume on UNAVAILABLE, else sent again under the same id), stream
-greedy requests whose tokens were computed once undisturbed: ``--client-threads`` of them
-through the threaded client (router.client ``stream``, the CLI's), the rest through the asyncio
-one (``astream``, bench/loadgen's). Faults,
+1 prefill + 1 decode worker (detached: router.ha). ``--concurrency`` clients stream greedy
+requests whose answers were computed once undisturbed, over both routers' addresses, through
+each client kind of ``--clients`` in turn (bench/chaos_clients.py: the asyncio and threaded
+gRPC clients, which Resume or send again under the same id; OpenAI streams retried with their
+Idempotency-Key). Faults,
 one at a time at seeded random gaps, always on the router that leads:
 
 - ``kill_router``: SIGKILL. Then a new ``pdserve serve`` on the killed one's ports (the
@@ -29,8 +29,6 @@ a client sees it).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import random
 import signal
 import sys
@@ -41,8 +39,8 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from bench.chaos_clients import Streams
 from bench.ha_pair import NoLeader, Router, leader, worker_pids
-from router.aio import within
 
 # (bench/chaos.py's, not imported from there: chaos.py imports this module)
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
@@ -84,116 +82,10 @@ class RouterChaos:
         self.config.write_text(yaml.safe_dump(cluster_yaml(args, self.name)))
         self.log = open(Path(workdir) / "serve.log", "w")
         self.rng = random.Random(args.seed)
-        self.prompts = greedy_prompts(args.concurrency, args.seed, args.long_words)
-        self.status: Counter = Counter()
-        self.gaps: list[float] = []
-        self.in_flight = 0
-        self.requests = 0
-        self.lock = threading.Lock()
-        self.done = threading.Event()
+        self.streams = Streams(args, greedy_prompts(args.concurrency, args.seed, args.long_words))
         self.takeovers: list[tuple[str, float]] = []
         self.faults: list[str] = []
         self.routers: list[Router] = []
-
-    def sampling(self, i: int) -> dict:
-        return dict(max_tokens=self.args.max_tokens, temperature=0.0, ignore_eos=True)
-
-    # ---- streams (one event loop in a thread: router.client ``astream``, as bench/loadgen) -----
-    async def one(self, stub, i: int, rid: str) -> tuple[list[int], float]:
-        """Stream prompt ``i`` through the client library; its tokens and longest gap."""
-        # (heavy: gRPC, loaded only by what uses them)
-        from router.client import astream, make_request
-        ids, gap, last = [], 0.0, time.monotonic()
-        async for r in astream(stub, make_request(self.prompts[i], request_id=rid, **self.sampling(i)),
-                               timeout=self.args.hang_s):
-            now = time.monotonic()
-            gap, last = max(gap, now - last), now
-            ids += r.token_ids
-        return ids, gap
-
-    async def client(self, i: int, want: list[int], servers: str) -> None:
-        # (heavy: gRPC, loaded only by what uses them)
-        import grpc
-        from router.client import ResumeMismatch
-        async with _channel(servers) as stub:
-            k = 0
-            while not self.done.is_set():
-                with self.lock:
-                    self.requests += 1
-                    self.in_flight += 1
-                try:  # (our own bound too: a call gRPC failed to end would still count, as hung)
-                    ids, gap = await within(self.one(stub, i, f"s{i}-{k}-{uuid.uuid4().hex[:6]}"),
-                                           self.args.hang_s + 30)
-                    status = "identical" if ids == want else "wrong"
-                    self.gaps.append(gap)
-                except grpc.aio.AioRpcError as e:
-                    status = "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
-                    log(f"stream {i}: {status}: {e.details()}")
-                except asyncio.TimeoutError:
-                    status = "hung"
-                    log(f"stream {i}: hung: no end within {self.args.hang_s + 30:g} s")
-                except ResumeMismatch as e:
-                    status = "ResumeMismatch"
-                    log(f"stream {i}: {e}")
-                with self.lock:
-                    self.status[status] += 1
-                    self.in_flight -= 1
-                k += 1
-
-    def thread_client(self, i: int, want: list[int], servers: str) -> None:
-        """``client`` through the threaded client (router.client ``stream`` on a sync channel of
-        its own: the CLI's path), in a thread of its own."""
-        # (heavy: gRPC, loaded only by what uses them)
-        import grpc
-        from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-        from router.client import ResumeMismatch, make_request, stream, target
-        uri, options = target(servers)
-        with grpc.insecure_channel(uri, options=options) as ch:
-            stub, k = pb_grpc.GenerationStub(ch), 0
-            while not self.done.is_set():
-                with self.lock:
-                    self.requests += 1
-                    self.in_flight += 1
-                ids, gap, last = [], 0.0, time.monotonic()
-                try:  # (the call's deadline is the bound: no second one around a thread)
-                    for r in stream(stub, make_request(self.prompts[i], request_id=f"t{i}-{k}-{uuid.uuid4().hex[:6]}",
-                                                       **self.sampling(i)), timeout=self.args.hang_s):
-                        now = time.monotonic()
-                        gap, last = max(gap, now - last), now
-                        ids += r.token_ids
-                    status = "identical" if ids == want else "wrong"
-                    self.gaps.append(gap)
-                except grpc.RpcError as e:
-                    status = "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
-                    log(f"stream {i} (threaded): {status}: {e.details()}")
-                except ResumeMismatch as e:
-                    status = "ResumeMismatch"
-                    log(f"stream {i} (threaded): {e}")
-                with self.lock:
-                    self.status[status] += 1
-                    self.in_flight -= 1
-                k += 1
-
-    def clients(self, want: list[list[int]], servers: str) -> None:
-        """Streams ``--client-threads`` .. ``--concurrency``-1 through the asyncio client (one
-        event loop), the first ``--client-threads`` through the threaded one."""
-        threaded = min(self.args.client_threads, len(want))
-
-        async def every():
-            await asyncio.gather(*(self.client(i, want[i], servers) for i in range(threaded, len(want))))
-        threads = [threading.Thread(target=self.thread_client, args=(i, want[i], servers), daemon=True,
-                                    name=f"stream-{i}") for i in range(threaded)]
-        for t in threads:
-            t.start()
-        asyncio.run(every())
-        for t in threads:
-            t.join()
-
-    def reference(self, server: str) -> list[list[int]]:
-        async def each():
-            async with _channel(server) as stub:
-                return [(await self.one(stub, i, f"ref{i}"))[0] for i in range(len(self.prompts))]
-        return asyncio.run(each())
 
     # ---- faults ------------------------------------------------------------------------------
     def fault(self, kind: str, lead: Router, standby: Router, last: bool) -> tuple[Router, Router]:
@@ -249,10 +141,11 @@ class RouterChaos:
         standby = next(r for r in self.routers if r is not lead)
         self._until(standby.stands_by, START_GUARD_S, "the second router did not stand by")
         pids = worker_pids(self.name)
-        log(f"reference: {len(self.prompts)} greedy streams undisturbed ...")
-        want = self.reference(f"127.0.0.1:{lead.port}")
+        log(f"reference: {len(self.streams.prompts)} greedy streams undisturbed ...")
+        want = self.streams.reference(f"127.0.0.1:{lead.port}", lead.http_port)
         servers = ",".join(f"127.0.0.1:{r.port}" for r in self.routers)
-        clients = threading.Thread(target=self.clients, args=(want, servers), daemon=True)
+        clients = threading.Thread(target=self.streams.run, args=(want, servers, [r.http_port for r in self.routers]),
+                                   daemon=True)
         clients.start()
         plan = [k for k in a.router_kinds for _ in range(a.faults_per_kind)]
         self.rng.shuffle(plan)
@@ -264,7 +157,7 @@ class RouterChaos:
         except NoLeader as e:  # (the run goes on to its checks: counted as hung)
             error = str(e)
             log(f"stopping faults: {e}")
-        self.done.set()
+        self.streams.done.set()
         clients.join(a.hang_s + 60)
         leaked, stranded = self.leaked_blocks(lead)
         now = worker_pids(self.name)
@@ -320,34 +213,24 @@ class RouterChaos:
             return round(float(np.percentile(xs, q)), 2) if xs else None
         took = [t for _, t in self.takeovers]
         by_kind = {k: [t for kk, t in self.takeovers if kk == k] for k in sorted(set(self.faults))}
-        errored = {k: v for k, v in self.status.items() if k not in ("identical", "wrong", "hung")}
-        return {"requests": self.requests, "router_faults": len(self.faults),
+        st = self.streams
+        errored = {k: v for k, v in st.status.items() if k not in ("identical", "wrong", "hung")}
+        return {"requests": st.requests, "router_faults": len(self.faults),
                 "faults_by_kind": dict(Counter(self.faults)), "router_kills": self.faults.count("kill_router"),
                 "router_stops": self.faults.count("stop_router"),
                 "takeover_s_p50": pct(took, 50), "takeover_s_p99": pct(took, 99),
                 "takeover_s_max": round(max(took), 2) if took else None,
                 "takeover_s_by_kind": {k: [pct(v, 50), pct(v, 99)] for k, v in by_kind.items() if v},
-                "completed_identical": self.status["identical"], "wrong": self.status["wrong"],
-                "hung": self.status["hung"] + self.in_flight + int(error is not None),
+                "completed_identical": st.status["identical"], "wrong": st.status["wrong"],
+                "hung": st.status["hung"] + st.in_flight + int(error is not None),
                 "errored": sum(errored.values()), "errored_by_status": errored,
                 "leaked_blocks": leaked, "stranded_blocks": stranded, "workers_replaced": replaced,
-                "workers_left": left, "stream_gap_s_max": round(max(self.gaps), 2) if self.gaps else None,
+                "workers_left": left, "stream_gap_s_max": round(max(st.gaps), 2) if st.gaps else None,
                 "router_stop_s": self.args.router_stop_s, "lease_s": self.args.router_lease_s,
-                "concurrency": self.args.concurrency, "client_threads": self.args.client_threads,
+                "concurrency": self.args.concurrency,
+                "by_client": {k: {"streams": st.kind.count(k), **c} for k, c in st.by_kind.items()},
                 "max_tokens": self.args.max_tokens, "error": error,
                 "wall_s": round(wall, 1), "seed": self.args.seed}
-
-
-@contextlib.asynccontextmanager
-async def _channel(server: str):
-    """A Generation stub on a ``grpc.aio`` channel to ``server`` (router.client's target and options)."""
-    # (heavy: gRPC, loaded only by what uses them)
-    import grpc
-    from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-    from router.client import target
-    uri, options = target(server)
-    async with grpc.aio.insecure_channel(uri, options=options) as ch:
-        yield pb_grpc.GenerationStub(ch)
 
 
 def table(out: dict) -> str:
@@ -358,7 +241,11 @@ def table(out: dict) -> str:
     rows += [(f"  {k} p50 / p99 (s)", f"{v[0]:.1f} / {v[1]:.1f}")
              for k, v in out["takeover_s_by_kind"].items()]
     rows += [("streams", out["requests"]), ("  completed identical", out["completed_identical"]),
-             ("  errored", out["errored"]), ("  wrong", out["wrong"]), ("  hung", out["hung"]),
+             ("  errored", out["errored"]), ("  wrong", out["wrong"]), ("  hung", out["hung"])]
+    rows += [(f"  {k} ({c['streams']} streams): identical",
+              f"{c.get('identical', 0)} of {sum(v for s, v in c.items() if s != 'streams')}")
+             for k, c in out["by_client"].items()]
+    rows += [
              ("longest wait in a stream (s)", out["stream_gap_s_max"]), ("KV blocks leaked", out["leaked_blocks"]),
              ("workers replaced", out["workers_replaced"]), ("workers left", out["workers_left"]),
              ("wall (s)", out["wall_s"])]
