@@ -36,6 +36,7 @@ from router.aio import within
 
 CLIENT_KINDS = ("asyncio", "threads", "openai")
 READ_TIMEOUT_S = 10.0  # an OpenAI stream silent this long is cut and sent again (a stopped router)
+LONG_GAP_S = 30.0  # a stream's wait between two new tokens this long is named, with its router log lines
 
 
 def log(msg: str) -> None:
@@ -54,6 +55,7 @@ class Streams:
         self.status: Counter = Counter()
         self.by_kind: dict[str, Counter] = {k: Counter() for k in kinds}
         self.gaps: list[float] = []
+        self.long_gaps: list[tuple[str, float]] = []  # (request id, seconds) over LONG_GAP_S
         self.in_flight = self.requests = 0
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -66,13 +68,16 @@ class Streams:
             self.requests += 1
             self.in_flight += 1
 
-    def _end(self, i: int, status: str, gap: float | None) -> None:
+    def _end(self, i: int, rid: str, status: str, gap: float | None) -> None:
         with self.lock:
             self.status[status] += 1
             self.by_kind[self.kind[i]][status] += 1
             self.in_flight -= 1
             if gap is not None:
                 self.gaps.append(gap)
+                if gap > LONG_GAP_S:
+                    self.long_gaps.append((rid, gap))
+                    log(f"stream {i} ({self.kind[i]}) {rid}: {gap:.1f} s without a new token")
 
     # ---- references -----------------------------------------------------------------------------
     def reference(self, server: str, http_port: int) -> list:
@@ -122,10 +127,9 @@ class Streams:
             k = 0
             while not self.done.is_set():
                 self._begin()
-                gap = None
+                gap, rid = None, f"s{i}-{k}-{uuid.uuid4().hex[:6]}"
                 try:  # (our own bound too: a call gRPC failed to end would still count, as hung)
-                    ids, gap = await within(self._one(stub, i, f"s{i}-{k}-{uuid.uuid4().hex[:6]}"),
-                                            self.args.hang_s + 30)
+                    ids, gap = await within(self._one(stub, i, rid), self.args.hang_s + 30)
                     status = "identical" if ids == want else "wrong"
                 except grpc.aio.AioRpcError as e:
                     status = "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
@@ -136,7 +140,7 @@ class Streams:
                 except ResumeMismatch as e:
                     status = "ResumeMismatch"
                     log(f"stream {i}: {e}")
-                self._end(i, status, gap)
+                self._end(i, rid, status, gap)
                 k += 1
 
     # ---- threads: router.client stream ----------------------------------------------------------
@@ -165,7 +169,7 @@ class Streams:
                 except ResumeMismatch as e:
                     status, gap = "ResumeMismatch", None
                     log(f"stream {i} (threads): {e}")
-                self._end(i, status, gap)
+                self._end(i, request.request_id, status, gap)
                 k += 1
 
     # ---- openai: SSE with an Idempotency-Key ----------------------------------------------------
@@ -216,7 +220,7 @@ class Streams:
                         log(f"stream {i} (openai): hung: no whole answer within {self.args.hang_s:g} s")
                     else:
                         time.sleep(0.2)
-            self._end(i, status, gap if status == "identical" else None)
+            self._end(i, key, status, gap if status == "identical" else None)
             k += 1
 
 

@@ -260,9 +260,14 @@ def bad(out: dict) -> bool:
 def run_router_chaos(args, gcs: str) -> dict:
     """The router run on the Ray at ``gcs`` (joined by this process too)."""
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-router-") as d:
-        out = RouterChaos(args, gcs, d)()
+        chaos = RouterChaos(args, gcs, d)
+        out = chaos()
+        lines = (Path(d) / "serve.log").read_text().splitlines(True)
         if bad(out):  # (what the routers said, for the one who reads the failure)
-            log("serve.log tail:\n" + "".join((Path(d) / "serve.log").read_text().splitlines(True)[-60:]))
+            log("serve.log tail:\n" + "".join(lines[-60:]))
+        for rid, gap in chaos.streams.long_gaps:  # (the routers' lines of a stream that waited long)
+            log(f"serve.log on {rid} ({gap:.1f} s without a new token):\n"
+                + "".join(x for x in lines if rid in x)[-6000:])
     return out
 
 
