@@ -193,10 +193,11 @@ class Streams:
             self._begin()
             key, deadline = f"o{i}-{k}-{uuid.uuid4().hex[:6]}", time.monotonic() + self.args.hang_s
             status, gap, tries, seen, last = None, 0.0, 0, 0, time.monotonic()
+            t0, attempts = last, []  # (port, start s, what ended it, characters): named on a long wait
             while status is None:
                 port = ports[tries % len(ports)]
                 tries += 1
-                text = ""
+                text, began, ended = "", time.monotonic() - t0, "end"
                 try:
                     for delta in self._sse(port, i, key, deadline):
                         text += delta
@@ -209,17 +210,24 @@ class Streams:
                     else:
                         status = "identical" if text == want else "wrong"
                 except urllib.error.HTTPError as e:
+                    ended = str(e.code)
                     if e.code not in (409, 503):  # (409: still running where it was cut; 503: a standby)
                         status = f"HTTP {e.code}"
                         log(f"stream {i} (openai): {status}: {e.read()[:200]!r}")
-                except (urllib.error.URLError, OSError, http.client.HTTPException, ConnectionError):
-                    pass  # refused, cut, silent: sent again
+                except (urllib.error.URLError, OSError, http.client.HTTPException, ConnectionError) as e:
+                    ended = type(getattr(e, "reason", e)).__name__  # refused, cut, silent: sent again
+                if attempts and attempts[-1][0] == port and attempts[-1][2] == ended and not text:
+                    attempts[-1][4] += 1  # (the same refusal again: counted, not listed)
+                else:
+                    attempts.append([port, round(began, 1), ended, len(text), 1])
                 if status is None:
                     if time.monotonic() > deadline:
                         status = "hung"
                         log(f"stream {i} (openai): hung: no whole answer within {self.args.hang_s:g} s")
                     else:
                         time.sleep(0.2)
+            if gap > LONG_GAP_S:
+                log(f"stream {i} (openai) {key}: tries [port, at s, ended by, characters, times]: {attempts}")
             self._end(i, key, status, gap if status == "identical" else None)
             k += 1
 
