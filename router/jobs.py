@@ -100,6 +100,7 @@ class Job:
     # and stop strings straddling the boundary come out right.
     stream: Any = None
     stopped: bool = False  # the router's stream found a stop string: finish with "stop"
+    ended: str | None = None  # rebuilt after it ended on its worker (router.resume): its finish, once caught up
     state: JobState = JobState.PLACING
     base: int = 0  # tokens streamed before this attempt
     pending: dict[int, Tokens] = field(default_factory=dict)  # this attempt's records ahead of their turn

@@ -12,7 +12,10 @@ job's do, and the job waits for its client::
         │                                    attached from token 0: the same answer, replayed then live
         └── ha.resume_s without either ──► aborted on its worker (its blocks freed), forgotten
 
-A request whose only state was in the dead router (queued, mid-prefill, its KV in transit) or
+A request that ended on its worker lately (``Handover.finish``: its last record may have gone to
+the dead router, worker.fence ``Ended``) is rebuilt the same way: its client gets the rest of
+its tokens and the end at once, nothing runs. A request whose only state was in the dead router
+(queued, mid-prefill, its KV in transit) or
 that asked for logprobs (the worker keeps none to replay) is not handed over: the new router
 releases it at adoption, and the client's Resume finds nothing (NOT_FOUND) and sends its
 request again (router.client ``stream``).
@@ -49,10 +52,9 @@ def rebuild(h: Handover, worker: Any) -> Job:
     k = h.params.resumed
     cut = len(h.prompt_ids) - k
     params = dataclasses.replace(h.params, max_tokens=h.params.max_tokens + k, resumed=0)
-    job = Job(h.key.request_id, h.prompt_ids[:cut], params, attempt=h.key.attempt, base=k,
-              generated=h.prompt_ids[cut:] + h.output_ids, state=JobState.RUNNING, decode=worker,
-              decode_id=worker.worker_id, placement="resumed")
-    return job
+    return Job(h.key.request_id, h.prompt_ids[:cut], params, attempt=h.key.attempt, base=k,
+               generated=h.prompt_ids[cut:] + h.output_ids, state=JobState.RUNNING, decode=worker,
+               decode_id=worker.worker_id, placement="resumed", ended=h.finish)
 
 
 def catch_up(job: Job, tokenizer: Any, received: int, rid: str) -> pb.GenerateResponse | None:
@@ -83,7 +85,10 @@ class Resumable:
     def __init__(self, jobs: dict[str, Job], resume_s: float, release: Callable[[Job], None]) -> None:
         self.jobs, self.resume_s, self.release = jobs, resume_s, release
         self._waiting: dict[str, asyncio.TimerHandle] = {}
-        self.rebuilt = self.attached = self.expired = 0  # counts (tests, logs)
+        # rebuilt after they ended on their worker: outside ``jobs`` (no record comes, no block
+        # to free, and most were delivered whole: they count as no live request) until claimed
+        self._ended: dict[str, Job] = {}
+        self.rebuilt = self.ended = self.attached = self.expired = 0  # counts (tests, logs)
 
     def handover(self, worker: Any, adopted: Adopted) -> set[str]:
         """Rebuild what ``adopted`` hands over (a request this router already runs under the same
@@ -93,15 +98,18 @@ class Resumable:
         loop, kept = asyncio.get_running_loop(), set()
         for h in adopted.handover:
             jid = h.key.request_id
-            if jid in self.jobs:
+            if jid in self.jobs or jid in self._ended:  # (live ones come first: an ended twin is older)
                 continue
             try:
-                self.jobs[jid] = rebuild(h, worker)
+                (self._ended if h.finish else self.jobs)[jid] = rebuild(h, worker)
             except Exception:  # (a bug: that request is aborted, the worker and the rest go on)
                 log.exception("rid=%s event=resume_failed: could not rebuild it; aborted", jid)
                 continue
             self._waiting[jid] = loop.call_later(self.resume_s, self._expire, jid)
-            kept.add(h.key.engine_id)
+            if h.finish:
+                self.ended += 1
+            else:
+                kept.add(h.key.engine_id)
             self.rebuilt += 1
         if kept:
             log.warning("worker %s handed over %d decoding requests of the router before: kept %.0fs for their "
@@ -110,14 +118,14 @@ class Resumable:
 
     def find(self, jid: str) -> Job | None:
         """The rebuilt job ``jid`` (a scoped id) if it waits for its client, else None."""
-        return self.jobs.get(jid) if jid in self._waiting else None
+        return (self.jobs.get(jid) or self._ended.get(jid)) if jid in self._waiting else None
 
     def claim(self, jid: str, owner: str, lease: Any) -> Job:
         """A client attaches to the waiting job ``jid`` (``find`` first): it is no longer aborted
         after resume_s. ``owner``: the caller's token name (its scoped id named the same token);
         ``lease``: its admission (router.admission)."""
         self._waiting.pop(jid).cancel()
-        job = self.jobs[jid]
+        job = self.jobs[jid] = self._ended.pop(jid, None) or self.jobs[jid]
         job.owner, job.lease = owner, lease
         self.attached += 1
         return job
@@ -125,6 +133,7 @@ class Resumable:
     def _expire(self, jid: str) -> None:
         """No client came for ``jid`` within resume_s: abort it on its worker (freed at once)."""
         self._waiting.pop(jid, None)
+        self._ended.pop(jid, None)  # (nothing to free: it ended on its worker)
         job = self.jobs.pop(jid, None)
         if job is not None:
             self.release(job)
@@ -137,3 +146,4 @@ class Resumable:
         for handle in self._waiting.values():
             handle.cancel()
         self._waiting.clear()
+        self._ended.clear()

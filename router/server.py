@@ -332,8 +332,8 @@ class Router(pb_grpc.GenerationServicer):
     async def _run(self, job: Job):
         """Drive the job: PLACING → RUNNING → DONE, or back to PLACING for a re-run."""
         while True:
-            if len(job.generated) >= job.params.max_tokens:  # lost right after its last token
-                yield job.final("length")
+            if job.ended or len(job.generated) >= job.params.max_tokens:  # ended on its worker before its
+                yield job.final(job.ended or "length")  # handover (router.resume), or lost after its last token
                 return
             if job.aborted or job.stopped:  # aborted as its attempt ended (behind a preemption): not placed again
                 self._release(job)  # (stopped: a rebuilt job's stop string, router.resume ``catch_up``)

@@ -22,13 +22,20 @@ clients); a router that never comes does not strand their blocks. An orphaned wo
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from engine.request import RequestStatus, SamplingParams
 from worker.protocol import Key
+
+
+# A request that ended here is handed over this long after (its router may have died before its
+# last record arrived: ``Ended``): a takeover's 3-10 s, with room; at most ENDED_KEPT of them.
+ENDED_KEEP_S, ENDED_KEPT = 30.0, 256
 
 
 class FencedError(RuntimeError):
@@ -65,20 +72,64 @@ class Handover(msgspec.Struct, frozen=True):
     prompt_ids: list[int]  # this attempt's prompt: after a re-run, the tail of it is ``params.resumed`` outputs
     output_ids: list[int]  # this attempt's output tokens so far (the first among them)
     params: SamplingParams  # this attempt's (max_tokens: what was left when it began)
+    finish: str | None = None  # it ended here ("stop", "length": ``Ended``); None: it decodes still
+
+
+def _handover(key: Key | None, r: Any, finish: str | None = None) -> Handover | None:
+    """Engine request ``r`` as a new router can resume it, or None: a request of a router
+    (``key``), a first token out, not the prefill side's copy, without logprobs (a resumed
+    stream could not replay them)."""
+    p = r.sampling_params
+    if key is None or r.prefill_only or not r.output_token_ids or p.logprobs is not None \
+            or p.prompt_logprobs is not None:
+        return None
+    return Handover(key, list(r.prompt_token_ids), list(r.output_token_ids), p, finish)
 
 
 def handovers(engine_requests: dict, keys: dict[str, Key]) -> list[Handover]:
     """The requests of ``engine_requests`` (engine id -> engine Request) a new router can
-    resume: decoding (a first token out, not prefill-only, not waiting for KV), without
-    logprobs (a resumed stream could not replay them). ``keys``: engine id -> key (worker.requests)."""
+    resume (``_handover``) that decode still (not finished, not waiting for their KV).
+    ``keys``: engine id -> key (worker.requests)."""
     out = []
     for eid, r in engine_requests.items():
-        p, key = r.sampling_params, keys.get(eid)
-        if key is None or r.prefill_only or r.is_finished or not r.output_token_ids \
-                or r.status == RequestStatus.WAITING_FOR_KV or p.logprobs is not None or p.prompt_logprobs is not None:
-            continue
-        out.append(Handover(key, list(r.prompt_token_ids), list(r.output_token_ids), p))
+        if not r.is_finished and r.status != RequestStatus.WAITING_FOR_KV and (h := _handover(keys.get(eid), r)):
+            out.append(h)
     return out
+
+
+class Ended:
+    """The requests that ended here lately (stop, length), as handovers with their finish.
+
+    A request can end while no router hears: its last record goes to a router that died or
+    stopped, and the adopting router never learns it ended (the old socket's queue is dropped
+    at adoption). Handed over with its finish, the new router answers its client's Resume (or
+    its retry under the same id) with the rest of the answer and the end, instead of "not found"
+    and a run from the first token (bench/chaos router faults: OpenAI clients waited up to 125 s
+    between new tokens, answers run again after each fault). One that its router did hear is
+    rebuilt too, and forgotten after ``ha.resume_s`` (it holds no block).
+
+    Args:
+        clock: monotonic seconds (injectable: tests).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._kept: collections.deque[tuple[float, Handover]] = collections.deque(maxlen=ENDED_KEPT)
+
+    def keep(self, records: list, engine_requests: dict) -> None:
+        """A step's ``records``: each that ends a request (stop, length) whose engine request was
+        in ``engine_requests`` before the step (it has left the engine since) is kept."""
+        now = self.clock()
+        for rec in records:
+            finish = getattr(rec, "finish", None)
+            if finish in ("stop", "length") and (r := engine_requests.get(rec.key.engine_id)) is not None \
+                    and (h := _handover(rec.key, r, finish)) is not None:
+                self._kept.append((now, h))
+
+    def recent(self) -> list[Handover]:
+        """Those that ended within ``ENDED_KEEP_S``, oldest first."""
+        now = self.clock()
+        return [h for t, h in self._kept if now - t <= ENDED_KEEP_S]
 
 
 class Adopted(msgspec.Struct, frozen=True):

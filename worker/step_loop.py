@@ -41,7 +41,7 @@ from engine.models.loader import weights_digest
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
-from worker.fence import Adopted, Fence, handovers
+from worker.fence import Adopted, Ended, Fence, handovers
 from worker.heap import load_memory, release_heap  # (also imported from here)
 from worker.inbox import Inbox
 # (RouterLink, WorkerOptions: the router↔worker contract, in the protocol; still importable from here)
@@ -129,6 +129,7 @@ class StepLoop:
             self.metrics_address = f"{host}:{port}"
         # (HA: the router this worker follows, and the grace period; None: its router owns it)
         self.fence = None if options.epoch is None else Fence(options.epoch, options.grace_s)
+        self.ended = None if self.fence is None else Ended()  # (what a new router may still resume)
         self.running = True
         self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self.loop.start()
@@ -230,7 +231,7 @@ class StepLoop:
             log.info("adopted by the router of epoch %d at %s; it holds %d requests", epoch, link.address, len(held))
             return Adopted(self.worker_id, self.incarnation, self.role, epoch, held, eng.block_manager.num_used_blocks,
                            receiver.address if receiver is not None else None,
-                           handovers(eng.scheduler.requests, self.requests.keys()))
+                           handovers(eng.scheduler.requests, self.requests.keys()) + self.ended.recent())
         return self.inbox.call(adopt)
 
     def _orphan(self) -> None:
@@ -254,8 +255,11 @@ class StepLoop:
         """One step of the core; its records join the outbox once it is over (a report sent
         between its layers replaces the outbox list: ``self.outbox.extend(<the step>)`` would
         bind the list before the step ran and add the records to the one already sent)."""
-        records = self.hooks.records(self.worker.step(self._beat))
-        self.outbox.extend(r for r in records if r is not None)
+        before = dict(self.worker.engine.scheduler.requests) if self.ended is not None else None
+        records = [r for r in self.hooks.records(self.worker.step(self._beat)) if r is not None]
+        self.outbox.extend(records)
+        if before is not None:  # (ha: what ended may be handed over, worker.fence ``Ended``)
+            self.ended.keep(records, before)
 
     def _beat(self) -> None:
         """Between two layers of a step (on the loop's thread, the lock held): a report if the

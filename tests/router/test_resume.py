@@ -269,3 +269,58 @@ def test_catch_up_sends_the_text_after_what_the_client_has_and_sees_a_stop_strin
                   SimpleNamespace(worker_id="d"))
     r = catch_up(job, tokenizer, 2, "mine")
     assert job.stopped and not r.text.endswith("open") and "open" not in r.text  # (the router then ends it: stop)
+
+
+# ---- requests that ended while no router heard (worker.fence ``Ended``) ---------------------------
+def test_a_request_that_ended_is_handed_over_with_its_end_for_a_while():
+    from worker.fence import ENDED_KEEP_S, Ended
+    from worker.protocol import Failed, Tokens
+    now = [100.0]
+    ended = Ended(clock=lambda: now[0])
+    before = {"a#0": _engine_request([1, 2], [3, 4]), "b#0": _engine_request([1], [2]),
+              "c#0": _engine_request([1], [2], prefill_only=True), "d#0": _engine_request([1], [2], logprobs=1),
+              "e#0": _engine_request([5], [6])}
+    ended.keep([Tokens(Key("a"), 1, [4], "", "stop"), Tokens(Key("b"), 0, [2], "", None),  # b decodes still
+                Tokens(Key("c"), 0, [2], "", "length"), Tokens(Key("d"), 0, [2], "", "length"),  # not resumable
+                Tokens(Key("e"), 0, [6], "", "abort"), Failed(Key("f"), "gone"),  # not ended by the model
+                Tokens(Key("g"), 0, [1], "", "stop")], before)  # g was not in the engine before the step
+    (h,) = ended.recent()
+    assert (h.key, h.prompt_ids, h.output_ids, h.finish) == (Key("a"), [1, 2], [3, 4], "stop")
+    now[0] += ENDED_KEEP_S + 1  # (long after any takeover: forgotten)
+    assert ended.recent() == []
+
+
+def test_a_request_rebuilt_after_it_ended_gets_the_rest_and_its_end_and_nothing_runs(tokenizer):
+    from router.resume import catch_up
+    from tests.router.fake_pools import FakePools
+    from tests.router.test_preemption import _router
+    pools = FakePools(("decode-0", "colocated", 4))
+    r = _router(pools, tokenizer)
+    ids = tokenizer("The end of the answer.")["input_ids"]
+    for finish, max_tokens, want in (("stop", 99, pb.FINISH_REASON_STOP), ("length", len(ids), pb.FINISH_REASON_LENGTH)):
+        job = rebuild(Handover(Key("r"), [1], ids, SamplingParams(max_tokens=max_tokens), finish),
+                      pools.workers["decode-0"])
+        first = catch_up(job, tokenizer, 2, "mine")  # the client had 2 tokens when its router was lost
+
+        async def rest():
+            return [x async for x in r._run(job)]
+        (last,) = asyncio.run(rest())
+        assert list(first.token_ids) == ids[2:] and last.finish_reason == want and job.state is JobState.DONE
+    assert pools.calls == []  # nothing placed, nothing run again
+
+
+def test_an_ended_request_waits_outside_the_live_jobs_until_its_client_claims_it():
+    async def main():
+        jobs: dict = {}
+        r = Resumable(jobs, 0.2, lambda job: None)
+        w = SimpleNamespace(worker_id="decode-0")
+        live = Handover(Key("a"), [1], [2], SamplingParams(max_tokens=9))
+        twin = Handover(Key("a"), [1], [2, 3], SamplingParams(max_tokens=9), "stop")  # an older attempt's end
+        hs = [live, twin, *(Handover(Key(x), [1], [2], SamplingParams(max_tokens=9), "length") for x in "bc")]
+        assert r.handover(w, _adopted(*hs)) == {"a#0"}  # (nothing of the ended ones to keep on the worker)
+        assert set(jobs) == {"a"} and (r.rebuilt, r.ended) == (3, 2)  # ended: no live request
+        assert r.find("b").ended == "length" and r.find("a").ended is None
+        assert r.claim("b", "alice", "lease") is jobs["b"]  # claimed: live now, its stream ends it
+        await asyncio.sleep(0.4)
+        assert set(jobs) == {"b"} and r.find("c") is None and r.expired == 1  # (only "a" was aborted)
+    asyncio.run(main())

@@ -185,7 +185,7 @@ def test_a_steps_records_reach_the_outbox_after_a_report_sent_between_its_layers
         def records(self, result):
             return [*result, None]  # (a None is skipped)
     loop._send, loop._sink, loop._last_beat = send, "sink", 0.0
-    loop.worker, loop.hooks, loop.outbox = Core(), Hooks(), []
+    loop.worker, loop.hooks, loop.outbox, loop.ended = Core(), Hooks(), [], None  # (ended: no HA)
     monkeypatch.setattr(sl, "MID_STEP_BEAT_S", 0.0)
     loop._step()
     assert sent == [[]] and loop.outbox == ["first token"]
