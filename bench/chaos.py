@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from bench.chaos_clients import CLIENT_KINDS
+from bench.chaos_clients import CLIENT_KINDS, SHORT, TEXT, log  # (log: also bench/soak's)
 
 FAULT_KINDS = ("kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "corrupt", "drop", "sever")
 ROUTER_KINDS = ("kill_router", "stop_router")  # bench/chaos_router.py
@@ -49,14 +49,6 @@ ROUTER_KINDS = ("kill_router", "stop_router")  # bench/chaos_router.py
 CLUSTER = {"prefill.replicas": 2, "decode.replicas": 2, "prefill.kv_cache_gb": 0.1, "decode.kv_cache_gb": 0.1,
            "kv_transfer.fault_injection": True, "kv_transfer.lease_s": 10.0, "router.stall_s": 10.0,
            "router.queue_timeout_s": 300.0, "metrics.port": 0}
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
-        "books were made, how ideas travelled and who could read them. ")
-SHORT = ["The capital of France is", "Write a haiku about rain.", "def fibonacci(n):",
-         "List three uses of copper.", "Why is the sky blue?", "Translate 'good morning' to Spanish."]
-
-
-def log(msg: str) -> None:
-    print(f"[chaos] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

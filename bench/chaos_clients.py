@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import sys
 import threading
 import time
 import urllib.error
@@ -35,12 +36,19 @@ from collections import Counter
 from router.aio import within
 
 CLIENT_KINDS = ("asyncio", "threads", "openai")
+
+# What every chaos stream is made of (bench/chaos.py's load and bench/chaos_router.py's prompts)
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
+        "books were made, how ideas travelled and who could read them. ")
+SHORT = ["The capital of France is", "Write a haiku about rain.", "def fibonacci(n):",
+         "List three uses of copper.", "Why is the sky blue?", "Translate 'good morning' to Spanish."]
+
 READ_TIMEOUT_S = 10.0  # an OpenAI stream silent this long is cut and sent again (a stopped router)
 LONG_GAP_S = 30.0  # a stream's wait between two new tokens this long is named, with its router log lines
 
 
 def log(msg: str) -> None:
-    print(f"[chaos] {msg}", flush=True)
+    print(f"[chaos] {msg}", file=sys.stderr, flush=True)
 
 
 class Streams:
@@ -193,7 +201,9 @@ class Streams:
             self._begin()
             key, deadline = f"o{i}-{k}-{uuid.uuid4().hex[:6]}", time.monotonic() + self.args.hang_s
             status, gap, tries, seen, last = None, 0.0, 0, 0, time.monotonic()
-            t0, attempts = last, []  # (port, start s, what ended it, characters): named on a long wait
+            # Named on a long wait: the tries that delivered text (port, start s, what ended it,
+            # characters), and those that did not by (port, what ended them): [first start s, times]
+            t0, attempts, empty = last, [], {}
             while status is None:
                 port = ports[tries % len(ports)]
                 tries += 1
@@ -216,10 +226,10 @@ class Streams:
                         log(f"stream {i} (openai): {status}: {e.read()[:200]!r}")
                 except (urllib.error.URLError, OSError, http.client.HTTPException, ConnectionError) as e:
                     ended = type(getattr(e, "reason", e)).__name__  # refused, cut, silent: sent again
-                if attempts and attempts[-1][0] == port and attempts[-1][2] == ended and not text:
-                    attempts[-1][4] += 1  # (the same refusal again: counted, not listed)
+                if text:
+                    attempts.append([port, round(began, 1), ended, len(text)])
                 else:
-                    attempts.append([port, round(began, 1), ended, len(text), 1])
+                    empty.setdefault((port, ended), [round(began, 1), 0])[1] += 1
                 if status is None:
                     if time.monotonic() > deadline:
                         status = "hung"
@@ -227,7 +237,8 @@ class Streams:
                     else:
                         time.sleep(0.2)
             if gap > LONG_GAP_S:
-                log(f"stream {i} (openai) {key}: tries [port, at s, ended by, characters, times]: {attempts}")
+                log(f"stream {i} (openai) {key}: tries with text [port, at s, ended by, characters]: {attempts}; "
+                    f"without (port, ended by): [first at s, times]: {empty}")
             self._end(i, key, status, gap if status == "identical" else None)
             k += 1
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import random
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -39,20 +38,11 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from bench.chaos_clients import Streams
+from bench.chaos_clients import SHORT, TEXT, Streams, log
 from bench.ha_pair import NoLeader, Router, leader, worker_pids
 
-# (bench/chaos.py's, not imported from there: chaos.py imports this module)
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
-        "books were made, how ideas travelled and who could read them. ")
-SHORT = ["The capital of France is", "Write a haiku about rain.", "def fibonacci(n):",
-         "List three uses of copper.", "Why is the sky blue?", "Translate 'good morning' to Spanish."]
 TAKEOVER_GUARD_S = 120.0  # only against a hang: a standby that never leads
 START_GUARD_S = 240.0  # a router process's start (imports, the model's folder) on a loaded machine
-
-
-def log(msg: str) -> None:
-    print(f"[chaos] {msg}", file=sys.stderr, flush=True)
 
 
 def cluster_yaml(args, name: str) -> dict:
@@ -245,8 +235,7 @@ def table(out: dict) -> str:
     rows += [(f"  {k} ({c['streams']} streams): identical",
               f"{c.get('identical', 0)} of {sum(v for s, v in c.items() if s != 'streams')}")
              for k, c in out["by_client"].items()]
-    rows += [
-             ("longest wait in a stream (s)", out["stream_gap_s_max"]), ("KV blocks leaked", out["leaked_blocks"]),
+    rows += [("longest wait in a stream (s)", out["stream_gap_s_max"]), ("KV blocks leaked", out["leaked_blocks"]),
              ("workers replaced", out["workers_replaced"]), ("workers left", out["workers_left"]),
              ("wall (s)", out["wall_s"])]
     return "\n".join(f"{k:<30}{v!s:>18}" for k, v in rows)
