@@ -9,9 +9,10 @@ undisturbed, then runs the load again while faults land at random times from ``-
   (short: it resumes; long: the router must notice, re-run its streams, replace it);
 - ``corrupt`` / ``drop`` / ``sever``: the next KV message of a prefill worker is corrupted,
   lost, or its transport connection cut (``kv_transfer.fault_injection``);
-- ``kill_router`` / ``stop_router``: the leading router of an HA pair killed, or stopped past
-  its lease; a run of their own after the worker faults', on two ``pdserve serve`` processes
-  (bench/chaos_router.py, which says why ``restart_head`` is not a kind).
+- ``kill_router`` / ``stop_router`` / ``restart_head``: the leading router of an HA pair killed,
+  or stopped past its lease, or the Ray head node crashed and restarted with both routers (GCS
+  fault tolerance: the workers live on nodes of their own); a run of their own after the worker
+  faults', on two ``pdserve serve`` processes (bench/chaos_router.py).
 
 Every request must end either with exactly the undisturbed run's tokens or with a clear gRPC
 status; never hang (no answer within ``--hang-s``), never a wrong answer with OK. At the end no
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from bench.chaos_clients import CLIENT_KINDS, SHORT, TEXT, log  # (log: also bench/soak's)
 
 FAULT_KINDS = ("kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "corrupt", "drop", "sever")
-ROUTER_KINDS = ("kill_router", "stop_router")  # bench/chaos_router.py
+ROUTER_KINDS = ("kill_router", "stop_router", "restart_head")  # bench/chaos_router.py
 # A local cluster for the run: two workers per pool (a fault leaves one), a short stall bound,
 # a lease short enough that a leak shows within the run, admission that outwaits recoveries.
 CLUSTER = {"prefill.replicas": 2, "decode.replicas": 2, "prefill.kv_cache_gb": 0.1, "decode.kv_cache_gb": 0.1,

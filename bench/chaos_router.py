@@ -15,11 +15,15 @@ one at a time at seeded random gaps, always on the router that leads:
   its lease gone and stand by again (router.app), fenced off the workers (worker.fence), doing
   no harm; it is the next fault's standby. Its clients' streams learn of the stall from gRPC
   keepalive (router.client ``KEEPALIVE_S``), not from its wake.
-- ``restart_head`` is not here: on one machine the Ray head's GCS cannot be restarted honestly
-  without an external Redis (Ray's GCS fault tolerance) and a head of our own; without it a
-  head's restart ends every actor, workers included (deploy/README.md).
+- ``restart_head``: every process of the Ray head node SIGKILLed, both routers with it (a head
+  machine's crash), then the head's Ray started again on its port and Redis and two new
+  ``pdserve serve`` on the old ports (what the head's start commands do, deploy/cluster-aws.yaml).
+  The workers are on nodes of their own and live through it: with this kind the whole run is on
+  a 3-node cluster on this machine with GCS fault tolerance (tests/multinode.py ``gcs_ft``: the
+  head's tables in a Redis outside it), not the private local Ray.
 
-Takeover: from the fault until the other router answers a call on a new channel. Checks: every
+Takeover: from the fault until a router (the standby; after ``restart_head``, either new one)
+answers a call on a new channel. Checks: every
 stream complete and token-identical (``wrong``: not; ``hung``: no end within ``--hang-s`` or
 still open after the run), no KV block held once the leader tracks no request (``leaked_blocks``),
 no worker process replaced (``workers_replaced``), and after both routers stop, no worker left.
@@ -30,6 +34,7 @@ a client sees it).
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -39,7 +44,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench.chaos_clients import SHORT, TEXT, Streams, log
-from bench.ha_pair import NoLeader, Router, leader, worker_pids
+from bench.ha_pair import NoLeader, Router, in_ray, leader
 
 TAKEOVER_GUARD_S = 120.0  # only against a hang: a standby that never leads
 START_GUARD_S = 240.0  # a router process's start (imports, the model's folder) on a loaded machine
@@ -64,9 +69,11 @@ def greedy_prompts(n: int, seed: int, long_words: int) -> list[str]:
 class RouterChaos:
     """The pair, its clients, its faults and its checks (``args``: bench.chaos's, router kinds)."""
 
-    def __init__(self, args, gcs: str, workdir: str) -> None:
+    def __init__(self, args, gcs: str, workdir: str, nodes=None) -> None:
         import yaml  # (heavy: only the router run writes a config)
         self.args, self.gcs = args, gcs
+        self.nodes = nodes  # the multi-node cluster (restart_head), or None: the local Ray
+        self.env = nodes.env(nodes.nodes[0]) if nodes else None  # the routers': the head's
         self.name = f"chaos-{uuid.uuid4().hex[:8]}"
         self.config = Path(workdir) / "cluster.yaml"
         self.config.write_text(yaml.safe_dump(cluster_yaml(args, self.name)))
@@ -82,19 +89,18 @@ class RouterChaos:
         """One fault on ``lead``; returns the router that leads after it (``standby``) and the
         one that stands by beside it (none is waited for after the ``last`` fault)."""
         t0 = time.monotonic()
+        if kind == "restart_head":
+            return self.restart_head(t0)
         if kind == "kill_router":
             lead.proc.send_signal(signal.SIGKILL)
         else:
             lead.proc.send_signal(signal.SIGSTOP)
         leader([standby], TAKEOVER_GUARD_S)
-        took = time.monotonic() - t0
-        self.takeovers.append((kind, took))
-        self.faults.append(kind)
-        log(f"fault {len(self.faults)}: {kind}: the standby led after {took:.1f} s")
+        self._took(kind, t0, "the standby")
         if kind == "kill_router":
             lead.proc.wait(timeout=60)
             if not last:  # a new router on its ports, the next fault's standby
-                fresh = Router(self.config, self.gcs, self.log, lead.port, lead.http_port)
+                fresh = self.router(lead)
                 self.routers[self.routers.index(lead)] = fresh
                 self._until(fresh.stands_by, START_GUARD_S, "the restarted router did not stand by")
                 return standby, fresh
@@ -105,6 +111,30 @@ class RouterChaos:
         if not standby.serves():
             raise NoLeader("the leader stopped serving when the old one woke")
         return standby, lead
+
+    def restart_head(self, t0: float) -> tuple[Router, Router]:
+        """The head's crash and restart (module docstring); the new pair, once one leads and
+        the other stands by."""
+        self.nodes.restart_head()  # (both routers run on the head: killed with it)
+        for r in self.routers:
+            r.proc.wait(timeout=60)
+        log(f"fault {len(self.faults) + 1}: restart_head: the head's Ray was back after {time.monotonic() - t0:.1f} s")
+        self.routers = [self.router(r) for r in self.routers]
+        lead = leader(self.routers, START_GUARD_S)
+        self._took("restart_head", t0, "a new router")
+        standby = next(r for r in self.routers if r is not lead)
+        self._until(standby.stands_by, START_GUARD_S, "the second new router did not stand by")
+        return lead, standby
+
+    def router(self, old: Router | None = None) -> Router:
+        """A new ``pdserve serve`` of the pair (on ``old``'s ports: the clients' list stays valid)."""
+        return Router(self.config, self.gcs, self.log, old and old.port, old and old.http_port, env=self.env)
+
+    def _took(self, kind: str, t0: float, who: str) -> None:
+        took = time.monotonic() - t0
+        self.takeovers.append((kind, took))
+        self.faults.append(kind)
+        log(f"fault {len(self.faults)}: {kind}: {who} led after {took:.1f} s")
 
     def _until(self, ok, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -126,34 +156,40 @@ class RouterChaos:
     def run(self) -> dict:
         a = self.args
         t0 = time.monotonic()
-        self.routers = [Router(self.config, self.gcs, self.log) for _ in range(2)]
+        self.routers = [self.router() for _ in range(2)]
         lead = leader(self.routers, START_GUARD_S)
         standby = next(r for r in self.routers if r is not lead)
         self._until(standby.stands_by, START_GUARD_S, "the second router did not stand by")
-        pids = worker_pids(self.name)
+        self.pids = pids = in_ray(self.gcs, self.env, "worker_pids", self.name)
         log(f"reference: {len(self.streams.prompts)} greedy streams undisturbed ...")
         want = self.streams.reference(f"127.0.0.1:{lead.port}", lead.http_port)
         servers = ",".join(f"127.0.0.1:{r.port}" for r in self.routers)
         clients = threading.Thread(target=self.streams.run, args=(want, servers, [r.http_port for r in self.routers]),
                                    daemon=True)
         clients.start()
-        plan = [k for k in a.router_kinds for _ in range(a.faults_per_kind)]
-        self.rng.shuffle(plan)
         error = None
         try:
-            for n, kind in enumerate(plan):
-                time.sleep(self.rng.uniform(0.5, 1.5) * a.fault_gap_s)
-                lead, standby = self.fault(kind, lead, standby, n == len(plan) - 1)
+            lead = self.drive(lead, standby)
         except NoLeader as e:  # (the run goes on to its checks: counted as hung)
             error = str(e)
             log(f"stopping faults: {e}")
         self.streams.done.set()
         clients.join(a.hang_s + 60)
-        leaked, stranded = self.leaked_blocks(lead)
-        now = worker_pids(self.name)
+        leaked, stranded = self.leaked_blocks(next((r for r in self.routers if r.serves()), lead))
+        now = in_ray(self.gcs, self.env, "worker_pids", self.name)
         replaced = sum(1 for w, p in pids.items() if now.get(w) != p)
         left = self.stop()
         return self.summary(leaked, stranded, replaced, left, error, time.monotonic() - t0)
+
+    def drive(self, lead: Router, standby: Router) -> Router:
+        """The faults: ``--faults-per-kind`` of each router kind, shuffled, at seeded gaps;
+        returns the router that leads after the last."""
+        plan = [k for k in self.args.router_kinds for _ in range(self.args.faults_per_kind)]
+        self.rng.shuffle(plan)
+        for n, kind in enumerate(plan):
+            time.sleep(self.rng.uniform(0.5, 1.5) * self.args.fault_gap_s)
+            lead, standby = self.fault(kind, lead, standby, n == len(plan) - 1)
+        return lead
 
     def leaked_blocks(self, lead: Router) -> tuple[int, int | None]:
         """KV blocks still held once the leader tracks no request (waited for up to the resume
@@ -173,9 +209,6 @@ class RouterChaos:
     def stop(self) -> int:
         """SIGTERM the standby, then the leader (the last router ends the workers); worker
         processes left after them (then ended here)."""
-        # (heavy: Ray, joined by the caller)
-        import ray
-        from router import ha, leader as lease
         for r in sorted(self.routers, key=lambda r: r.serves()):
             r.proc.send_signal(signal.SIGCONT)  # (a stopped one would never end)
             r.proc.send_signal(signal.SIGTERM)
@@ -185,14 +218,7 @@ class RouterChaos:
                 r.proc.kill()
                 r.proc.wait(timeout=30)
         self.log.close()
-        left = ha.find_workers(self.name)
-        for handle in left.values():
-            ray.kill(handle, no_restart=True)
-        try:
-            ray.kill(ray.get_actor(lease.lease_name(self.name), namespace=ha.NAMESPACE), no_restart=True)
-        except ValueError:
-            pass
-        return len(left)
+        return in_ray(self.gcs, self.env, "end_workers", self.name)
 
     def summary(self, leaked: int, stranded: int | None, replaced: int, left: int, error: str | None,
                 wall: float) -> dict:
@@ -208,6 +234,7 @@ class RouterChaos:
         return {"requests": st.requests, "router_faults": len(self.faults),
                 "faults_by_kind": dict(Counter(self.faults)), "router_kills": self.faults.count("kill_router"),
                 "router_stops": self.faults.count("stop_router"),
+                "head_restarts": self.faults.count("restart_head"),
                 "takeover_s_p50": pct(took, 50), "takeover_s_p99": pct(took, 99),
                 "takeover_s_max": round(max(took), 2) if took else None,
                 "takeover_s_by_kind": {k: [pct(v, 50), pct(v, 99)] for k, v in by_kind.items() if v},
@@ -246,10 +273,11 @@ def bad(out: dict) -> bool:
                 or out["workers_left"])
 
 
-def run_router_chaos(args, gcs: str) -> dict:
-    """The router run on the Ray at ``gcs`` (joined by this process too)."""
+def run_router_chaos(args, gcs: str, nodes=None, make=None) -> dict:
+    """The router run on the Ray at ``gcs`` (``nodes``: the multi-node cluster it is;
+    ``make(args, gcs, workdir, nodes)`` builds the run, default :class:`RouterChaos`)."""
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-router-") as d:
-        chaos = RouterChaos(args, gcs, d)
+        chaos = (make or RouterChaos)(args, gcs, d, nodes)
         out = chaos()
         lines = (Path(d) / "serve.log").read_text().splitlines(True)
         if bad(out):  # (what the routers said, for the one who reads the failure)
@@ -260,14 +288,26 @@ def run_router_chaos(args, gcs: str) -> dict:
     return out
 
 
-def main_router(args) -> dict:
-    """Start a private local Ray for the pair, run, shut it down."""
+def main_router(args, make=None) -> dict:
+    """Start a private local Ray for the pair (with ``restart_head``: a 3-node cluster with GCS
+    fault tolerance), run (``make``: as :func:`run_router_chaos`'s), shut it down."""
+    if "restart_head" in args.router_kinds:
+        # (heavy: a cluster's processes; the harness the multinode tests use)
+        from tests.multinode import MultiNode
+        root = Path(tempfile.mkdtemp(prefix="pdch-", dir="/tmp"))  # short: AF_UNIX paths under it
+        log(f"starting a 3-node Ray cluster with GCS fault tolerance under {root} ...")
+        nodes = MultiNode(root, gcs_ft=True).up()
+        try:
+            return run_router_chaos(args, nodes.address, nodes, make)
+        finally:
+            nodes.down()
+            shutil.rmtree(root, ignore_errors=True)
     # (heavy: Ray and a cluster, loaded only by what uses them)
     import ray
     from router.app import init_ray
     from router.config import load_config
     init_ray(load_config(None, {"prefill.replicas": 1, "decode.replicas": 1}))
     try:
-        return run_router_chaos(args, ray.get_runtime_context().gcs_address)
+        return run_router_chaos(args, ray.get_runtime_context().gcs_address, make=make)
     finally:
         ray.shutdown()

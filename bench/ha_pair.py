@@ -1,11 +1,12 @@
 """Routers of one HA cluster as real ``pdserve serve`` processes (router.leader, router.standby),
 for the router faults of bench/chaos_router.py and tests/cluster/test_leader.py: start one
 (on given ports, so a client's ``--server a,b`` list stays valid across a restart), ask which
-one serves, read the worker processes the leader holds.
+one serves, read the worker processes the leader holds (``in_ray``: from a driver of their own).
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -28,11 +29,12 @@ def free_port() -> int:
 class Router:
     """One ``pdserve serve`` process, its ports and a stub on its gRPC port alone."""
 
-    def __init__(self, config, gcs: str, log, port: int | None = None, http_port: int | None = None) -> None:
+    def __init__(self, config, gcs: str, log, port: int | None = None, http_port: int | None = None,
+                 env: dict | None = None) -> None:
         self.port, self.http_port = port or free_port(), http_port or free_port()
         self.proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve", "--config",
                                       str(config), "--address", gcs, "--port", str(self.port),
-                                      "--http-port", str(self.http_port)], stdout=log, stderr=log)
+                                      "--http-port", str(self.http_port)], stdout=log, stderr=log, env=env)
 
     @property
     def stub(self):
@@ -82,6 +84,33 @@ def leader(routers: list[Router], timeout: float) -> Router:
         if time.monotonic() > deadline:
             raise NoLeader(f"no router leads after {timeout} s")
         time.sleep(0.1)
+
+
+def in_ray(gcs: str, env: dict | None, fn: str, name: str):
+    """``fn(name)`` of this module, run by a driver process of its own on the Ray at ``gcs``:
+    this one stays off Ray, whose driver would exit with a head it was attached to."""
+    code = ("import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
+            "from bench import ha_pair; print(json.dumps(getattr(ha_pair, sys.argv[2])(sys.argv[3])))")
+    r = subprocess.run([sys.executable, "-c", code, gcs, fn, name], env=env, capture_output=True, text=True,
+                       timeout=180)
+    if r.returncode:
+        raise RuntimeError(f"{fn}({name}) on the Ray at {gcs} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def end_workers(name: str) -> int:
+    """End HA cluster ``name``'s workers and lease that outlived its routers; how many workers."""
+    # (heavy: Ray, joined by the caller)
+    import ray
+    from router import ha, leader as lease
+    left = ha.find_workers(name)
+    for handle in left.values():
+        ray.kill(handle, no_restart=True)
+    try:
+        ray.kill(ray.get_actor(lease.lease_name(name), namespace=ha.NAMESPACE), no_restart=True)
+    except ValueError:
+        pass
+    return len(left)
 
 
 def worker_pids(name: str) -> dict[str, int]:

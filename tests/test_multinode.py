@@ -29,7 +29,7 @@ def nodes():
     # A short root: Ray's socket paths under it must fit AF_UNIX's 107 bytes (pytest's tmp
     # paths are long enough to break the second node's).
     root = Path(tempfile.mkdtemp(prefix="pdmn-", dir="/tmp"))
-    c = MultiNode(root).up()
+    c = MultiNode(root, gcs_ft=True).up()  # (GCS fault tolerance, as deploy/ sets it up: the last test restarts the head)
     yield c
     c.down()
     assert c.processes() == [], "processes of the test cluster left running"
@@ -231,3 +231,26 @@ def test_a_prompt_burst_adds_a_prefill_worker_on_the_prefill_node_and_it_drains_
         assert any("prefill -1" in e for e in st["autoscale_events"]), st["autoscale_events"]
     finally:
         stop(proc)
+
+
+def test_a_head_restart_ends_no_worker_and_every_stream_completes_identical(nodes):
+    """bench/chaos_router.py's ``restart_head``, small (last here: it restarts the module's head).
+    An HA pair of ``pdserve serve`` on the head, one prefill and one decode worker on their own
+    nodes; while 3 greedy streams run (asyncio, threaded and OpenAI clients), every process of the
+    head is SIGKILLed, the routers with it, and the head's Ray and two routers start again. The
+    workers live through it (the GCS's tables come back from Redis; their raylets wait for it):
+    the same processes, adopted by the new leader, which the clients' streams resume on, each
+    identical to its undisturbed run; no block held after, no worker left after the routers stop."""
+    from bench.chaos import parse
+    from bench.chaos_router import run_router_chaos
+    from bench.chaos_router import table as router_table
+    args = parse(["--kinds", "restart_head", "--faults-per-kind", "1", "--fault-gap-s", "3", "--concurrency", "3",
+                  "--max-tokens", "24", "--long-words", "120", "--hang-s", "120", "--seed", "0"])
+    assert args.kinds == [] and args.router_kinds == ["restart_head"]
+    out = run_router_chaos(args, nodes.address, nodes)
+    print(router_table(out), json.dumps(out))  # shown on failure
+    assert out["faults_by_kind"] == {"restart_head": 1} and out["head_restarts"] == 1, out
+    assert {k: c["streams"] for k, c in out["by_client"].items()} == {"asyncio": 1, "threads": 1, "openai": 1}, out
+    assert out["completed_identical"] >= 3 and out["wrong"] == 0 and out["hung"] == 0 and out["errored"] == 0, out
+    assert out["leaked_blocks"] == 0 and out["stranded_blocks"] == 0, out
+    assert out["workers_replaced"] == 0 and out["workers_left"] == 0, out  # the same workers throughout, then none
