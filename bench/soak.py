@@ -3,11 +3,14 @@
 ``python -m bench.soak`` runs bench/chaos.py's cluster, load and faults (one fault every
 ``--fault-every-s``, the kinds in turn) for ``--duration-s`` (default 30 min), sampling the
 resident memory (RSS, /proc) of the router process and of every worker process. Growth per
-hour is the least-squares slope of each process's RSS after a warm-up (``--warmup-s``; a
-process replaced by a fault starts its own series), given with its standard error so that
+hour is the least-squares slope of each process's RSS after a warm-up (``--warmup-s`` from its
+first sample; a process replaced by a fault starts its own series), given with its standard error so that
 "flat within noise" can be read off: a slope within two standard errors of 0, or one too small
 to matter (``--flat-mb-per-h``). The router's process also runs the load generator's clients
 (one process, so both are covered). Prints a table, then one JSON line.
+
+Router kinds (``--kinds kill_router,stop_router,restart_head``) run a soak of their own, on
+bench/chaos_router.py's HA pair of ``pdserve serve`` processes (RouterSoak).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from bench.chaos import FAULT_KINDS, Chaos, cluster_config, log, run_chaos
+from bench.chaos import FAULT_KINDS, ROUTER_KINDS, Chaos, cluster_config, log, run_chaos
 from bench.chaos import build_parser as chaos_parser
+from bench.chaos_router import RouterChaos, bad, main_router, table
+from bench.ha_pair import Router
 
 
 # /proc/<pid>/status fields, in kB: the resident set and its split. Anonymous memory is the
@@ -77,7 +82,52 @@ def grows(slope: float, se: float, flat_mb_per_h: float) -> bool:
     return slope > max(2 * se, flat_mb_per_h)
 
 
-class Soak(Chaos):
+class MemorySeries:
+    """RSS samples per process (``rows``) and their growth; needs ``args`` (``warmup_s``,
+    ``fault_every_s``, ``flat_mb_per_h``). For :class:`Soak` and :class:`RouterSoak`."""
+
+    rows: dict[str, array.array]
+
+    def record(self, name: str, t: float, m: dict[str, float]) -> None:
+        # (NaN: not read, e.g. another user's process has no readable maps)
+        self.rows.setdefault(name, array.array("d")).extend([t] + [m.get(k, math.nan) for k in _KINDS])
+
+    def sample_pids(self, t: float, procs: dict[str, int]) -> None:
+        """One sample of each of ``procs`` ("name pid" -> pid) that is alive."""
+        for name, pid in procs.items():
+            if (m := memory(pid)).get("rss") is not None:
+                self.record(name, t, m)
+
+    def parts(self, name: str) -> list[tuple[float, dict[str, float]]]:
+        """(t, memory()) per sample of one process."""
+        r, w = self.rows[name], 1 + len(_KINDS)
+        return [(r[i], {k: v for k, v in zip(_KINDS, r[i + 1:i + w]) if not math.isnan(v)})
+                for i in range(0, len(r), w)]
+
+    def growth(self) -> dict[str, dict]:
+        out = {}
+        for name in self.rows:
+            # (the warm-up from each process's first sample: one that a fault started mid-run
+            # warms up too, as a router loading its model and tokenizer does)
+            every = self.parts(name)
+            parts = [(t, m) for t, m in every if t >= every[0][0] + self.args.warmup_s]
+            kept = [(t, m["rss"]) for t, m in parts]
+            if len(kept) < 3 or kept[-1][0] - kept[0][0] < self.args.fault_every_s / 2:
+                continue  # too short-lived (replaced by a fault) to say anything
+            slope, se = slope_per_h(kept)
+            late, _ = slope_per_h(kept[len(kept) // 2:])  # levelling off (warm-up) or not (a leak)
+            out[name] = {"rss_mb_first": round(kept[0][1], 1), "rss_mb_last": round(kept[-1][1], 1),
+                         "minutes": round((kept[-1][0] - kept[0][0]) / 60, 1), "growth_mb_per_h": round(slope, 2),
+                         "stderr_mb_per_h": round(se, 2), "second_half_mb_per_h": round(late, 2),
+                         "series": [(round(t), round(m, 1)) for t, m in kept[::max(1, len(kept) // 30)]],
+                         "flat": not grows(slope, se, self.args.flat_mb_per_h)}
+            # where the change is: heap (anon), shared segments (shmem, sysv), files
+            out[name]["change"] = {k: round(parts[-1][1].get(k, 0) - parts[0][1].get(k, 0), 1)
+                                   for k in ("anon", "shmem", "file", "sysv")}
+        return out
+
+
+class Soak(MemorySeries, Chaos):
     """Chaos's load and faults, spread over a duration, with RSS sampling."""
 
     def __init__(self, cluster, args) -> None:
@@ -91,9 +141,7 @@ class Soak(Chaos):
         now = time.monotonic() - self.t0
         procs = {f"router {os.getpid()}": os.getpid()}
         procs.update({f"{w['id']} {w['pid']}": w["pid"] for w in self.workers() if w["pid"]})
-        for name, pid in procs.items():
-            if (m := memory(pid)).get("rss") is not None:
-                self.record(name, now, m)
+        self.sample_pids(now, procs)
 
     def _sampler(self) -> None:
         while not self.done.is_set():
@@ -120,34 +168,56 @@ class Soak(Chaos):
                 log(f"{(time.monotonic() - self.t0) / 60:.1f} min: fault {kind} {f.worker}")
         self.sample()
 
-    def record(self, name: str, t: float, m: dict[str, float]) -> None:
-        # (NaN: not read, e.g. another user's process has no readable maps)
-        self.rows.setdefault(name, array.array("d")).extend([t] + [m.get(k, math.nan) for k in _KINDS])
 
-    def parts(self, name: str) -> list[tuple[float, dict[str, float]]]:
-        """(t, memory()) per sample of one process."""
-        r, w = self.rows[name], 1 + len(_KINDS)
-        return [(r[i], {k: v for k, v in zip(_KINDS, r[i + 1:i + w]) if not math.isnan(v)})
-                for i in range(0, len(r), w)]
+class RouterSoak(MemorySeries, RouterChaos):
+    """Router faults in a soak: bench/chaos_router.py's HA pair, workers and streams for
+    ``--duration-s``, one router fault every ``--fault-every-s`` (the router kinds in turn; a
+    killed router is always started again, so the pair stays whole to the end), memory sampled
+    every ``--sample-s``: each router process (a restarted one starts its own series), each
+    worker (the same processes throughout: none may be replaced) and this process, which runs
+    the clients. Checks: chaos_router's (every stream identical, none hung, no block held
+    after, no worker replaced or left) and the soak's (every long-lived process's RSS flat)."""
 
-    def growth(self) -> dict[str, dict]:
-        out = {}
-        for name in self.rows:
-            parts = [(t, m) for t, m in self.parts(name) if t >= self.args.warmup_s]
-            kept = [(t, m["rss"]) for t, m in parts]
-            if len(kept) < 3 or kept[-1][0] - kept[0][0] < self.args.fault_every_s / 2:
-                continue  # too short-lived (replaced by a fault) to say anything
-            slope, se = slope_per_h(kept)
-            late, _ = slope_per_h(kept[len(kept) // 2:])  # levelling off (warm-up) or not (a leak)
-            out[name] = {"rss_mb_first": round(kept[0][1], 1), "rss_mb_last": round(kept[-1][1], 1),
-                         "minutes": round((kept[-1][0] - kept[0][0]) / 60, 1), "growth_mb_per_h": round(slope, 2),
-                         "stderr_mb_per_h": round(se, 2), "second_half_mb_per_h": round(late, 2),
-                         "series": [(round(t), round(m, 1)) for t, m in kept[::max(1, len(kept) // 30)]],
-                         "flat": not grows(slope, se, self.args.flat_mb_per_h)}
-            # where the change is: heap (anon), shared segments (shmem, sysv), files
-            out[name]["change"] = {k: round(parts[-1][1].get(k, 0) - parts[0][1].get(k, 0), 1)
-                                   for k in ("anon", "shmem", "file", "sysv")}
-        return out
+    def __init__(self, args, gcs: str, workdir: str, nodes=None) -> None:
+        super().__init__(args, gcs, workdir, nodes)
+        self.rows: dict[str, array.array] = {}  # (as Soak's: flat doubles per process)
+        self.t0 = time.monotonic()
+        self.fault_at: list[tuple[str, float]] = []
+
+    def sample(self) -> None:
+        procs = {f"clients {os.getpid()}": os.getpid()}
+        procs.update({f"router {r.proc.pid}": r.proc.pid for r in list(self.routers) if r.proc.poll() is None})
+        procs.update({f"{w} {pid}": pid for w, pid in self.pids.items()})
+        self.sample_pids(time.monotonic() - self.t0, procs)
+
+    def drive(self, lead: Router, standby: Router) -> Router:
+        self.t0 = time.monotonic()  # the load starts now (after the undisturbed reference run)
+        done = threading.Event()
+
+        def sampler() -> None:
+            while not done.is_set():
+                try:
+                    self.sample()
+                except Exception as e:  # (a router between incarnations: the next sample sees it)
+                    log(f"sample failed: {e!r}")
+                done.wait(self.args.sample_s)
+        thread = threading.Thread(target=sampler, daemon=True)
+        thread.start()
+        end = self.t0 + self.args.duration_s
+        try:
+            while (left := end - time.monotonic()) > 0:
+                time.sleep(min(left, self.args.fault_every_s))
+                if time.monotonic() >= end:
+                    break
+                kind = self.args.router_kinds[len(self.faults) % len(self.args.router_kinds)]
+                self.fault_at.append((kind, round(time.monotonic() - self.t0, 1)))
+                log(f"{(time.monotonic() - self.t0) / 60:.1f} min: fault {kind}")
+                lead, standby = self.fault(kind, lead, standby, last=False)
+        finally:
+            done.set()
+            thread.join()
+        self.sample()
+        return lead
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,16 +234,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="growth this small counts as flat whatever the noise (default 5 MB/h)")
     p.add_argument("--samples-out", default=None,
                    help="write every memory sample and fault time here as JSON (to attribute steps to faults)")
-    p.set_defaults(requests=0, faults_per_kind=0, kinds=",".join(FAULT_KINDS))  # (router faults: not yet)
+    p.add_argument("--kinds", default=",".join(FAULT_KINDS), help=(
+        f"fault kinds, in turn (default: the worker kinds, {','.join(FAULT_KINDS)}); router kinds "
+        f"({','.join(ROUTER_KINDS)}) run a soak of their own on an HA pair (RouterSoak), "
+        f"after the worker kinds' if both are given"))
+    p.set_defaults(requests=0, faults_per_kind=0)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.kinds = [k for k in args.kinds.split(",") if k]
-    if not args.kinds or set(args.kinds) - set(FAULT_KINDS):
-        raise SystemExit(f"soak: unknown fault kinds {sorted(set(args.kinds) - set(FAULT_KINDS))}; "
-                         f"valid: {', '.join(FAULT_KINDS)}")
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(FAULT_KINDS + ROUTER_KINDS):
+        raise SystemExit(f"soak: unknown fault kinds {sorted(set(kinds) - set(FAULT_KINDS + ROUTER_KINDS))}; "
+                         f"valid: {', '.join(FAULT_KINDS + ROUTER_KINDS)}")
+    # The worker faults' soak and the router faults' (RouterSoak) are two runs, each
+    # of --duration-s, as chaos's two runs are.
+    args.kinds = [k for k in kinds if k in FAULT_KINDS]
+    args.router_kinds = [k for k in kinds if k in ROUTER_KINDS]
+    args.clients = [c for c in args.clients.split(",") if c]
+    ok = True
+    if args.kinds:
+        out = soak_workers(args)
+        ok = out["all_flat"] and not (out["wrong"] or out["hung"] or out["leaked_blocks"])
+    if args.router_kinds:
+        ok = soak_routers(args) and ok
+    return 0 if ok else 1
+
+
+def soak_workers(args) -> dict:
     # (heavy: Ray and a cluster, loaded only by what uses them)
     from router.app import BackgroundCluster, init_ray
     cfg = cluster_config(args)
@@ -191,11 +280,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         # (heavy: Ray and a cluster, loaded only by what uses them)
         import ray
         ray.shutdown()
-    growth = soak.growth()
     if args.samples_out:
         with open(args.samples_out, "w") as f:
             json.dump({"memory": {name: soak.parts(name) for name in soak.rows},
                        "faults": [(x.kind, x.worker, round(x.at - soak.t0, 1)) for x in soak.run.faults]}, f)
+    report(out, soak, args)
+    print(f"requests {out['requests']} (identical {out['completed_identical']}, errored {out['errored']}, wrong "
+          f"{out['wrong']}, hung {out['hung']}), faults {out['faults']}, leaked blocks {out['leaked_blocks']}")
+    print(json.dumps(out))
+    return out
+
+
+def soak_routers(args) -> bool:
+    """The router faults' soak (RouterSoak); whether all was well."""
+    log(f"soak (router faults: {','.join(args.router_kinds)}): {args.duration_s / 60:g} min, "
+        f"a fault every {args.fault_every_s:g}s")
+    soak = None
+
+    def make(*a):
+        nonlocal soak
+        soak = RouterSoak(*a)
+        return soak
+    out = main_router(args, make)
+    if args.samples_out:
+        with open(args.samples_out + ".router" if args.kinds else args.samples_out, "w") as f:
+            json.dump({"memory": {name: soak.parts(name) for name in soak.rows}, "faults": soak.fault_at}, f)
+    print(table(out))
+    report(out, soak, args)
+    print(json.dumps(out))
+    return out["all_flat"] and not bad(out)
+
+
+def report(out: dict, soak: MemorySeries, args) -> None:
+    """Each long-lived process's growth, printed and added to ``out``."""
+    growth = soak.growth()
     out.update(rss=growth, max_growth_mb_per_h=max((g["growth_mb_per_h"] for g in growth.values()), default=None),
                all_flat=all(g["flat"] for g in growth.values()), duration_s=args.duration_s)
     for name, g in sorted(growth.items()):
@@ -203,10 +321,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{g['growth_mb_per_h']:+8.2f} ± {g['stderr_mb_per_h']:.2f} MB/h (second half {g['second_half_mb_per_h']:+.2f}) "
               f"{'flat' if g['flat'] else 'GROWS'}"
               + (" (" + ", ".join(f"{k} {v:+g}" for k, v in g["change"].items()) + ")" if "change" in g else ""))
-    print(f"requests {out['requests']} (identical {out['completed_identical']}, errored {out['errored']}, wrong "
-          f"{out['wrong']}, hung {out['hung']}), faults {out['faults']}, leaked blocks {out['leaked_blocks']}")
-    print(json.dumps(out))
-    return 0 if out["all_flat"] and not (out["wrong"] or out["hung"] or out["leaked_blocks"]) else 1
 
 
 if __name__ == "__main__":

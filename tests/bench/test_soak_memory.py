@@ -81,3 +81,9 @@ def test_samples_are_kept_compactly_and_fitted_after_the_warm_up():
     assert sys.getsizeof(soak.rows["w 1"]) < 61 * 6 * 8 * 17 / 16 + 64
     soak.record("w 2", 0.0, {"rss": 1.0})  # what was not read stays unread
     assert soak.parts("w 2") == [(0.0, {"rss": 1.0})]
+    # A process started mid-run (a fault's replacement) warms up from its own first sample: its
+    # start-up climb (100 MB over its first 90 s) is not fitted, its flat rest is
+    for i in range(31):
+        soak.record("w 3", 1800.0 + 10.0 * i, {"rss": 300.0 + min(i, 9) * 100.0 / 9})
+    g3 = soak.growth()["w 3"]
+    assert g3["growth_mb_per_h"] == 0.0 and g3["flat"] and g3["rss_mb_first"] == 400.0, g3
