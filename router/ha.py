@@ -114,7 +114,8 @@ async def adopt(w: Worker, link: RouterLink, grace_s: float, call: Callable[...,
     waits ``grace_s`` (this router's ``ha.grace_s``) for a call from now on. At this router's
     first adoption of it, the requests it decodes for the router before are ``handover``'s
     to rebuild (router.resume: it returns the engine ids it keeps); the others it held are
-    aborted and their blocks freed, and that is logged. Raises RuntimeError if it plays
+    aborted and their blocks freed, and that is logged. Tried again within the same bring-up
+    (a later step failed: router.liveness), it keeps what the first try kept (``Worker.kept``). Raises RuntimeError if it plays
     another role than the cluster's config gives it.
 
     Args:
@@ -133,10 +134,11 @@ async def adopt(w: Worker, link: RouterLink, grace_s: float, call: Callable[...,
     want = "adaptive" if w.adaptive else w.role.value
     if a.role != want:
         raise RuntimeError(f"{w.worker_id} is a {a.role} worker, this cluster's config makes it {want}")
-    kept: set[str] = set()
+    kept: set[str] = set(w.kept)  # (a try again of a first adoption: what it kept, still kept)
     if first:  # (no await from here to the replay: a later report must not overtake the kept ones)
         w.incarnation = a.incarnation
         kept = handover(w, a)
+        w.kept = frozenset(kept)
         for msg in early:
             replay(msg)
     drop = [eid for eid in a.requests if eid not in kept]

@@ -131,14 +131,23 @@ class Liveness:
             self._spawn(self.bring_up(w), f"up-{w.worker_id}")
 
     async def bring_up(self, w: Worker) -> None:
+        try:
+            await self._bring_up(w)
+        finally:
+            w.kept = frozenset()  # (for an adoption tried again within this bring-up only: router.ha)
+
+    async def _bring_up(self, w: Worker) -> None:
         # (heavy: Ray, loaded when the cluster starts)
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+        # The incarnation known before this bring-up, read once: a first adoption sets it
+        # (router.ha ``adopt``), and a try after that one failed later on (a peer's handshake)
+        # must not take the adopted worker for one that outlived being lost and free its blocks.
+        known = w.incarnation
         while True:
             try:
                 # Ray's restart count before its incarnation is read: a restart after this shows
                 # as a higher count (``check_restart``), one before it as a new incarnation.
                 restarts = (await asyncio.to_thread(self.actor_state, w.actor))[1]
-                known = w.incarnation  # (a first adoption sets it: router.ha ``adopt``)
                 info = await self._connect(w)
                 if info.incarnation == known:
                     # The process outlived being lost (its kill failed): every request it holds

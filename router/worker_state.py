@@ -109,6 +109,9 @@ class Worker:
     # While this router adopts it for the first time (router.ha ``adopt``): the reports it sends
     # before the answer tells its incarnation, kept to be taken after (router.resume); else None
     early: list[bytes] | None = field(default=None, repr=False)
+    # The engine ids this router's first adoption of it kept to resume (router.ha ``adopt``):
+    # an adoption tried again within the same bring-up keeps them too (router.liveness clears it)
+    kept: frozenset[str] = frozenset()
 
     def keep_early(self, msg: bytes) -> bool:
         """Keep a report of an incarnation not known yet if this router is adopting the worker

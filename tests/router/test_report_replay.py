@@ -120,6 +120,59 @@ def test_the_same_process_back_keeps_its_seq(monkeypatch):
     assert c.w.incarnation == "next" and c.w.seq == 0
 
 
+def test_an_adoption_tried_again_within_its_bring_up_keeps_what_it_kept():
+    """A router's first adoption of a worker keeps a request to resume and aborts the other;
+    a later step of the same bring-up fails (a peer went away during the KV handshake) and it
+    tries again: the second adoption keeps what the first kept, and the worker is not taken for
+    one that outlived being lost (which frees every block it holds)."""
+    from ray.exceptions import RayTaskError
+
+    from router import ha
+    from router.worker_state import Role
+    from worker.fence import Adopted, Handover
+    from engine.request import SamplingParams
+    c = Cluster(incarnation=None)
+    c.w.role, c.w.state = Role.DECODE, "dead"
+    info = ModelInfo(model="/m", fingerprint="f", incarnation="inc", context_length=64, vocab_size=10,
+                     dtype="float32", block_size=16)
+    h = Handover(Key("a"), [1], [2], SamplingParams(max_tokens=9))
+    holds = {"a#0": 2, "b#0": 1}
+    calls: list = []
+
+    async def answer(x):
+        return x
+
+    async def adopt(link, grace_s):
+        calls.append("adopt")
+        return Adopted("decode-0", "inc", "decode", 3, dict(holds), sum(holds.values()), "kv", [h])
+
+    async def model_info():
+        calls.append("model_info")
+        if calls.count("model_info") == 1:
+            raise RayTaskError("connect", "", ConnectionError("a peer went away"))
+        return info
+
+    async def release(ids):
+        calls.append(("release", tuple(ids)))
+        for i in ids:
+            holds.pop(i)
+        return len(ids)
+
+    async def held():
+        calls.append("held")
+        return dict(holds)
+    c.w.actor = SimpleNamespace(adopt=adopt, model_info=SimpleNamespace(remote=model_info),
+                                address=SimpleNamespace(remote=lambda: answer("kv")),
+                                held=SimpleNamespace(remote=held), release=SimpleNamespace(remote=release),
+                                status=SimpleNamespace(remote=lambda: answer(_status("inc", 2))))
+    c.pools.liveness.adopt = lambda w: ha.adopt(w, None, 30.0, c.pools.liveness.call, 60.0,
+                                                lambda w, a: {"a#0"}, lambda msg: None)
+    asyncio.run(c.pools.liveness.bring_up(c.w))
+    assert calls == ["adopt", ("release", ("b#0",)), "model_info", "adopt", "model_info"], calls
+    assert holds == {"a#0": 2} and c.w.state == "ready" and c.w.incarnation == "inc"
+    assert c.w.kept == frozenset()  # (for the tries of that bring-up only)
+
+
 def test_pieces_of_a_large_record_arrive_whole():
     c = Cluster()
     lps = [(i, -0.5, [(i, -0.5)]) for i in range(2 * PIECE_ENTRIES + 3)]
