@@ -120,6 +120,10 @@ class Ended:
         """A step's ``records``: each that ends a request (stop, length) whose engine request was
         in ``engine_requests`` before the step (it has left the engine since) is kept."""
         now = self.clock()
+        # Past ``ENDED_KEEP_S`` one is handed over no more: gone now, not when 256 newer push it
+        # out (each holds its prompt's and answer's ids: 256 documents' worth, held for nothing)
+        while self._kept and now - self._kept[0][0] > ENDED_KEEP_S:
+            self._kept.popleft()
         for rec in records:
             finish = getattr(rec, "finish", None)
             if finish in ("stop", "length") and (r := engine_requests.get(rec.key.engine_id)) is not None \

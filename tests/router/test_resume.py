@@ -288,6 +288,8 @@ def test_a_request_that_ended_is_handed_over_with_its_end_for_a_while():
     assert (h.key, h.prompt_ids, h.output_ids, h.finish) == (Key("a"), [1, 2], [3, 4], "stop")
     now[0] += ENDED_KEEP_S + 1  # (long after any takeover: forgotten)
     assert ended.recent() == []
+    ended.keep([], {})  # (and no longer held: the next step lets it go)
+    assert len(ended._kept) == 0
 
 
 def test_a_request_rebuilt_after_it_ended_gets_the_rest_and_its_end_and_nothing_runs(tokenizer):
