@@ -98,6 +98,15 @@ class MemorySeries:
             if (m := memory(pid)).get("rss") is not None:
                 self.record(name, t, m)
 
+    def sample_until(self, done: threading.Event) -> None:
+        """``self.sample()`` every ``--sample-s`` until ``done`` is set."""
+        while not done.is_set():
+            try:
+                self.sample()
+            except Exception as e:  # a process between incarnations: the next sample sees it
+                log(f"sample failed: {e!r}")
+            done.wait(self.args.sample_s)
+
     def parts(self, name: str) -> list[tuple[float, dict[str, float]]]:
         """(t, memory()) per sample of one process."""
         r, w = self.rows[name], 1 + len(_KINDS)
@@ -143,17 +152,9 @@ class Soak(MemorySeries, Chaos):
         procs.update({f"{w['id']} {w['pid']}": w["pid"] for w in self.workers() if w["pid"]})
         self.sample_pids(now, procs)
 
-    def _sampler(self) -> None:
-        while not self.done.is_set():
-            try:
-                self.sample()
-            except Exception as e:  # a worker between incarnations: the next sample sees it
-                log(f"sample failed: {e!r}")
-            self.done.wait(self.args.sample_s)
-
     def drive(self) -> None:
         self.t0 = time.monotonic()  # the load starts now (after the undisturbed reference run)
-        threading.Thread(target=self._sampler, daemon=True).start()
+        threading.Thread(target=self.sample_until, args=(self.done,), daemon=True).start()
         end = self.t0 + self.args.duration_s
         i = 0
         while (left := end - time.monotonic()) > 0:
@@ -205,15 +206,7 @@ class RouterSoak(MemorySeries, RouterChaos):
     def drive(self, lead: Router, standby: Router) -> Router:
         self.t0 = time.monotonic()  # the load starts now (after the undisturbed reference run)
         done = threading.Event()
-
-        def sampler() -> None:
-            while not done.is_set():
-                try:
-                    self.sample()
-                except Exception as e:  # (a router between incarnations: the next sample sees it)
-                    log(f"sample failed: {e!r}")
-                done.wait(self.args.sample_s)
-        thread = threading.Thread(target=sampler, daemon=True)
+        thread = threading.Thread(target=self.sample_until, args=(done,), daemon=True)
         thread.start()
         end = self.t0 + self.args.duration_s
         try:

@@ -115,8 +115,8 @@ async def adopt(w: Worker, link: RouterLink, grace_s: float, call: Callable[...,
     first adoption of it, the requests it decodes for the router before are ``handover``'s
     to rebuild (router.resume: it returns the engine ids it keeps); the others it held are
     aborted and their blocks freed, and that is logged. Tried again within the same bring-up
-    (a later step failed: router.liveness), it keeps what the first try kept (``Worker.kept``). Raises RuntimeError if it plays
-    another role than the cluster's config gives it.
+    (a later step failed: router.liveness), it keeps what the first try kept (``Worker.kept``).
+    Raises RuntimeError if it plays another role than the cluster's config gives it.
 
     Args:
         call: ``Liveness.call`` (each call with the stall deadline; ``timeout_s`` for the adoption,
