@@ -219,6 +219,10 @@ class FrontDoorConfig:
     # (flow control holds the writes: it stopped reading) ends its requests on every worker, their
     # KV and slots freed, with RESOURCE_EXHAUSTED (gRPC) or the connection closed (SSE) (router/unread.py)
     unread_stream_timeout_s: float = 60.0
+    # ... and after this long its requests are parked: aborted on their workers (KV, seat and
+    # decode steps freed) and placed again, from what was streamed, once the client takes the
+    # waiting message; 0: never parked (router/parking.py)
+    park_unread_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "decode.speculative.draft_layers": (lambda v: v >= 0, ">= 0 (0: half the target's layers)"),
     "router.local_prefill_tokens": (lambda v: v >= 0, ">= 0 (0: off)"),
     "router.max_preemptions": (lambda v: v >= 0, ">= 0 (0: no preemption)"),
+    "front_door.park_unread_s": (lambda v: v >= 0, ">= 0 (0: streams not read are never parked)"),
     "roles.min_prefill": (lambda v: v >= 0, ">= 0 (0: decode workers prefill their own prompts when none is left)"),
     "roles.max_prefill": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                           "an integer >= 1, or null (no limit)"),

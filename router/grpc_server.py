@@ -49,11 +49,12 @@ async def _maybe_await(x: Any) -> None:
         await x
 
 
-async def answer(context, rid: str, responses, unread_s: float):
+async def answer(context, rid: str, responses, door: Any, hold: Any = None):
     """A streaming call's ``responses`` (router.server ``generate``, ``resume``), and its end as
-    the client's status; a stream its client stops reading ends after ``unread_s``."""
+    the client's status; a stream its client stops reading has ``hold`` parked after
+    ``door.park_unread_s`` and ends after ``door.unread_stream_timeout_s`` (router.unread)."""
     try:  # (a stream its client stops reading ends here: router.unread)
-        async for response in relay(responses, unread_s):
+        async for response in relay(responses, door.unread_stream_timeout_s, hold=hold, park_s=door.park_unread_s):
             yield response
     except Unread as e:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -13,10 +13,12 @@ Lifecycle (``Job.state``; the router's ``Generate`` drives it, router.server)::
               prompt + every token already streamed) ... after MAX_ATTEMPTS: DONE (UNAVAILABLE)
     RUNNING ──preempted for a higher class (router.preempt)──► PLACING again, the same way
               (preemptions are bounded there, and do not count toward MAX_ATTEMPTS)
+    RUNNING ──parked: its client stopped reading (router.parking)──► PLACING again, placed
+              only once the client reads (``reading``); not a failure either
 
 Events (``Job.events``), each ``(attempt, worker or None, event)``: a worker's record
 (``Tokens``/``Failed``), :class:`Lost` when a worker the job runs on was lost, :class:`Aborted`
-from Abort or shutdown, :class:`Preempted` (its blocks already freed). A decode worker's
+from Abort or shutdown, :class:`Preempted` and :class:`Parked` (their blocks already freed). A decode worker's
 records may overtake the prefill's first token (two sockets): :meth:`Job.in_order` puts an
 attempt's records in output order by their ``start``.
 """
@@ -63,7 +65,18 @@ class Preempted:
     """The job was aborted on its workers to make room for a higher class (router.preempt)."""
 
 
-Event = Tokens | Failed | Lost | Aborted | Preempted
+@dataclass(frozen=True)
+class Parked:
+    """The job was aborted on its workers because its client stopped reading (router.parking)."""
+
+
+Event = Tokens | Failed | Lost | Aborted | Preempted | Parked
+
+
+def _reading() -> asyncio.Event:
+    e = asyncio.Event()
+    e.set()
+    return e
 
 
 @dataclass
@@ -79,6 +92,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     attempt: int = 0
     preemptions: int = 0  # attempts ended by preemption (router.preempt), not by a failure
+    parks: int = 0  # attempts ended because its client stopped reading (router.parking), not failures
+    reading: asyncio.Event = field(default_factory=_reading)  # clear while parked: not placed again
     aborted: bool = False  # an Abort (or shutdown) was put: the job ends, whichever attempt runs
     prefill: Any = None  # pools.Worker, while placed
     decode: Any = None
@@ -168,8 +183,16 @@ class Job:
         request and drop it then, even if no abort reaches them."""
         return None if self.deadline is None else self.deadline - time.monotonic()
 
+    @property
+    def failures(self) -> int:
+        """Attempts that ended by a failure (a lost worker, a failed transfer), not by a
+        preemption or a park: router.server gives up after MAX_ATTEMPTS of them."""
+        return self.attempt - self.preemptions - self.parks
+
     def put(self, worker: Any, event: Event) -> None:
         self.aborted = self.aborted or isinstance(event, Aborted)
+        if self.aborted:  # (a parked job waits for its client to read: an abort ends that wait)
+            self.reading.set()
         self.events.put_nowait((self.attempt, worker, event))
 
     @property

@@ -40,6 +40,9 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients", registry=reg)
         self.retries = Counter("pdserve_request_reruns", "Re-runs after a lost worker or failed transfer",
                                registry=reg)
+        self.parked = Counter("pdserve_requests_parked", "Requests parked because their client stopped reading "
+                              "their stream (front_door.park_unread_s): aborted on their workers until it reads",
+                              registry=reg)
         self.prefix_hit_tokens = Counter("pdserve_router_prefix_hit_tokens", "Prompt tokens the worker chosen to "
                                          "prefill likely held in its prefix cache (the router's estimate, "
                                          "router.prefix_aware)", registry=reg)

@@ -171,8 +171,9 @@ class _Routes:
             return Response(status_code=499)
         req = parse(kind, raw, self.limits.choices)
         reqs, shaper = await self._shape(req, kind is ChatCompletionRequest, request.headers.get(IDEMPOTENCY_HEADER))
-        return await _answer(request, req, _merged(self.router, reqs, owner, req.n), shaper,
-                             self.door_cfg.unread_stream_timeout_s)
+        hold = self.router.stream_hold()  # (parks the choices' requests while a stream is not read)
+        return await _answer(request, req, _merged(self.router, reqs, owner, req.n, hold), shaper,
+                             self.door_cfg, hold)
 
     async def _shape(self, req, chat: bool, key: str | None = None) -> tuple[list, Shaper]:
         """The request's choices as router requests (ids from ``key``: its Idempotency-Key), checked,
@@ -192,10 +193,10 @@ class _Routes:
                             tools=[t["function"]["name"] for t in req.tools] if chat and req.tools_offered else ())
 
 
-async def _answer(request: Request, req, events, shaper: Shaper, unread_s: float) -> Response:
+async def _answer(request: Request, req, events, shaper: Shaper, door: Any, hold: Any) -> Response:
     """The whole answer, or a stream whose status the first event decides: an error before any
     token (bad input, a full queue, no worker) is a plain error answer, not a 200 stream (one
-    its client stops reading for ``unread_s`` is ended: router.unread)."""
+    its client stops reading has ``hold`` parked, then is ended: router.unread)."""
     try:
         if not req.stream:
             return await until_disconnect(request.receive, _whole(events, shaper, req.n))
@@ -211,7 +212,7 @@ async def _answer(request: Request, req, events, shaper: Shaper, unread_s: float
         await events.aclose()
         raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return _SSE(_sse(first, events, shaper, req.n, include_usage), unread_s)
+    return _SSE(_sse(first, events, shaper, req.n, include_usage), door, hold)
 
 
 def _refusal(e: Reject) -> ApiError:
@@ -225,11 +226,12 @@ def _refusal(e: Reject) -> ApiError:
 class _SSE(Response):
     """Server-sent events from an async iterator, ended (and the iterator closed, which
     frees its requests) when the client disconnects, whether or not a write fails, or when it
-    takes no next event for ``unread_s`` (router.unread): then the connection is aborted
-    (router.http_conn's ``ABORT`` extension; without it, uvicorn closes it once we return)."""
+    takes no next event for ``front_door.unread_stream_timeout_s`` (router.unread; ``hold`` is
+    parked before: router.parking): then the connection is aborted (router.http_conn's
+    ``ABORT`` extension; without it, uvicorn closes it once we return)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], unread_s: float) -> None:  # (no Response.__init__)
-        self.chunks, self.unread_s, self.background = chunks, unread_s, None
+    def __init__(self, chunks: AsyncIterator[bytes], door: Any, hold: Any) -> None:  # (no Response.__init__)
+        self.chunks, self.door, self.hold, self.background = chunks, door, hold, None
         self.raw_headers = [(k.encode(), v.encode()) for k, v in SSE_HEADERS.items()]
 
     async def __call__(self, scope, receive, send) -> None:
@@ -237,7 +239,8 @@ class _SSE(Response):
         abort = scope.get("extensions", {}).get(ABORT)
 
         async def pump() -> None:
-            async with contextlib.aclosing(relay(self.chunks, self.unread_s, abort)) as chunks:
+            async with contextlib.aclosing(relay(self.chunks, self.door.unread_stream_timeout_s, abort, self.hold,
+                                                 self.door.park_unread_s)) as chunks:
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -252,7 +255,7 @@ class _SSE(Response):
             await self.chunks.aclose()
 
 
-async def _merged(router, reqs, owner: str, n: int = 1) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(router, reqs, owner: str, n: int = 1, hold: Any = None) -> AsyncIterator[tuple[int, Any]]:
     """Every choice's responses as they come, tagged with the choice's index. A choice's
     refusal (router.server.Reject) ends them all; closing this ends them all.
 
@@ -268,7 +271,7 @@ async def _merged(router, reqs, owner: str, n: int = 1) -> AsyncIterator[tuple[i
     async def run(i: int, req, prefer) -> None:
         followers = range(i + 1, i + n) if n > 1 and i % n == 0 else range(0)
         try:
-            async with contextlib.aclosing(router.generate(req, owner, None, prefer)) as responses:
+            async with contextlib.aclosing(router.generate(req, owner, None, prefer, hold)) as responses:
                 async for r in responses:
                     if followers:
                         job = router.job(owner, req.request_id)

@@ -284,8 +284,8 @@ class Placer:
     # ---- waiting -------------------------------------------------------------------------------
     def _enter_queue(self, job: Job) -> bool:
         """The job starts waiting for a decode worker (router.max_queue bounds them; not a
-        preempted one: it was admitted and streams, and the queue bounds arrivals)."""
-        if self.queued >= self.cfg.router.max_queue and not job.preemptions:
+        preempted or parked one: it was admitted and streams, and the queue bounds arrivals)."""
+        if self.queued >= self.cfg.router.max_queue and not (job.preemptions or job.parks):
             raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"all decode workers are full and {self.queued} requests are already waiting; retry later")
         self.queued += 1

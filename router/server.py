@@ -19,8 +19,9 @@ Disaggregated mode places on a prefill and a decode worker; colocated mode on on
 does both. A lost worker (see router.pools) or a failed KV transfer re-runs the job from its
 prompt plus the tokens already streamed (a new attempt; the client sees no token twice), up to
 ``MAX_ATTEMPTS``; then UNAVAILABLE. A job preempted for a higher priority class (router.preempt:
-aborted on its workers) re-runs the same way, not counted as a failure. A stream its client
-stops reading ends after ``front_door.unread_stream_timeout_s`` (router.unread). Client cancel
+aborted on its workers) re-runs the same way, not counted as a failure; so does one parked while
+its client does not read (router.parking), once it reads. A stream its client stops reading
+ends after ``front_door.unread_stream_timeout_s`` (router.unread). Client cancel
 and Abort free the job's blocks on both sides (abort on each worker that holds it); the
 client's deadline also travels with the calls, so a worker drops the request when it passes
 even if no abort arrives. Every call awaited from a worker has the stall deadline
@@ -54,9 +55,10 @@ from router.cluster_view import ClusterView, cluster_view
 from router.config import ClusterConfig
 from router.grpc_server import answer, start_server  # (start_server: also imported from here)
 from router.holdings import Holdings
-from router.jobs import Aborted, Job, JobState, Lost, Preempted
+from router.jobs import Aborted, Job, JobState, Lost, Parked, Preempted
 from router.metrics import RouterMetrics
 from router.nodes import served_name
+from router.parking import Hold, place_when_read
 from router.place import Placer
 from router.pools import Pools
 from router.preempt import Preemptor
@@ -189,31 +191,35 @@ class Router(pb_grpc.GenerationServicer):
     # ---- Generate ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         owner = await self._caller(context)
-        responses = self.generate(request, owner, context.time_remaining())
-        async for response in answer(context, request.request_id, responses,
-                                     self.cfg.front_door.unread_stream_timeout_s):
+        hold = self.stream_hold()
+        responses = self.generate(request, owner, context.time_remaining(), hold=hold)
+        async for response in answer(context, request.request_id, responses, self.cfg.front_door, hold):
             yield response
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext):
         owner = await self._caller(context)
-        async for response in answer(context, request.request_id, self.resume(request, owner),
-                                     self.cfg.front_door.unread_stream_timeout_s):
+        hold = self.stream_hold()
+        async for response in answer(context, request.request_id, self.resume(request, owner, hold),
+                                     self.cfg.front_door, hold):
             yield response
 
+    def stream_hold(self) -> Hold:  # parks one stream's requests while its client does not read (router.parking)
+        return Hold(self.pools.abort, self.metrics.parked.inc)
+
     def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
-                 prefer: tuple[str, str] | None = None):
-        """One request's responses (an async generator), whichever API it came by (gRPC's
-        Generate, the OpenAI HTTP API in router.openai_http): the same validation, admission,
-        placement and limits. Closing the generator early (the client went away) frees the
-        request on every worker. ``prefer``: (prefill, decode) worker ids to place it on if they
-        can take it (another choice of the same prompt runs there: its blocks are in their
-        prefix caches). A retry of a request the router before ran gets its answer (router.resume).
+                 prefer: tuple[str, str] | None = None, hold: Hold | None = None):
+        """One request's responses (an async generator), whichever API it came by (gRPC, or the
+        OpenAI API: router.openai_http): the same validation, admission, placement and limits.
+        Closing it early (the client went away) frees the request on every worker. ``prefer``:
+        (prefill, decode) worker ids to place it on if they can (another choice of the same
+        prompt runs there: its prefix is cached there). ``hold``: its stream's (router.parking).
+        A retry of a request the router before ran gets its answer (router.resume).
 
         Raises:
             Reject: with the status for the client (INVALID_ARGUMENT, ALREADY_EXISTS,
                 RESOURCE_EXHAUSTED, UNAVAILABLE).
         """
-        return self._serve(lambda: self._open(request, owner, time_left, prefer))
+        return self._serve(lambda: self._open(request, owner, time_left, prefer), hold or self.stream_hold())
 
     async def _open(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
                     prefer: tuple[str, str] | None) -> tuple[Job, str, int | None]:
@@ -255,11 +261,11 @@ class Router(pb_grpc.GenerationServicer):
             self.metrics.prompt_tokens.inc(len(ids))
         return job, rid, None if rebuilt is None else 0
 
-    def resume(self, request: pb.ResumeRequest, owner: str):
+    def resume(self, request: pb.ResumeRequest, owner: str, hold: Hold | None = None):
         """The rest of a request the router before ran, which this one decodes still (router.resume):
         what the client lacks after ``received_tokens``, then the live tokens. Raises Reject:
         NOT_FOUND (none waits here, or it is another token's), OUT_OF_RANGE, RESOURCE_EXHAUSTED."""
-        return self._serve(lambda: self._reopen(request, owner))
+        return self._serve(lambda: self._reopen(request, owner), hold or self.stream_hold())
 
     async def _reopen(self, request: pb.ResumeRequest, owner: str) -> tuple[Job, str, int]:
         try:  # (the id's limits, as Generate's: it is echoed and logged)
@@ -278,12 +284,13 @@ class Router(pb_grpc.GenerationServicer):
         self.resumable.claim(job.request_id, owner, lease)
         return job, rid, request.received_tokens
 
-    async def _serve(self, opening: Callable[[], Awaitable[tuple[Job, str, int | None]]]):
+    async def _serve(self, opening: Callable[[], Awaitable[tuple[Job, str, int | None]]], hold: Hold):
         """Run the job ``opening`` makes live (in ``self.jobs``) to its end and account for it.
         It returns the job, the client's id and, for a rebuilt job a client attaches to
         (router.resume), how many of its tokens the client has (else None)."""
         job, rid, received = await opening()
         outcome, charged = "cancelled", len(job.generated)
+        hold.add(job)
         try:
             if received is not None and (first := catch_up(job, self.tokenizer, received, rid)) is not None:
                 yield first
@@ -298,6 +305,7 @@ class Router(pb_grpc.GenerationServicer):
             outcome = e.code.name.lower()
             raise
         finally:
+            hold.remove(job)
             self.jobs.pop(job.request_id, None)
             self.placer.live.drop(job)  # (what it held counts no more: router.holdings)
             self.admission.release(job.lease)
@@ -340,7 +348,7 @@ class Router(pb_grpc.GenerationServicer):
                 yield job.final("stop" if job.stopped else "abort")
                 return
             if job.state is not JobState.RUNNING:  # (a rebuilt job runs already: router.resume)
-                await self.placer.place(job)
+                await place_when_read(job, self.placer.place, self.pools.abort)  # (router.parking)
             async for response in self._stream(job):
                 yield response
             if job.finished:
@@ -358,8 +366,8 @@ class Router(pb_grpc.GenerationServicer):
                 self._release(job)
                 yield job.final("abort")
                 return
-            if isinstance(event, Preempted):  # (its blocks were freed then: router.preempt)
-                self._rerun(job, "preempted for a higher priority class", preempted=True)
+            if isinstance(event, (Preempted, Parked)):  # (its blocks were freed then: router.preempt, parking)
+                self._rerun(job, "preempted or parked", failure=False)
                 return
             if isinstance(event, (Lost, Failed)) and not job.depends_on(worker):
                 # Queued while the worker still mattered (or a prefill's late transfer error after
@@ -389,14 +397,13 @@ class Router(pb_grpc.GenerationServicer):
                     yield job.final(r.finish)
                     return
 
-    def _rerun(self, job: Job, why: str, preempted: bool = False) -> None:
-        """Free the attempt's blocks and go back to PLACING (or fail after MAX_ATTEMPTS
-        failures: preemptions are bounded by router.max_preemptions instead)."""
+    def _rerun(self, job: Job, why: str, failure: bool = True) -> None:
+        """Free the attempt's blocks, back to PLACING; only failures count toward MAX_ATTEMPTS (job.failures)."""
         self._release(job)
         job.rerun(self.tokenizer)
-        if preempted:
+        if not failure:
             return
-        if job.attempt - job.preemptions >= MAX_ATTEMPTS:
+        if job.failures >= MAX_ATTEMPTS:
             raise Reject(grpc.StatusCode.UNAVAILABLE, f"request failed {MAX_ATTEMPTS} times; last: {why}")
         log.warning("rid=%s event=rerun attempt=%d reason=%r", job.request_id, job.attempt, why)
         self.metrics.retries.inc()
@@ -433,12 +440,6 @@ class Router(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return model_info(self.pools, self.served_model_name, self.limits.context_length)
-
-    async def stranded(self) -> dict[str, dict[str, int]] | None:  # per ready worker, blocks of no live attempt
-        return await self.sweeper.stranded()
-
-    async def sweep(self) -> int:  # free KV blocks that no live request owns (router.sweep); the blocks freed
-        return await self.sweeper.sweep()
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
         await self._admin(context)  # worker addresses, and check_blocks calls every worker

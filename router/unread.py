@@ -19,6 +19,10 @@ them, so the call itself ends when the client reads or its connection ends: docs
 A slow model never counts: the clock runs only while a ready message waits to be taken, not
 while the source works on the next one. A client that reads, however slowly, takes a message
 now and then and is never cut off for the stream's length alone.
+
+Before the end, at ``park_s`` (``front_door.park_unread_s``) of the same wait, the stream's
+requests are parked (router.parking ``Hold``): aborted on their workers, and placed again once
+the client takes the waiting message.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("pdserve.router")
 
@@ -50,18 +54,46 @@ class _Kind(enum.Enum):
     STALLED = "stalled"
 
 
+class Parkable(Protocol):
+    """What a relay parks while its consumer waits (router.parking ``Hold``)."""
+
+    def park(self) -> None: ...
+
+    def unpark(self) -> None: ...
+
+
+async def _joined(q: asyncio.Queue, timeout_s: float) -> bool:
+    """Whether the consumer took every message ready (``task_done`` at its get) within
+    ``timeout_s``. Not wait_for: on 3.11 it swallows a cancel that meets the join's end, and the
+    producer would outlive its consumer."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await q.join()
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _taken(q: asyncio.Queue, timeout_s: float, hold: Parkable | None, park_s: float) -> bool:
+    """``_joined`` within ``timeout_s``, ``hold`` parked from ``park_s`` until then (unparked
+    only if the consumer took them: at a stall the source is closed instead)."""
+    if hold is None or not 0 < park_s < timeout_s:
+        return await _joined(q, timeout_s)
+    if await _joined(q, park_s):
+        return True
+    hold.park()
+    if not await _joined(q, timeout_s - park_s):
+        return False
+    hold.unpark()
+    return True
+
+
 async def _produce(source: AsyncGenerator, q: asyncio.Queue, timeout_s: float,
-                   on_stall: Callable[[], None] | None) -> None:
+                   on_stall: Callable[[], None] | None, hold: Parkable | None, park_s: float) -> None:
     try:
         async for item in source:
             if q.qsize() >= AHEAD:
-                # Until the consumer took every message ready (``task_done`` at its get). Not
-                # wait_for: on 3.11 it swallows a cancel that meets the join's end, and this task
-                # would outlive its consumer.
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        await q.join()
-                except TimeoutError:
+                if not await _taken(q, timeout_s, hold, park_s):
                     await source.aclose()  # frees the requests now, not when the client reads
                     log.info("event=unread_stream timeout_s=%g: request ended", timeout_s)
                     q.put_nowait((_Kind.STALLED, None))
@@ -80,9 +112,10 @@ async def _produce(source: AsyncGenerator, q: asyncio.Queue, timeout_s: float,
         await source.aclose()
 
 
-async def relay(source: AsyncGenerator, timeout_s: float,
-                on_stall: Callable[[], None] | None = None) -> AsyncIterator[Any]:
-    """``source``'s messages, ended if the consumer stops taking them (module doc).
+async def relay(source: AsyncGenerator, timeout_s: float, on_stall: Callable[[], None] | None = None,
+                hold: Parkable | None = None, park_s: float = 0.0) -> AsyncIterator[Any]:
+    """``source``'s messages, ended if the consumer stops taking them, ``hold`` parked from
+    ``park_s`` of that wait (0: never) until it takes them (module doc).
 
     Closing (or cancelling) the relay closes ``source``, as closing ``source`` itself would.
 
@@ -91,7 +124,7 @@ async def relay(source: AsyncGenerator, timeout_s: float,
         Whatever ``source`` raised.
     """
     q: asyncio.Queue = asyncio.Queue()  # (unbounded: the producer keeps the bound itself)
-    task = asyncio.create_task(_produce(source, q, timeout_s, on_stall), name="relay")
+    task = asyncio.create_task(_produce(source, q, timeout_s, on_stall, hold, park_s), name="relay")
     try:
         while True:
             kind, value = await q.get()

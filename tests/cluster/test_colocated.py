@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import collect, connect, make_request
 
 
@@ -86,4 +87,31 @@ def test_prompts_sharing_a_prefix_go_where_it_is_cached(stub, cluster, hf_model,
     assert u["prefill_worker"] == holder_worker and uncached <= len(tokenizer(question[len(system):])["input_ids"]) + 16, u
     # the router's estimate for this request was the worker's actual hit (no other request ran meanwhile)
     assert cluster.router.metrics.prefix_hit_tokens._value.get() - hits_before == u["cached_prompt_tokens"]
+    wait_idle(stub, cluster)
+
+
+def test_a_stream_its_client_stops_reading_is_parked_and_resumes_identical_once_read(stub, cluster, wait_idle):
+    """router.parking on a real worker: a gRPC stream whose client reads nothing after its first
+    message (a 1 KiB window: the router's writes block) is aborted on its worker after
+    ``front_door.park_unread_s`` (2 s) and placed nowhere while unread; read again, it goes on
+    from where it was and ends with the undisturbed run's tokens, nothing held after."""
+    req = dict(max_tokens=160, temperature=0, ignore_eos=True, logprobs=5)  # (~100 bytes a token)
+    want = collect(stub.Generate(make_request("Once upon a time", **req)))["token_ids"]
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.port}", options=[("grpc.http2.lookahead_bytes", 1024),
+                                                                          ("grpc.http2.bdp_probe", 0)])
+    try:
+        call = pb_grpc.GenerationStub(channel).Generate(make_request("Once upon a time", request_id="unread", **req))
+        first = next(call)
+        jobs = cluster.router.jobs
+        deadline = time.monotonic() + 60  # a hang guard (parked 2 s after the writes block)
+        while not (job := next(iter(jobs.values()), None)) or not (job.parks and job.decode is None):
+            assert time.monotonic() < deadline, "never parked"
+            time.sleep(0.05)
+        streamed = len(job.generated)
+        time.sleep(1.0)
+        assert job.decode is None and len(job.generated) == streamed  # placed nowhere while unread
+        got = list(first.token_ids) + collect(call)["token_ids"]
+    finally:
+        channel.close()
+    assert got == want and job.parks >= 1 and job.failures == 0
     wait_idle(stub, cluster)

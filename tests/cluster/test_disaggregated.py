@@ -442,8 +442,8 @@ def test_the_sweep_frees_blocks_no_request_owns_and_a_lost_worker_that_lives_on_
     dw = next(w for w in router.pools.workers.values() if w.role == "decode")
     assert ray.get(dw.actor.reserve.remote(Key("orphan2"), list(range(100, 140)), SamplingParams(max_tokens=8)))
     swept = router.metrics.swept_blocks._value.get()
-    assert cluster.call(router.sweep) == 0  # first sighting: it may be a request ending right now
-    assert cluster.call(router.sweep) >= 3  # second: nobody's
+    assert cluster.call(router.sweeper.sweep) == 0  # first sighting: it may be a request ending right now
+    assert cluster.call(router.sweeper.sweep) >= 3  # second: nobody's
     assert ray.get(dw.actor.held.remote()) == {}
     assert router.metrics.swept_blocks._value.get() >= swept + 3
     # Lost, but the same process answers again (as when killing it failed): it holds nothing.

@@ -208,7 +208,7 @@ def test_streams_survive_their_router_resumed_token_identical(ha_cluster, tmp_pa
         while any(w.status.kv_blocks_used for w in b.router.pools.workers.values()):
             assert time.monotonic() < deadline, "the request nobody resumed still holds blocks"
             time.sleep(0.1)
-        assert resumable.expired == 1 and not any(b.call(b.router.stranded).values())
+        assert resumable.expired == 1 and not any(b.call(b.router.sweeper.stranded).values())
     finally:
         abandon(b)  # (its workers are left to the next test's routers: no model load there)
 

@@ -53,7 +53,10 @@ class FakeRouter(pb_grpc.GenerationServicer):
     def job(self, owner, request_id):  # as Router.job: no job runs here
         return self.jobs.get(request_id)
 
-    async def generate(self, request, owner, time_left, prefer=None):
+    def stream_hold(self):  # as Router.stream_hold: nothing here to park
+        return None
+
+    async def generate(self, request, owner, time_left, prefer=None, hold=None):
         """``answers``, counted in ``open`` while it runs (closed early too: a request ended)."""
         self.open += 1
         try:

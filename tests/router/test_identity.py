@@ -15,6 +15,7 @@ from router.admin import is_admin, scoped_id
 from router.admission import Admission
 from router.auth import Auth, FrontDoor, _digest
 from router.holdings import Holdings
+from router.parking import Hold
 from router.server import Reject, Router
 
 TOKENS = {"alice": "a" * 32, "bob": "b" * 32, "admin-ops": "c" * 32}
@@ -49,6 +50,7 @@ def _router(monkeypatch, tokens: dict[str, str] = TOKENS) -> Router:
     r.limits = SimpleNamespace(input=SimpleNamespace(request_id_chars=128))
     r.metrics = SimpleNamespace(prompt_tokens=SimpleNamespace(inc=lambda n: None))
     r._release = r._observe = lambda *a: None
+    r.stream_hold = lambda: Hold(lambda w, key: None)  # (no workers to park on)
 
     async def run(job):
         yield pb.GenerateResponse(request_id=job.request_id, token_ids=[7])

@@ -31,10 +31,11 @@ class Context:
 
 
 def test_an_unexpected_exception_is_internal_and_logged(caplog):
-    router = object.__new__(Router)  # only what Generate touches: the door and generate
+    router = object.__new__(Router)  # only what Generate touches: the door, generate and its hold
     router.door, router.cfg = FrontDoor(), load_config(None)
+    router.stream_hold = lambda: None
 
-    async def broken(request, owner, time_left):
+    async def broken(request, owner, time_left, hold=None):
         raise KeyError("decode-7")
         yield  # (an async generator, as the real one)
 

@@ -51,9 +51,9 @@ def _router(monkeypatch, cfg, door: FrontDoor) -> Router:
     r.jobs, r.placer = {}, SimpleNamespace(queued=0, live=Holdings())
     r.admission = Admission(door.policy)
     r.limits = Limits(context_length=128, vocab_size=1000, default_max_tokens=8, input=cfg.limits)
-    r.metrics = SimpleNamespace(prompt_tokens=SimpleNamespace(inc=lambda n: None))
+    r.metrics = SimpleNamespace(prompt_tokens=SimpleNamespace(inc=lambda n: None), parked=SimpleNamespace(inc=int))
     r.served_model_name, r.roles, r.token_text = "m", ("colocated",), str
-    r.pools = SimpleNamespace(any_alive=lambda role: True, workers={}, bad_reports=0)
+    r.pools = SimpleNamespace(any_alive=lambda role: True, workers={}, bad_reports=0, abort=lambda w, key: None)
     r.http = r.http_port = None
     r._release = r._observe = lambda *a: None
     r.hold = asyncio.Event()
