@@ -223,6 +223,9 @@ class FrontDoorConfig:
     # decode steps freed) and placed again, from what was streamed, once the client takes the
     # waiting message; 0: never parked (router/parking.py)
     park_unread_s: float = 2.0
+    # HTTP: a streamed answer's kernel send buffer and asyncio high-water mark, each: what a client
+    # that stopped reading may leave unsent before its stream counts as not read (router/http_conn.py)
+    stream_buffer_bytes: int = 16384
 
 
 @dataclass(frozen=True)

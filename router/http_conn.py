@@ -18,6 +18,13 @@ caps a request's line and headers. What it lacks is added here, per connection:
 - **Unread streams** (``front_door.unread_stream_timeout_s``, router.unread): each request's
   ASGI scope carries its connection's ``abort`` (extension ``ABORT``), so a stream whose client
   took no next event that long is cut off at once, its requests already ended.
+- **A stream's buffers** (``front_door.stream_buffer_bytes``): a streamed answer calls its
+  connection's ``streaming`` (extension ``STREAM``), which bounds the kernel's send buffer
+  (``SO_SNDBUF``; Linux doubles it) and asyncio's high-water mark to it. Otherwise the kernel
+  grows a loopback or LAN connection's buffer to megabytes, and a client that stops reading
+  an SSE stream would take hundreds of tokens, each with its decode steps, before the server's
+  writes wait and the stream counts as not read (its requests parked: router.parking). Plain
+  answers keep the kernel's buffers (a large JSON body on a long link needs them).
 - **Connection caps**: ``front_door.connections_per_client`` open connections per client
   address, ``front_door.connections`` in all. At a cap, the oldest *idle* connection there (no
   request in progress: waiting for its headers, or kept alive between requests) is closed to
@@ -38,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -53,6 +61,7 @@ _BUSY_BODY = json.dumps({"error": {"message": "too many connections (front_door.
 # The ASGI scope extension under which each request finds its connection's ``abort`` (a stream
 # its client stopped reading is cut off at once: router.unread; no ASGI message can abort)
 ABORT = "pdserve.abort"
+STREAM = "pdserve.stream"  # ... and its ``streaming``: the connection's buffers bounded for a stream
 
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"retry-after: %d\r\ncontent-length: %d\r\n\r\n%s" % (RETRY_AFTER_S, len(_BUSY_BODY), _BUSY_BODY))
@@ -102,6 +111,7 @@ class GuardedH11(H11Protocol):
     rate: NewConnections
     header_timeout_s: float
     write_timeout_s: float
+    stream_buffer_bytes: int
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -142,7 +152,15 @@ class GuardedH11(H11Protocol):
         super().handle_events()
         # A request just begun has its cycle, whose app task has not run yet: it finds the hook
         if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.scope.setdefault("extensions", {})[ABORT] = self._abort_stream
+            extensions = self.cycle.scope.setdefault("extensions", {})
+            extensions[ABORT], extensions[STREAM] = self._abort_stream, self._streaming
+
+    def _streaming(self) -> None:
+        """This connection now streams an answer: its buffers bounded (module doc)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.stream_buffer_bytes)
+        self.transport.set_write_buffer_limits(high=self.stream_buffer_bytes)
 
     def _abort_stream(self) -> None:
         self.transport.abort()  # (connection_lost follows: the response sees a disconnect)
@@ -204,4 +222,5 @@ def guarded(front_door) -> type[GuardedH11]:
     return type("GuardedH11", (GuardedH11,), {
         "table": ConnTable(front_door.connections_per_client, front_door.connections),
         "rate": NewConnections(front_door.new_connections_per_client_s, front_door.new_connections_burst),
-        "header_timeout_s": front_door.header_timeout_s, "write_timeout_s": front_door.write_timeout_s})
+        "header_timeout_s": front_door.header_timeout_s, "write_timeout_s": front_door.write_timeout_s,
+        "stream_buffer_bytes": front_door.stream_buffer_bytes})

@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect
 
 from router.auth import is_loopback
 from router.http_body import read_json
-from router.http_conn import ABORT, guarded
+from router.http_conn import ABORT, STREAM, guarded
 from router.http_guard import Guard
 from router.openai_answer import Shaper, models_list
 from router.openai_api import (IDEMPOTENCY_HEADER, ApiError, ChatCompletionRequest, CompletionRequest, api_error,
@@ -237,6 +237,8 @@ class _SSE(Response):
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         abort = scope.get("extensions", {}).get(ABORT)
+        if (streaming := scope.get("extensions", {}).get(STREAM)) is not None:
+            streaming()  # (its buffers bounded: a client that stops reading is seen as such soon)
 
         async def pump() -> None:
             async with contextlib.aclosing(relay(self.chunks, self.door.unread_stream_timeout_s, abort, self.hold,

@@ -158,6 +158,31 @@ def test_sse_a_stream_never_read_is_ended_and_its_connection_closed(served):
         s.close()
 
 
+def test_sse_a_streamed_answer_bounds_its_connections_buffers(served):
+    """A streamed answer bounds its connection's send buffers (front_door.stream_buffer_bytes,
+    router.http_conn): the router's writes to a client that stopped reading wait after a few
+    tens of KiB, not after the megabytes the kernel grows a loopback buffer to, so the stream
+    soon counts as not read (parked: router.parking). A plain answer's connection keeps them."""
+    limit = served.cfg.front_door.stream_buffer_bytes
+    body = json.dumps({"model": "m", "prompt": "Hello", "max_tokens": 4, "stream": True}).encode()
+    s = socket.socket()
+    s.connect(("127.0.0.1", served.http_port))
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (served.http_port, len(body), body))
+        until(lambda: served.router.params)
+
+        async def buffers():
+            (conn,) = served.router.http.server_state.connections
+            sock = conn.transport.get_extra_info("socket")
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), conn.transport.get_write_buffer_limits()
+        until(lambda: served.call(buffers)[1][1] == limit)  # (the answer's first send sets them)
+        sndbuf, (_, high) = served.call(buffers)
+        assert sndbuf == 2 * limit and high == limit  # (Linux doubles SO_SNDBUF for its bookkeeping)
+    finally:
+        s.close()
+
+
 def test_a_client_that_reads_is_not_cut_off(served):
     served.router.answer = ["a", "b", "c"]
     served.holding(False)
