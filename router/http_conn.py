@@ -23,8 +23,10 @@ caps a request's line and headers. What it lacks is added here, per connection:
   (``SO_SNDBUF``; Linux doubles it) and asyncio's high-water mark to it. Otherwise the kernel
   grows a loopback or LAN connection's buffer to megabytes, and a client that stops reading
   an SSE stream would take hundreds of tokens, each with its decode steps, before the server's
-  writes wait and the stream counts as not read (its requests parked: router.parking). Plain
-  answers keep the kernel's buffers (a large JSON body on a long link needs them).
+  writes wait and the stream counts as not read (its requests parked: router.parking). The
+  answer puts them back at its end (a keep-alive connection's next, plain, answer may need
+  them for a large body on a long link; the kernel's own growing does not come back). Over TLS
+  the bound applies to the TLS layer's buffer, over the TCP transport's default 64 KiB.
 - **Connection caps**: ``front_door.connections_per_client`` open connections per client
   address, ``front_door.connections`` in all. At a cap, the oldest *idle* connection there (no
   request in progress: waiting for its headers, or kept alive between requests) is closed to
@@ -155,12 +157,9 @@ class GuardedH11(H11Protocol):
             extensions = self.cycle.scope.setdefault("extensions", {})
             extensions[ABORT], extensions[STREAM] = self._abort_stream, self._streaming
 
-    def _streaming(self) -> None:
+    def _streaming(self) -> Streaming:
         """This connection now streams an answer: its buffers bounded (module doc)."""
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.stream_buffer_bytes)
-        self.transport.set_write_buffer_limits(high=self.stream_buffer_bytes)
+        return Streaming(self.transport, self.stream_buffer_bytes)
 
     def _abort_stream(self) -> None:
         self.transport.abort()  # (connection_lost follows: the response sees a disconnect)
@@ -215,6 +214,36 @@ class GuardedH11(H11Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+
+class Streaming:
+    """A connection's buffers bounded for one streamed answer (module doc), put back by ``end``."""
+
+    def __init__(self, transport: asyncio.Transport, limit: int) -> None:
+        self.transport, self.sock = transport, transport.get_extra_info("socket")
+        self.limits = transport.get_write_buffer_limits()
+        self.sndbuf = None
+        try:
+            if self.sock is not None:
+                self.sndbuf = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+            transport.set_write_buffer_limits(high=limit)
+        except (OSError, RuntimeError):  # (the connection closed meanwhile: nothing to bound)
+            pass
+
+    def gone(self) -> bool:
+        """The connection closed (a send then returns without sending: uvicorn)."""
+        return self.transport.is_closing()
+
+    def end(self) -> None:
+        if self.gone():
+            return
+        try:
+            if self.sndbuf is not None:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sndbuf // 2)  # (Linux doubles it)
+            self.transport.set_write_buffer_limits(high=self.limits[1], low=self.limits[0])
+        except (OSError, RuntimeError):
+            pass
 
 
 def guarded(front_door) -> type[GuardedH11]:

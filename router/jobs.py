@@ -94,6 +94,8 @@ class Job:
     preemptions: int = 0  # attempts ended by preemption (router.preempt), not by a failure
     parks: int = 0  # attempts ended because its client stopped reading (router.parking), not failures
     reading: asyncio.Event = field(default_factory=_reading)  # clear while parked: not placed again
+    hold: Any = None  # router.parking.Hold of the stream it answers (None: none parks it)
+    first_attempt: int = 0  # its attempt when this router took it (a rebuilt job: router.resume)
     aborted: bool = False  # an Abort (or shutdown) was put: the job ends, whichever attempt runs
     prefill: Any = None  # pools.Worker, while placed
     decode: Any = None
@@ -187,7 +189,7 @@ class Job:
     def failures(self) -> int:
         """Attempts that ended by a failure (a lost worker, a failed transfer), not by a
         preemption or a park: router.server gives up after MAX_ATTEMPTS of them."""
-        return self.attempt - self.preemptions - self.parks
+        return self.attempt - self.first_attempt - self.preemptions - self.parks
 
     def put(self, worker: Any, event: Event) -> None:
         self.aborted = self.aborted or isinstance(event, Aborted)

@@ -76,9 +76,9 @@ class RouterMetrics:
         m.e2e.observe(time.monotonic() - job.arrival)
         if job.ttft is not None:
             m.ttft.observe(job.ttft)
-        if job.tpot is not None:
+        if job.tpot is not None and not job.parks:  # (a parked one's pauses were its client's: router.parking)
             m.tpot.observe(job.tpot)
-        for gap in job.gaps:
+        for gap in () if job.parks else job.gaps:
             m.itl.observe(gap)
         log.info("rid=%s event=finished outcome=%s prompt_tokens=%d tokens=%d ttft_s=%s tpot_s=%s prefill=%s "
                  "decode=%s attempts=%d", job.request_id, outcome, len(job.prompt_ids), len(job.generated),

@@ -236,15 +236,16 @@ class _SSE(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        abort = scope.get("extensions", {}).get(ABORT)
-        if (streaming := scope.get("extensions", {}).get(STREAM)) is not None:
-            streaming()  # (its buffers bounded: a client that stops reading is seen as such soon)
+        abort, streaming = (scope.get("extensions", {}).get(k) for k in (ABORT, STREAM))
+        conn = streaming() if streaming is not None else None  # (bounded buffers: router.http_conn)
 
         async def pump() -> None:
             async with contextlib.aclosing(relay(self.chunks, self.door.unread_stream_timeout_s, abort, self.hold,
                                                  self.door.park_unread_s)) as chunks:
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if conn is not None and conn.gone():  # (a send returns on a closed connection:
+                        raise ClientGone()  # not a taken message, which would place parked requests)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
@@ -255,6 +256,8 @@ class _SSE(Response):
             pass
         finally:
             await self.chunks.aclose()
+            if conn is not None:
+                conn.end()
 
 
 async def _merged(router, reqs, owner: str, n: int = 1, hold: Any = None) -> AsyncIterator[tuple[int, Any]]:

@@ -16,8 +16,12 @@ What stays: the request's place in its token's ``max_concurrent`` (it is still t
 request) and, for ``unread_stream_timeout_s``, the stream itself. What it costs: a parked
 request's prompt and streamed tokens are prefilled again when its client reads (its prefix
 may still be cached). A client that reads, however slowly, is not parked: the clock runs only
-while a message waits behind full buffers. Parks count neither as failures (router.server
-``MAX_ATTEMPTS``) nor as preemptions (``router.max_preemptions``).
+while a message waits behind full buffers; one that reads in fits and starts, a message now and
+then behind full buffers, would be parked and placed again for each: after ``MAX_PARKS`` a
+request is parked no more (it decodes on, its tokens waiting in the router, until its stream is
+read or ended). Parks count neither as failures (router.server ``MAX_ATTEMPTS``) nor as
+preemptions (``router.max_preemptions``), and a parked request's latencies (the client's own
+pauses) stay out of the latency histograms and the controllers' signals.
 """
 
 from __future__ import annotations
@@ -31,32 +35,37 @@ from worker.protocol import Key
 
 log = logging.getLogger("pdserve.router")
 
+MAX_PARKS = 4  # parks of one request at most (module doc)
+
 
 def park(job: Job, abort: Callable[[Any, Key], None]) -> bool:
     """Stop ``job`` costing the cluster until its client reads (module doc): it is placed again
     only once ``job.reading`` is set. Returns whether an attempt was aborted (a job placed
-    nowhere, being placed or already parked has none)."""
+    nowhere, being placed or already parked has none; one parked ``MAX_PARKS`` times is left)."""
+    if job.parks >= MAX_PARKS:
+        return False
     job.reading.clear()
     if job.state is not JobState.RUNNING or (job.prefill is None and job.decode is None):
         return False
     job.parks += 1
+    job.marks.clear()  # (its pace restarts when it runs again: router.cluster_view)
     log.info("rid=%s event=parked times=%d decode=%s tokens=%d", job.request_id, job.parks,
              job.decode_id, len(job.generated))
     job.release(abort)
+    job.state = JobState.PLACING  # (placed nowhere: router.holdings counts nothing of it)
     job.put(None, Parked())
     return True
 
 
-async def place_when_read(job: Job, place: Callable[[Job], Awaitable[None]],
-                          abort: Callable[[Any, Key], None]) -> None:
+async def place_when_read(job: Job, place: Callable[[Job], Awaitable[None]]) -> None:
     """``place(job)`` once its client reads (``job.reading``; at once unless parked); parked again
     if its stream was parked meanwhile. Not placed if aborted while it waited."""
     await job.reading.wait()
     if job.aborted:
         return
     await place(job)
-    if not job.reading.is_set():
-        park(job, abort)
+    if job.hold is not None and job.hold.parked:
+        job.hold.park_one(job)
 
 
 class Hold:
@@ -65,29 +74,38 @@ class Hold:
 
     Args:
         abort: router.pools ``abort(worker, key)``: frees an attempt on a worker (idempotent).
-        on_park: called once per request parked (the router's ``pdserve_requests_parked``).
+        parked: the router's ``pdserve_requests_parked`` counter (``inc()``).
+        live: router.holdings.Holdings: a parked request holds nothing there any more.
     """
 
-    def __init__(self, abort: Callable[[Any, Key], None], on_park: Callable[[], None] = lambda: None) -> None:
-        self.abort, self.on_park = abort, on_park
+    def __init__(self, abort: Callable[[Any, Key], None], parked: Any = None, live: Any = None) -> None:
+        self.abort, self.counter, self.live = abort, parked, live
         self.jobs: list[Job] = []
         self.parked = False
 
     def add(self, job: Job) -> None:
         """``job`` answers on this stream (router.server ``_serve``): parked too if the stream is."""
         self.jobs.append(job)
-        if self.parked and park(job, self.abort):
-            self.on_park()
+        job.hold = self
+        if self.parked:
+            self.park_one(job)
 
     def remove(self, job: Job) -> None:
         self.jobs = [j for j in self.jobs if j is not job]
+        job.hold = None
+
+    def park_one(self, job: Job) -> None:
+        if park(job, self.abort):
+            if self.counter is not None:
+                self.counter.inc()
+            if self.live is not None:
+                self.live.update(job)
 
     def park(self) -> None:
         """A message has waited ``park_unread_s`` for the client to take it."""
         self.parked = True
         for job in self.jobs:
-            if park(job, self.abort):
-                self.on_park()
+            self.park_one(job)
 
     def unpark(self) -> None:
         """The client took it: the parked requests may be placed again."""

@@ -52,8 +52,8 @@ def rebuild(h: Handover, worker: Any) -> Job:
     k = h.params.resumed
     cut = len(h.prompt_ids) - k
     params = dataclasses.replace(h.params, max_tokens=h.params.max_tokens + k, resumed=0)
-    return Job(h.key.request_id, h.prompt_ids[:cut], params, attempt=h.key.attempt, base=k,
-               generated=h.prompt_ids[cut:] + h.output_ids, state=JobState.RUNNING, decode=worker,
+    return Job(h.key.request_id, h.prompt_ids[:cut], params, attempt=h.key.attempt, first_attempt=h.key.attempt,
+               base=k, generated=h.prompt_ids[cut:] + h.output_ids, state=JobState.RUNNING, decode=worker,
                decode_id=worker.worker_id, placement="resumed", ended=h.finish)
 
 

@@ -204,7 +204,7 @@ class Router(pb_grpc.GenerationServicer):
             yield response
 
     def stream_hold(self) -> Hold:  # parks one stream's requests while its client does not read (router.parking)
-        return Hold(self.pools.abort, self.metrics.parked.inc)
+        return Hold(self.pools.abort, self.metrics.parked, self.placer.live)
 
     def generate(self, request: pb.GenerateRequest, owner: str, time_left: float | None,
                  prefer: tuple[str, str] | None = None, hold: Hold | None = None):
@@ -329,12 +329,12 @@ class Router(pb_grpc.GenerationServicer):
     def _first_token(self, job: Job, record: Any) -> None:
         """This attempt's first token is out. Its TTFT goes to the pool signals now, not when the
         answer ends, once per request (a re-run's is none); placement learns what it found cached."""
-        if job.base == 0:
+        if job.base == 0 and not job.parks:  # (a parked one's wait was its client's: router.parking)
             self.recent.add(time.monotonic(), job.ttft, None, len(job.prompt_ids))
         self.placer.prefilled(job, record.cached_tokens)
 
     def _observe(self, job: Job, outcome: str) -> None:
-        self.recent.add(time.monotonic(), None, job.tpot)  # (its TTFT went in at its first token)
+        self.recent.add(time.monotonic(), None, None if job.parks else job.tpot)  # (TTFT: at its first token)
         self.metrics.observe(job, outcome)
 
     async def _run(self, job: Job):
@@ -348,7 +348,7 @@ class Router(pb_grpc.GenerationServicer):
                 yield job.final("stop" if job.stopped else "abort")
                 return
             if job.state is not JobState.RUNNING:  # (a rebuilt job runs already: router.resume)
-                await place_when_read(job, self.placer.place, self.pools.abort)  # (router.parking)
+                await place_when_read(job, self.placer.place)  # (router.parking)
             async for response in self._stream(job):
                 yield response
             if job.finished:

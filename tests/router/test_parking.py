@@ -142,3 +142,42 @@ def test_a_hold_parks_its_running_jobs_and_any_added_while_parked():
 def _params():
     from engine.request import SamplingParams
     return SamplingParams(max_tokens=4)
+
+
+def test_a_request_parked_max_parks_times_is_left_to_run():
+    """A client that reads in fits and starts would cost a re-run per message: after MAX_PARKS
+    parks the request runs on (its tokens wait in the router until its stream is read or ended)."""
+    from router.parking import MAX_PARKS
+    pools = FakePools(("decode-0", "colocated", 4))
+    job = Job("a", [1, 2, 3], _params())
+    for k in range(MAX_PARKS + 1):
+        job.reading.set()
+        job.placed(pools.workers["decode-0"], pools.workers["decode-0"])
+        assert park(job, pools.abort) == (k < MAX_PARKS)
+    assert job.parks == MAX_PARKS and job.reading.is_set() and job.decode is not None
+
+
+def test_a_parked_request_holds_nothing_counts_once_and_fails_only_on_failures():
+    from router.holdings import NOTHING, Holdings, counted_as
+    pools = FakePools(("prefill-0", "prefill", 64), ("decode-0", "decode", 64))
+    live, parked = Holdings(), Counter()
+    job = Job("a", [1, 2, 3], _params(), prefix_hashes=[11], attempt=2, first_attempt=2)  # (rebuilt at attempt 2)
+    job.placed(pools.workers["prefill-0"], pools.workers["decode-0"])
+    live.update(job)
+    assert counted_as(job) != NOTHING
+    hold = Hold(pools.abort, parked, live)
+    hold.add(job)
+    hold.park()
+    assert counted_as(job) == NOTHING and parked.n == 1  # what placement reads: nothing held there now
+    hold.park()  # (the stream stalls again before the job took its Parked event: no second park)
+    assert parked.n == 1 and job.parks == 1
+    job.rerun(None)
+    assert job.failures == 0  # neither the park nor the attempts of the router before count
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, k: int = 1) -> None:
+        self.n += k
