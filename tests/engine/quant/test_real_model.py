@@ -21,16 +21,6 @@ from engine.quant.offline import load_plain
 from engine.request import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Quality does not depend on threads; one thread keeps these tests fast on a busy 2-core box
-    (two OpenMP threads per process thrash when other processes share the cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def heldout(tokenizer):
     return {k: tokenizer(f.read_text())["input_ids"][:768] for k, f in HELDOUT.items()}
