@@ -16,7 +16,7 @@ from tests.router.fake_pools import FakePools
 from tests.router.front_door_fakes import until_async
 from tests.router.test_preemption import _router, _start
 from tests.router.test_unread import TINY_S, Source
-from worker.protocol import Tokens
+from worker.protocol import Key, Tokens
 
 
 class Recorder:
@@ -86,7 +86,7 @@ def test_a_parked_job_frees_its_worker_waits_for_its_client_then_resumes_as_one_
         assert pools.of("abort") == [("abort", "decode-0")]  # freed at once
         assert not park(job, pools.abort)  # (parked already: nothing more to free)
         await until_async(lambda: job.attempt == 1 and job.state is JobState.PLACING)
-        r._on_records(w, [Tokens(Job("r", [], job.params).key, 2, [99], "", None)])  # attempt 0's last: dropped
+        r._on_records(w, [Tokens(Key("r", 0), 2, [99], "", None)])  # attempt 0's last: dropped
         for _ in range(20):
             await asyncio.sleep(0)
         assert [s[:2] for s in pools.submitted] == [("r", 0)]  # not placed while parked
