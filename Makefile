@@ -33,6 +33,14 @@ PIP_FLAGS   ?= --quiet
 PIP_NOISE   := is neither a file nor a directory
 PIP_FILTER  := 2>&1 | { grep -v '$(PIP_NOISE)' || true; }
 PYTEST_ARGS ?=
+# `make test` runs the suite in this many processes, a test file each at a time (pytest-xdist
+# --dist loadfile: a file's fixtures load once), each on one torch thread, so that the two do
+# not oversubscribe 2 cores. Much of the suite waits (clusters starting, Ray, subprocesses,
+# sockets): on the 2-core machine 2 processes ran it in 20:45 against 34:07 in one
+# (2026-12-06, 1,526 tests). TEST_WORKERS=0: one process, torch's own threads.
+TEST_WORKERS ?= 2
+XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST_ENV   := $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 # test-avx2: which tests (default: all but those that stop Ray); e.g. TESTS=tests/engine (quant and spec included)
 TESTS       ?= tests
 # Kernel dispatch held to AVX2 + FMA, as on the smallest CPUs of this project's kind: torch
@@ -74,8 +82,11 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	@touch $@
 
 test: install
+	@# The bundled model's HF folder, converted once before the test processes start (each
+	@# would otherwise convert it at once on a fresh machine, and one replace the other's).
+	@$(PY) -c 'from engine.models.gguf_convert import default_model_path; default_model_path(progress=False)'
 	@# --durations: the slowest tests in every run's log (the suite must stay well inside CI's time)
-	$(PY) -m pytest -q tests -m "not ray_stop" --durations=25 $(PYTEST_ARGS)
+	$(XDIST_ENV) $(PY) -m pytest -q tests -m "not ray_stop" $(XDIST) --durations=25 $(PYTEST_ARGS)
 	@# Tests that stop every Ray process on the machine run alone, once the rest is done (exit 5: none selected).
 	$(PY) -m pytest -q tests -m ray_stop $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

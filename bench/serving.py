@@ -12,9 +12,13 @@ the other:
   most ``--local-prefill-tokens`` are prefilled by the decode worker (``router.local_prefill_tokens``);
 - ``adaptive``: two workers that switch roles by load (``mode: adaptive``, ``roles.min_prefill``
   0: one prefill + one decode worker, or two that prefill their own prompts), with the local
-  prefill of short prompts and the benchmark's SLOs as the role controller's targets.
+  prefill of short prompts and the role controller's defaults;
+- ``adaptive-tuned`` (``--modes all`` or by name; a labelled row no key compares): the same with
+  faster decisions and the benchmark's SLOs as the controller's targets (bench/modes.py TUNED).
 
-``--modes`` runs a subset of them, in the order given.
+``--modes`` runs a subset of them, in the order given. Every mode gets the same KV memory in
+all (``--kv-gb``, split by role: bench/modes.py ``kv_split``); ``--seeds N`` repeats every rate
+with N seeds and reports medians with the least and the most (bench/compare.py).
 
 TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
 column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
@@ -41,11 +45,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.loadgen import BenchError, make_workload, max_goodput_rate, run, summarize
-from bench.modes import COMPARE, PREFIX_CLUSTERS, cluster_config, prefix_compare
+from bench.compare import adaptive_ratios, goodput_by_seed, spread, summary_table
+from bench.loadgen import BenchError, make_workload, run, summarize
+from bench.modes import COMPARE, DEFAULT_KV_GB, PREFIX_CLUSTERS, TUNED, cluster_config, prefix_compare
 
 SHORT = {"disaggregated": "disagg", "colocated": "colocated", "colocated-chunked": "chunked",
-         "disaggregated-local": "local", "adaptive": "adaptive",
+         "disaggregated-local": "local", "adaptive": "adaptive", "adaptive-tuned": "tuned",
          "prefix-blind": "blind", "prefix-aware": "aware"}
 
 
@@ -69,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the workload on disaggregated, colocated and colocated-chunked clusters")
     p.add_argument("--chunk", type=int, default=256, help="token budget of colocated-chunked (default 256)")
     p.add_argument("--modes", default="disaggregated,colocated,colocated-chunked",
-                   help=f"--compare: which, in order, of {', '.join(COMPARE)}, or all (default: the first three)")
+                   help=f"--compare: which, in order, of {', '.join([*COMPARE, *TUNED])}, or all (every one; "
+                        "default: the first three)")
+    p.add_argument("--kv-gb", type=float, default=DEFAULT_KV_GB,
+                   help=f"--compare: GiB of KV cache for each mode's workers in all, split by role (default "
+                        f"{DEFAULT_KV_GB:g}; 0: each worker its config's own)")
     p.add_argument("--local-prefill-tokens", type=int, default=96,
                    help="disaggregated-local and adaptive: router.local_prefill_tokens (default 96: the mix's chats)")
     p.add_argument("--prefix-compare", action="store_true",
@@ -98,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="phase: new tokens of the second half's chat turns, N or LO:HI (default 128:256); "
                         "longer answers at the same rate keep more streams decoding at once")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seeds", type=int, default=1,
+                   help="run every rate with this many seeds (--seed, +100, +200, ...: other arrivals and prompts "
+                        "of the same kind); figures: the median over them, least and most beside (default 1)")
     w.add_argument("--warmup", type=int, default=4,
                    help="requests sent to each cluster before the measured runs, not counted (default 4; 0: none)")
     a = p.add_argument_group("arrivals (one of)")
@@ -148,14 +160,17 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
     (a callable: (KV bytes the decode workers received, prompt tokens they already held and
     were not sent) so far), the MB each run moved and its decode-side prefix hit rate."""
     runs = []
+    if args.seeds < 1:
+        raise BenchError(f"--seeds must be >= 1, got {args.seeds}")
     if args.warmup:
         # Not counted: a fresh cluster's first requests are slow (the first took 10-15 s on the
         # 2-core machine in every mode). Other prompts than the measured ones (another seed): no
         # prefix of theirs is warmed.
         warm = workload(args, vocab, n=args.warmup, seed=args.seed + 1)
         asyncio.run(run(server, warm, concurrency=2, seed=args.seed + 1))
-    for k, rate in enumerate(_rates(args)):
-        specs = workload(args, vocab, k)
+    for k, rate, seed in [(k, rate, args.seed + 100 * i) for i in range(args.seeds)
+                          for k, rate in enumerate(_rates(args))]:
+        specs = workload(args, vocab, k, seed=seed)
         conc = None if rate is not None else (args.concurrency or 4)
         if args.dataset == "shared-prefix" and args.prefix_compare:
             # Warm-up, not counted: each system prompt once, one at a time, so both placements
@@ -165,7 +180,7 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
         started = time.time()
         with _bar(len(specs), f"{'rate %g/s' % rate if rate else 'concurrency %d' % conc}") as bar:
             results, wall = asyncio.run(run(server, specs, rate=rate, concurrency=conc, duration_s=args.duration,
-                                            seed=args.seed, progress=lambda d, t: bar.update(1)))
+                                            seed=seed, progress=lambda d, t: bar.update(1)))
         slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
         by_kind = {"long": args.ttft_slo_long_ms / 1e3} if args.ttft_slo_long_ms is not None else None
         kinds = sorted({r.spec.kind for r in results})
@@ -182,9 +197,10 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
             summary.update({k: summarize(results, wall, *slo, kind=k, ttft_slo_by_kind=by_kind) for k in kinds})
         for (code, detail), n in collections.Counter((r.error, r.detail) for r in results if r.error).most_common(5):
             log(f"{n} request(s) failed: {code}: {detail}")
-        runs.append({"rate": rate, "summary": summary, "results": results, "started": started})
-    return {"runs": runs, "max_goodput_rate": max_goodput_rate(
-        [(r["rate"], r["summary"]["all"]) for r in runs if r["rate"] is not None])}
+        runs.append({"rate": rate, "seed": seed, "summary": summary, "results": results, "started": started})
+    # (a sweep's goodput, the median over its seeds; one rate or a closed loop: none)
+    best = spread(goodput_by_seed(runs).values())[0] if any(r["rate"] != runs[0]["rate"] for r in runs) else 0.0
+    return {"runs": runs, "max_goodput_rate": best}
 
 
 def workload(args, vocab: int, run: int = 0, n: int | None = None, seed: int | None = None):
@@ -217,13 +233,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _compare_modes(args) -> dict[str, dict]:
-    names = list(COMPARE) if args.modes == "all" else [m for m in args.modes.split(",") if m]
+    every = {**COMPARE, **TUNED}
+    names = list(every) if args.modes == "all" else [m for m in args.modes.split(",") if m]
     for m in names:
-        if m not in COMPARE:
-            raise BenchError(f"--modes: unknown mode {m!r}; valid: {', '.join(COMPARE)}")
+        if m not in every:
+            raise BenchError(f"--modes: unknown mode {m!r}; valid: {', '.join(every)}")
     if not names:
         raise BenchError("--modes: give at least one mode")
-    return {m: COMPARE[m] for m in names}
+    return {m: every[m] for m in names}
 
 
 def _main(args) -> int:
@@ -320,7 +337,8 @@ def _report(results: dict[str, dict], args) -> dict:
     rows: dict[str, dict[str, object]] = {}
     for label, res in results.items():
         for run_ in res["runs"]:
-            col = label if len(res["runs"]) == 1 else f"{label}@{run_['rate']:g}/s"
+            col = label if len(res["runs"]) == 1 else label + (f"@{run_['rate']:g}/s" if run_["rate"] else "") + (
+                f"#{run_['seed']}" if args.seeds > 1 else "")
             for kind, summ in run_["summary"].items():
                 for k, v in summ.items():
                     key = k if kind == "all" else f"{k}_{kind}"
@@ -360,8 +378,11 @@ def _report(results: dict[str, dict], args) -> dict:
                 flat["kv_bytes_ratio_expected_from_hits"] = (1 - ha) / (1 - hb)
                 print(f"  decode-side prefix hits {hb:.0%} blind, {ha:.0%} aware: expected ratio "
                       f"{(1 - ha) / (1 - hb):.2f}")
-    if "adaptive" in results:
-        _adaptive_ratios(results, flat, args.dataset)
+    if args.compare and (args.seeds > 1 or args.rates):
+        flat.update(summary_table(results))
+    if "adaptive" in results or "adaptive-tuned" in results:
+        adaptive_ratios(results, flat, args.dataset)
+        _roles_log(results, flat)
     if "disaggregated-local" in results:
         kind = "_chat" if "local_tpot_ms_p99_chat" in flat else ""
         d, lo = flat.get("disagg_ttft_ms_p90"), flat.get("local_ttft_ms_p90")
@@ -374,19 +395,10 @@ def _report(results: dict[str, dict], args) -> dict:
     return flat
 
 
-def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None:
-    """``goodput_ratio_adaptive_vs_best_fixed_<dataset>`` (goodput: the highest rate of a
-    ``--rates`` sweep up to which every rate had >= 90% of requests within both SLOs; one run:
-    requests/s within both; with no fixed mode there at the lowest rate, ``..._lower_bound``),
-    ``p99_tpot_ratio_adaptive_vs_colocated_<dataset>`` (of chats where the dataset has kinds;
-    over a sweep the highest of its rates' ratios, each in ``..._by_rate``), ``role_switches``."""
-    def goodput(label: str) -> float:
-        res = results[label]
-        if len(res["runs"]) > 1:  # a sweep: no rate within the SLOs is a goodput of 0
-            return res["max_goodput_rate"] or 0.0
-        return res["runs"][0]["summary"]["all"]["goodput_rps"]
-    fixed = {label: goodput(label) for label in results if label in COMPARE and label != "adaptive"}
-    flat["role_switches"] = len(results["adaptive"].get("role_switches", []))
+def _roles_log(results: dict[str, dict], flat: dict) -> None:
+    """The adaptive cluster's roles over time, its switches with their reasons and its decisions."""
+    if "adaptive" not in results:
+        return
     if "role_switches" in results["adaptive"] and "started" in results["adaptive"]["runs"][0]:
         # (optional: matplotlib, the `bench` extra)
         from bench.plots import roles_over_time
@@ -404,34 +416,6 @@ def _adaptive_ratios(results: dict[str, dict], flat: dict, dataset: str) -> None
             [round(at - t0, 1), p.queued_prompt_tokens, ms(p.ttft_p90_s), round(d.kv_utilization, 3), ms(d.tpot_p90_s),
              "->".join(want) if want else None]
             for at, p, d, want in results["adaptive"].get("roles_trace", []) if 0 <= at - t0 <= pts[-1][0]]
-    if fixed:
-        best = max(fixed, key=fixed.get)
-        if fixed[best] > 0:
-            flat[f"goodput_ratio_adaptive_vs_best_fixed_{dataset}"] = goodput("adaptive") / fixed[best]
-            print(f"\ngoodput: adaptive / best fixed mode ({best}) = {goodput('adaptive') / fixed[best]:.2f}")
-        elif goodput("adaptive") > 0 and len(results["adaptive"]["runs"]) > 1:
-            # No fixed mode held 90% even at the sweep's lowest rate: their goodput is below it,
-            # so the ratio is above adaptive's / that rate (the key itself needs a lower rate).
-            lowest = min(r["rate"] for r in results["adaptive"]["runs"])
-            flat[f"goodput_ratio_adaptive_vs_best_fixed_{dataset}_lower_bound"] = goodput("adaptive") / lowest
-            print(f"\ngoodput: no fixed mode held 90% within both SLOs at {lowest:g} req/s, the lowest rate; "
-                  f"adaptive / best fixed > {goodput('adaptive') / lowest:.2f} (sweep lower rates for the ratio)")
-    if "colocated" in results:
-        # At every rate both ran (the same requests); the key is the worst (highest) of them
-        def p99(label: str) -> dict:
-            return {r["rate"]: (r["summary"].get("chat") or r["summary"]["all"])["tpot_ms_p99"]
-                    for r in results[label]["runs"]}
-        a, c = p99("adaptive"), p99("colocated")
-        ratios = {rate: a[rate] / c[rate] for rate in a if a[rate] and c.get(rate)}
-        if ratios:
-            kind = " of chats" if "chat" in results["adaptive"]["runs"][0]["summary"] else ""
-            flat[f"p99_tpot_ratio_adaptive_vs_colocated_{dataset}"] = max(ratios.values())
-            if len(ratios) > 1:
-                flat[f"p99_tpot_ratio_adaptive_vs_colocated_{dataset}_by_rate"] = {
-                    f"{rate:g}": round(x, 3) for rate, x in ratios.items()}
-            print(f"p99 TPOT{kind}: adaptive / colocated = " + ", ".join(
-                f"{x:.2f}" + (f" at {rate:g}/s" if rate is not None else "") for rate, x in ratios.items()))
-    print(f"role switches: {flat['role_switches']}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 
 import bench.sim.validate as validate
 from bench.loadgen import RequestSpec, poisson_arrivals
-from bench.modes import COMPARE, cluster_config
+from bench.modes import COMPARE, TUNED, cluster_config
 from bench.serving import workload
 from bench.sim.cluster import Cluster
 from bench.sim.costs import load
@@ -113,7 +113,10 @@ def test_each_real_mode_becomes_its_simulated_twin(tmp_path):
                    "colocated-chunked": ("colocated+chunked", 1, 0, 2, 256, 900),
                    "disaggregated-local": ("disaggregated-local", 2, 1, 1, 2048, 900),
                    "adaptive": ("adaptive", 2, 1, 1, 2048, 900)}
+    # adaptive: the controller's defaults (min_prefill 0 aside); the tuned row's settings reach its twin too
     spec, _ = validate.sim_setup(cluster_config("adaptive", COMPARE["adaptive"], a), costs, None)
+    assert (spec.roles.interval_s, spec.roles.min_prefill, spec.prefill_targets.target_queued_tokens) == (2.0, 0, 4096)
+    spec, _ = validate.sim_setup(cluster_config("adaptive-tuned", TUNED["adaptive-tuned"], a), costs, None)
     assert (spec.roles.interval_s, spec.roles.min_prefill, spec.prefill_targets.target_queued_tokens) == (1.0, 0, 1024)
     assert validate.threads_needed(list(COMPARE)) == [1, 2]
     with pytest.raises(ValueError, match="no cost model for 2"):
