@@ -155,7 +155,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     # (heavy: torch and the engine, loaded only by what uses them)
     from bench.sim.profile import profile
     cost = profile(args.model, threads=args.threads, transfer_gbps=args.transfer_gbps,
-                   log=lambda s: print(s, file=sys.stderr))
+                   log=lambda s: print(s, file=sys.stderr), cluster=args.cluster)
     out = cost.save(args.out or cached_path(args.model, args.threads))
     print(out)
     return 0
@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", default="smollm2-135m")
     pr.add_argument("--threads", type=int, default=1)
     pr.add_argument("--transfer-gbps", type=float, default=None, help="KV transfer GB/s (default: measure a copy)")
+    pr.add_argument("--no-cluster", dest="cluster", action="store_false",
+                    help="skip what a running cluster adds per request and per step (request_ms, loop_ms: 0)")
     pr.add_argument("--out", default=None, help="where to write it (default ~/.cache/pdserve/sim/cost_MODEL.json; "
                                                 "cost_MODEL_tT.json at --threads T > 1)")
     pr.set_defaults(func=cmd_profile)

@@ -14,7 +14,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         description="Simulate every mode (colocated, colocated+chunked, disaggregated, disaggregated-local, "
                     "adaptive) and P:D split on WORKERS workers with the router's real placement and role "
                     "policies, over a cost model of the engine on this machine (`python -m bench.simulate "
-                    "profile`), and print the one with the highest DistServe goodput (requests/s at which 90%% "
+                    "profile`), and print the one with the highest DistServe goodput (requests/s at which 90% "
                     "meet both targets) with the alternatives'. Simulated, not measured: a plan to check on the "
                     "real cluster.")
     p.add_argument("--model", default="smollm2-135m", help="the model whose cost model to use (default smollm2-135m)")

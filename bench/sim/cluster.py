@@ -104,7 +104,8 @@ class Cluster:
         for spec in trace:
             job = SimJob(spec, block_hashes(spec.prompt, bs) if self.index is not None else [])
             self.jobs.append(job)
-            self.push(spec.arrival, "arrive", job)
+            # (the router sees it once the client's call has crossed: costs.py request_ms)
+            self.push(spec.arrival + self.cost.request_ms / 1e3, "arrive", job)
         if self.settings.adaptive:
             self.push(self.spec.roles.interval_s, "control")
         while self.heap and self._closed < len(self.jobs):
@@ -177,6 +178,7 @@ class Cluster:
         job.prefill_id, job.start = d.prefill, hit * bs
         job.dblocks = self.cost.blocks_for(job.prompt_tokens) - hit
         dw.alloc(job.dblocks)
+        dw.incoming.append(job)
         pw = self.workers[d.prefill]
         if self.index is not None:  # both hold the prompt's blocks now (router: decode_view)
             self.index.record(dw.wid, job.hashes, dw.total)
@@ -237,6 +239,7 @@ class Cluster:
         pw.outgoing -= 1
         pw.free(job.pblocks)
         job.pblocks = 0
+        dw.incoming.remove(job)
         dw.cache_add(job.hashes)
         self._first_token(job, dw)
         self._kick(pw)

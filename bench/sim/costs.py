@@ -14,9 +14,19 @@ tokens after ``past`` tokens already computed. Its time, fitted to the engine's 
 so a run of decode-only steps has a closed-form duration (``decode_run_ms``): the simulator
 advances a batch many steps per event instead of one.
 
+A worker in a cluster does more than ``engine.step()``, and a request crosses more than the
+engine (both measured on a running cluster by ``bench.sim.profile``; 0 when not measured):
+
+    loop_ms     per step of a worker's loop beyond the engine's step: its report to the
+                router and the new tokens' trip to the client (added to every step)
+    request_ms  per request, between the client and the engine: the gRPC call, the router's
+                placement, the Ray calls to the workers and the first token's way back (added
+                to its TTFT: the simulated router sees it this much after it is sent)
+
 JSON format (``format: pdserve-sim-cost/1``): ``model``, ``machine``, ``threads``,
 ``block_size``, ``kv_bytes_per_token``, ``kv_blocks`` (one worker's KV cache, in blocks),
 ``max_num_seqs``, ``max_batched_tokens``, ``step`` (the five coefficients above),
+``cluster`` (``loop_ms``, ``request_ms``; absent: 0),
 ``transfer`` (``gbps``, ``latency_ms``), ``switch_ms`` (a role switch's rewiring once the
 worker is drained), ``sources`` (where each figure came from: measured or assumed) and
 ``samples`` (the raw measurements the fit came from).
@@ -62,6 +72,8 @@ class CostModel:
     transfer_gbps: float = 1.0
     transfer_latency_ms: float = 1.0
     switch_ms: float = 500.0
+    loop_ms: float = 0.0  # per step in a cluster worker's loop (module doc)
+    request_ms: float = 0.0  # per request between the client and the engine (module doc)
     machine: str = ""
     threads: int = 1
     sources: dict = field(default_factory=dict)
@@ -72,13 +84,16 @@ class CostModel:
             raise ValueError("cost model block_size, kv_blocks, max_num_seqs, max_batched_tokens must be >= 1")
         if self.transfer_gbps <= 0:
             raise ValueError(f"cost model transfer.gbps must be > 0, got {self.transfer_gbps}")
+        for k in ("loop_ms", "request_ms"):
+            if not math.isfinite(getattr(self, k)) or getattr(self, k) < 0:
+                raise ValueError(f"cost model cluster.{k} must be a finite number >= 0, got {getattr(self, k)!r}")
 
     # ---- what the simulator asks ----------------------------------------------------------
     def step_ms(self, batch: int, ctx: int, chunks: list[tuple[int, int]] = ()) -> float:
         """One forward: ``batch`` decode rows over ``ctx`` context tokens in all, plus prompt
         ``chunks`` of (tokens, tokens already computed before them)."""
         s = self.step
-        ms = s.base_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
+        ms = s.base_ms + self.loop_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
         for n, past in chunks:
             ms += s.per_prefill_tok_ms * n + s.per_prefill_attn_ms * n * (past + n / 2) / 1e6
         return ms
@@ -87,7 +102,7 @@ class CostModel:
         """``k`` decode-only steps of a fixed batch whose context sum starts at ``ctx`` and
         grows by ``batch`` a step: sum over i < k of step_ms(batch, ctx + i * batch)."""
         s = self.step
-        first = s.base_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
+        first = s.base_ms + self.loop_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
         return k * first + s.per_ctx_ktok_ms * batch / 1e3 * k * (k - 1) / 2
 
     def decode_steps_within(self, batch: int, ctx: int, ms: float) -> int:
@@ -96,7 +111,7 @@ class CostModel:
         if ms <= 0:
             return 0
         s = self.step
-        a = s.base_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
+        a = s.base_ms + self.loop_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
         c = s.per_ctx_ktok_ms * batch / 1e3 / 2  # T(k) = c k^2 + (a - c) k
         if c <= 0:
             k = int(ms // a) if a > 0 else 10**9
@@ -121,8 +136,10 @@ class CostModel:
     # ---- files ------------------------------------------------------------------------------
     def to_json(self) -> dict:
         d = asdict(self)
-        d = {"format": FORMAT, **{k: v for k, v in d.items() if k not in ("transfer_gbps", "transfer_latency_ms")}}
+        d = {"format": FORMAT, **{k: v for k, v in d.items()
+                                  if k not in ("transfer_gbps", "transfer_latency_ms", "loop_ms", "request_ms")}}
         d["transfer"] = {"gbps": self.transfer_gbps, "latency_ms": self.transfer_latency_ms}
+        d["cluster"] = {"loop_ms": self.loop_ms, "request_ms": self.request_ms}
         return d
 
     def save(self, path: str | Path) -> Path:
@@ -142,11 +159,12 @@ def from_json(d: dict, source: str = "cost model") -> CostModel:
         raise ValueError(f"{source}: not a {FORMAT} file (its `format` field)")
     try:
         step = StepCost(**{k: float(d["step"][k]) for k in STEP_KEYS})
-        t = d.get("transfer", {})
+        t, c = d.get("transfer", {}), d.get("cluster", {})
         keys = ("block_size", "kv_bytes_per_token", "kv_blocks", "max_num_seqs", "max_batched_tokens", "threads")
         return CostModel(model=str(d["model"]), step=step, transfer_gbps=float(t.get("gbps", 1.0)),
                          transfer_latency_ms=float(t.get("latency_ms", 1.0)),
                          switch_ms=float(d.get("switch_ms", 500.0)), machine=str(d.get("machine", "")),
+                         loop_ms=float(c.get("loop_ms", 0.0)), request_ms=float(c.get("request_ms", 0.0)),
                          sources=dict(d.get("sources", {})), samples=dict(d.get("samples", {})),
                          **{k: int(d[k]) for k in keys if k in d})
     except KeyError as e:

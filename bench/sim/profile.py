@@ -12,6 +12,12 @@ KV bytes per token come from the model's shape; transfer GB/s from a copy of one
 (the in-process transport's cost; a network is slower: pass ``--transfer-gbps``); the switch
 cost is assumed (``sources`` says which figures are measured). About three minutes for
 smollm2-135m on one core.
+
+Then (``cluster=True``, :func:`measure_cluster`) what a cluster adds: a local cluster of the
+workers a mode of that thread count runs (1 thread: 1 prefill + 1 decode worker; 2: one
+colocated worker) serves ``CLUSTER_REQUESTS`` lone requests, one at a time; the median TTFT
+less the engine's own (the prompt's step, plus its transfer) is ``request_ms``, the median TPOT
+less a lone decode step's time is ``loop_ms`` (costs.py). About a minute more.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ DECODE_STEPS = 3
 # cost. On a shared machine a neighbour's burst lands on some samples (16 prompt tokens at 2
 # threads: 1148 ms, 64 after 1024: 1219 ms, on the 2-core machine while others ran tests).
 REPEATS = 3
+CLUSTER_REQUESTS = 12  # lone requests through a running cluster (measure_cluster)
+CLUSTER_PROMPT, CLUSTER_ANSWER = 64, 48  # their prompt and answer tokens
 
 
 def _engine(model: str | None, threads: int, budget: int):
@@ -47,7 +55,7 @@ def _prompt(i: int, n: int, vocab: int) -> list[int]:
 
 
 def profile(model: str | None = None, threads: int = 1, transfer_gbps: float | None = None,
-            log=print) -> CostModel:
+            log=print, cluster: bool = True) -> CostModel:
     """Measure and fit (module doc). ``log`` gets one line per measured point."""
     # (heavy: torch and the engine, loaded only by what uses them)
     import torch
@@ -115,9 +123,60 @@ def profile(model: str | None = None, threads: int = 1, transfer_gbps: float | N
         sources["transfer"] = "measured: in-process copy of 512 tokens' KV"
     else:
         sources["transfer"] = "given"
-    return CostModel(model=model or "smollm2-135m", step=fit_step(prefill, decode), block_size=cc.block_size,
+    cost = CostModel(model=model or "smollm2-135m", step=fit_step(prefill, decode), block_size=cc.block_size,
                      kv_bytes_per_token=kv_tok, kv_blocks=eng.block_manager.num_blocks,
                      max_num_seqs=64, max_batched_tokens=2048, transfer_gbps=round(transfer_gbps, 3),
                      transfer_latency_ms=1.0, switch_ms=500.0, threads=threads,
                      machine=f"{platform.machine()} {platform.processor() or ''}".strip(), sources=sources,
                      samples={"prefill": prefill, "decode": decode})
+    del eng  # (its memory, before a cluster's workers load the model again)
+    return measure_cluster(cost, model, log) if cluster else cost
+
+
+def overheads(cost: CostModel, ttfts_ms: list[float], tpots_ms: list[float]) -> tuple[float, float]:
+    """(request_ms, loop_ms) from lone requests' TTFTs and TPOTs (CLUSTER_PROMPT prompt tokens,
+    CLUSTER_ANSWER answer tokens) through a cluster of ``cost``'s workers: the medians less what
+    the engine's own steps (and, for a prefill worker's prompt, its transfer) take; never < 0."""
+    # (heavy: numpy, loaded only by what uses them)
+    import numpy as np
+    engine_ttft = cost.step_ms(0, 0, [(CLUSTER_PROMPT, 0)]) + (cost.transfer_ms(CLUSTER_PROMPT) if cost.threads == 1
+                                                                else 0.0)
+    # a lone stream's mean step over its answer: context from the prompt to the prompt + answer
+    engine_tpot = cost.step_ms(1, CLUSTER_PROMPT + CLUSTER_ANSWER // 2)
+    return max(0.0, float(np.median(ttfts_ms)) - engine_ttft), max(0.0, float(np.median(tpots_ms)) - engine_tpot)
+
+
+def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
+    """``cost`` with ``request_ms`` and ``loop_ms`` measured on a local cluster (module doc)."""
+    # (heavy: asyncio, Ray and a cluster, loaded only by what uses them)
+    import asyncio
+    import dataclasses
+    import ray  # noqa: I001
+    from bench.loadgen import make_workload, run
+    from router.app import BackgroundCluster, init_ray
+    from router.config import load_config
+    mode = {"mode": "disaggregated", "prefill.threads": 1, "decode.threads": 1} if cost.threads == 1 else \
+        {"mode": "colocated", "decode.threads": cost.threads}
+    cfg = load_config(None, {**mode, "metrics.port": 0, **({"model": model} if model else {})})
+    init_ray(cfg)
+    cluster = BackgroundCluster(cfg)
+    try:
+        server = f"127.0.0.1:{cluster.port}"
+        specs = make_workload(CLUSTER_REQUESTS + 2, "random", 1000, seed=7, prompt_tokens=str(CLUSTER_PROMPT),
+                              max_tokens=str(CLUSTER_ANSWER))
+        asyncio.run(run(server, specs[:2], concurrency=1))  # (warm-up: a fresh worker's first steps)
+        results, _ = asyncio.run(run(server, specs[2:], concurrency=1))
+    finally:
+        cluster.stop()
+        ray.shutdown()
+    ok = [r for r in results if r.error is None and r.ttft is not None and r.tpot is not None]
+    if len(ok) < CLUSTER_REQUESTS // 2:
+        raise RuntimeError(f"the profile's cluster answered {len(ok)} of {len(results)} requests")
+    ttfts, tpots = [r.ttft * 1e3 for r in ok], [r.tpot * 1e3 for r in ok]
+    request_ms, loop_ms = overheads(cost, ttfts, tpots)
+    log(f"cluster ({cfg.mode}): lone requests' TTFT median {sorted(ttfts)[len(ttfts) // 2]:.0f} ms, TPOT "
+        f"{sorted(tpots)[len(tpots) // 2]:.1f} ms: request_ms {request_ms:.1f}, loop_ms {loop_ms:.2f}")
+    return dataclasses.replace(cost, request_ms=round(request_ms, 2), loop_ms=round(loop_ms, 3),
+                               sources={**cost.sources, "cluster": f"measured: {len(ok)} lone requests through a "
+                                                                   f"local {cfg.mode} cluster"},
+                               samples={**cost.samples, "cluster": {"ttft_ms": ttfts, "tpot_ms": tpots}})

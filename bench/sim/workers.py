@@ -14,6 +14,11 @@ Queues of a worker (the engine's, engine.scheduler), and nothing else::
     ready    (first token out; waiting for a batch slot, ``max_num_seqs``)
       ──slot──► running (decoding) ──max_tokens──► finished (blocks freed)
 
+    incoming (a decode worker's: blocks reserved, the prompt prefilled elsewhere, its KV on the
+      way) ──transfer──► ready. Counted in the worker's remaining decode tokens, as the real
+      decode worker counts its requests waiting for KV (worker/step_loop.py): a worker with
+      one is not idle to the router.
+
 A step is one forward (``CostModel.step_ms``): with prompts waiting, their chunks (chunked: with
 the running decodes, within ``max_batched_tokens``; not chunked: whole prompts alone, decodes
 wait); otherwise a *run* of decode-only steps up to the first request that finishes, timed in
@@ -84,6 +89,7 @@ class SimWorker:
         self.waiting: deque[SimJob] = deque()
         self.ready: deque[SimJob] = deque()
         self.running: list[SimJob] = []
+        self.incoming: list[SimJob] = []
         self.outgoing = 0
         self.queued_tokens = 0  # prompt tokens in waiting not yet computed
         self.gen = 0  # bumps when the step in progress is replaced (stale events are dropped)
@@ -96,8 +102,7 @@ class SimWorker:
 
     # ---- what the router sees -------------------------------------------------------------------
     def load(self) -> WorkerLoad:
-        remaining = sum(j.spec.max_tokens - j.generated for j in self.running) + \
-            sum(j.spec.max_tokens - j.generated for j in self.ready)
+        remaining = sum(j.spec.max_tokens - j.generated for q in (self.running, self.ready, self.incoming) for j in q)
         if self.role != "prefill":
             remaining += sum(j.spec.max_tokens for j in self.waiting)
         return WorkerLoad(self.wid, self.role, self.total - self.used, self.total, self.cost.block_size,
@@ -105,7 +110,8 @@ class SimWorker:
                           accepting=self.state == "ready")
 
     def holds_nothing(self) -> bool:
-        return not (self.waiting or self.ready or self.running or self.outgoing or self.used or self.busy)
+        return not (self.waiting or self.ready or self.running or self.incoming or self.outgoing or self.used
+                    or self.busy)
 
     # ---- KV and the prefix cache ---------------------------------------------------------------
     def alloc(self, n: int) -> None:

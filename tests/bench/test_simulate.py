@@ -159,6 +159,60 @@ def test_kept_holdings_equal_a_walk_over_every_live_job(monkeypatch, mode):
     assert all(j.finish is not None or j.refused for j in jobs)
 
 
+def test_a_clusters_overheads_add_to_every_step_and_to_each_requests_ttft():
+    """cluster.loop_ms rides on every step (decode runs' closed form too); cluster.request_ms
+    on each request's TTFT: the simulated router sees the request that much after it is sent."""
+    import dataclasses
+    n, m = 100, 11
+    cost = dataclasses.replace(COST, loop_ms=3.0, request_ms=150.0)
+    c = Cluster(_spec("disaggregated", n=2, p=1), cost)
+    (job,) = c.run([Spec(0, 1.0, "chat", list(range(1000, 1000 + n)), m)])
+    prefill_ms = 20.0 + 3.0 + 1.0 * n
+    transfer_ms = 1.0 + n * 1e6 / 1e9 * 1e3
+    assert job.first_token - 1.0 == pytest.approx((150.0 + prefill_ms + transfer_ms) / 1e3, abs=1e-9)
+    decode_ms = sum(20.0 + 3.0 + 1.0 + 0.5 * (n + i) / 1e3 for i in range(m - 1))
+    assert job.finish - job.first_token == pytest.approx(decode_ms / 1e3, abs=1e-9)
+    assert cost.decode_run_ms(4, 1000, 10) == pytest.approx(sum(cost.step_ms(4, 1000 + 4 * i) for i in range(10)))
+    assert cost.decode_steps_within(4, 1000, cost.decode_run_ms(4, 1000, 7) + 1e-6) == 7
+    # the JSON keeps them (as "cluster"); a file without them is the engine alone (0)
+    back = from_json(json.loads(json.dumps(cost.to_json())))
+    assert (back.loop_ms, back.request_ms) == (3.0, 150.0) and (COST.loop_ms, COST.request_ms) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="cluster.request_ms"):
+        from_json({**cost.to_json(), "cluster": {"request_ms": -1}})
+
+
+def test_the_profiles_cluster_overheads_are_the_medians_less_the_engines_own_steps():
+    """bench.sim.profile.overheads: request_ms = median TTFT - (the prompt's step + its transfer
+    on a 1-thread (disaggregated) profile; no transfer on a colocated one); loop_ms = median TPOT
+    - a lone decode step at the answer's middle context; never below 0."""
+    import dataclasses
+
+    from bench.sim.profile import CLUSTER_ANSWER, CLUSTER_PROMPT, overheads
+    step = 20.0 + 1.0 * CLUSTER_PROMPT
+    transfer = 1.0 + CLUSTER_PROMPT * 1e6 / 1e9 * 1e3
+    lone = 20.0 + 1.0 + 0.5 * (CLUSTER_PROMPT + CLUSTER_ANSWER // 2) / 1e3
+    ttfts, tpots = [step + transfer + x for x in (90.0, 100.0, 500.0)], [lone + x for x in (4.0, 5.0, 50.0)]
+    assert overheads(COST, ttfts, tpots) == pytest.approx((100.0, 5.0))
+    two = dataclasses.replace(COST, threads=2)
+    assert overheads(two, [step + 40.0], [lone]) == pytest.approx((40.0, 0.0))
+    assert overheads(COST, [1.0], [1.0]) == (0.0, 0.0)
+
+
+def test_a_decode_worker_awaiting_a_transfer_is_not_idle_to_placement():
+    """A decode worker whose only request is one it reserved for, its prompt still in the pool,
+    reports that request's tokens as still to generate (worker/step_loop.py counts requests
+    waiting for KV); so a second long prompt arriving while the pool is busy goes to the pool,
+    not to the "idle" decode worker (local:pool_busy). The real cluster did so on the mix, the
+    simulator did not: its chats then queued behind a local document (validate, 2026-12-06)."""
+    long = 500  # over local_prefill_tokens (96): never "short"
+    c = Cluster(_spec("disaggregated-local", n=2, p=1), COST)
+    a, b = c.run([Spec(0, 1.0, "document", list(range(1000, 1000 + long)), 8),
+                  Spec(1, 1.1, "document", list(range(5000, 5000 + long)), 8)])
+    assert (a.placement, b.placement) == ("pool:long", "pool:long")
+    w = c.workers["w001"]
+    assert w.incoming == [] and w.holds_nothing()
+
+
 def test_decode_run_closed_form_matches_steps():
     for b, ctx in ((1, 100), (7, 5000), (64, 60000)):
         steps = [COST.step_ms(b, ctx + i * b) for i in range(50)]
@@ -215,7 +269,10 @@ def test_documents_held_to_their_own_ttft_target_do_not_drain_decode():
     def run(long_ms: float):
         targets = PrefillTargets(target_ttft_ms=3000.0, target_ttft_long_ms=long_ms)
         c = Cluster(_spec("adaptive", n=6, p=1, prefill_targets=targets), COST)
-        return c, summarize(c.run(make_trace("mix", 1.5, 300.0, 3)), SLO, 300.0)
+        # (1.2 req/s: within the one prefill worker's reach. At 1.5 it is past it, a real
+        # backlog that rightly asks for a second one, since decode workers awaiting transfers
+        # no longer count as idle and take documents off the pool: local:pool_busy)
+        return c, summarize(c.run(make_trace("mix", 1.2, 300.0, 3)), SLO, 300.0)
     one, _ = run(3000.0)  # one target for every request: the bug, as it was
     assert sum(w.role == "decode" for w in one.workers.values()) == 1
     per_class, s = run(20000.0)
