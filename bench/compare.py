@@ -10,8 +10,9 @@ over its seeds, with the least and the most beside.
   >= 90% of its requests within both SLOs (one rate: its requests/s within them); a mode's is
   the median of its seeds'. ``goodput_ratio_adaptive_vs_best_fixed_<dataset>`` divides
   adaptive's median by the best fixed mode's (colocated, colocated-chunked, disaggregated,
-  disaggregated-local; never a tuned row), and ``..._by_seed`` the same per seed (the same
-  arrivals in every mode).
+  disaggregated-local; never a tuned row), and ``..._by_seed`` the same per seed against
+  the same mode (the same arrivals in every mode; a seed where that mode held none is left
+  out), whose least and most are ``..._min`` and ``..._max``.
 - **chats' tail TPOT**: per rate, the chats' TPOTs of every seed pooled. A p99 needs about 100
   samples behind it, so ``p99_tpot_ratio_adaptive_vs_colocated_<dataset>`` is given only where
   every rate has >= 100 of them; ``p90_tpot_ratio_adaptive_vs_colocated_<dataset>`` always. The
@@ -93,8 +94,8 @@ def _goodput_ratio(results, fixed: dict[str, dict], label: str, short: str, flat
     key = f"goodput_ratio_{short}_vs_best_fixed_{dataset}"
     if med[best] > 0:
         flat[key] = spread(mine.values())[0] / med[best]
-        by_seed = {seed: mine[seed] / max(g[seed] for g in fixed.values()) for seed in mine
-                   if max(g.get(seed, 0.0) for g in fixed.values()) > 0}
+        # (each seed against the same mode as the key: a ratio of medians lies within them)
+        by_seed = {seed: mine[seed] / fixed[best][seed] for seed in mine if fixed[best].get(seed, 0.0) > 0}
         if len(mine) > 1:
             flat[f"{key}_by_seed"] = {str(s): round(x, 3) for s, x in by_seed.items()}
             if by_seed:
@@ -133,11 +134,11 @@ def summary_table(results: dict[str, dict], log=print) -> dict:
     """Per mode: each rate's share within both SLOs and the goodput, median [least .. most] over
     the seeds; returns the flat fields ``<mode>_goodput_median|min|max`` and ``..._by_seed``."""
     flat: dict = {}
-    rates = sorted({r["rate"] for res in results.values() for r in res["runs"] if r["rate"] is not None})
-    if not rates:
-        return flat
+    # (None: a closed loop, no rate)
+    rates = sorted({r["rate"] for res in results.values() for r in res["runs"]}, key=lambda x: (x is None, x or 0))
     log("\nwithin both SLOs, median [least .. most] over seeds, and goodput (req/s)")
-    log(f"{'mode':<22}" + "".join(f"{f'{x:g}/s':>20}" for x in rates) + f"{'goodput':>22}")
+    log(f"{'mode':<22}" + "".join(f"{f'{x:g}/s' if x is not None else 'closed loop':>20}" for x in rates)
+        + f"{'goodput':>22}")
     for label, res in results.items():
         cells = []
         for rate in rates:

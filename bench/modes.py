@@ -45,19 +45,17 @@ def prefix_compare(cluster: str) -> dict[str, dict]:
             "prefix-aware": {**base, "router.prefix_aware": True}}
 
 
-def kv_split(mode: dict, total_gb: float) -> dict[str, float]:
-    """``{pool}.kv_cache_gb`` overrides that give a mode's workers ``total_gb`` GiB of KV in all
-    (the module's note above DEFAULT_KV_GB)."""
+def kv_split(cfg, total_gb: float) -> dict[str, float]:
+    """``{pool}.kv_cache_gb`` overrides that give the workers of ``cfg`` (a ClusterConfig: its
+    mode and pool sizes) ``total_gb`` GiB of KV in all (the module's note above DEFAULT_KV_GB)."""
     # (heavy: the engine's memory budget, loaded only by what uses it)
     from engine.kv_budget import ROLE_WEIGHT
-    kind = mode.get("mode", "disaggregated")
-    if kind == "colocated":
-        return {"decode.kv_cache_gb": total_gb / mode.get("decode.replicas", 1)}
-    n_p, n_d = mode.get("prefill.replicas", 1), mode.get("decode.replicas", 1)
-    if kind == "adaptive":
+    n_p, n_d = cfg.prefill.replicas, cfg.decode.replicas
+    if cfg.mode == "colocated":
+        return {"decode.kv_cache_gb": total_gb / n_d}
+    if cfg.mode == "adaptive":  # (each runs the decode pool's engine, in either role)
         return {"decode.kv_cache_gb": total_gb / (n_p + n_d)}
-    w_p, w_d = ROLE_WEIGHT["prefill"] * n_p, ROLE_WEIGHT["decode"] * n_d
-    unit = total_gb / (w_p + w_d)
+    unit = total_gb / (ROLE_WEIGHT["prefill"] * n_p + ROLE_WEIGHT["decode"] * n_d)
     return {"prefill.kv_cache_gb": unit * ROLE_WEIGHT["prefill"], "decode.kv_cache_gb": unit * ROLE_WEIGHT["decode"]}
 
 
@@ -68,20 +66,19 @@ def cluster_config(name: str | None, mode: dict, args):
     # (heavy: the router's config, loaded only by what uses it)
     from router.config import load_config
     model = getattr(args, "model", None)
-    return load_config(args.config, {**mode, "metrics.port": 0, **({"model": model} if model else {}),
-                                      **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked"
-                                         else {}),
-                                      **({"router.local_prefill_tokens": args.local_prefill_tokens}
-                                         if name in ("disaggregated-local", "adaptive", "adaptive-tuned") else {}),
-                                      # (adaptive-tuned: its roles follow the benchmark's SLOs, and a
-                                      # backlog of about one long prompt asks for a prefill worker)
-                                      **({"autoscale.prefill.target_ttft_ms": args.ttft_slo_ms,
-                                          "autoscale.decode.target_tpot_ms": args.tpot_slo_ms,
-                                          **({"autoscale.prefill.target_ttft_long_ms": args.ttft_slo_long_ms}
-                                             if args.ttft_slo_long_ms is not None else {}),
-                                          "autoscale.prefill.target_queued_tokens": 1024}
-                                         if name in TUNED else {}),
-                                      # (every mode of a comparison: the same KV memory in all)
-                                      **(kv_split(mode, args.kv_gb) if (name in COMPARE or name in TUNED)
-                                         and getattr(args, "kv_gb", 0) else {}),
-                                      **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})})
+    over = {**mode, "metrics.port": 0, **({"model": model} if model else {}),
+            **({"decode.max_batched_tokens": args.chunk} if name == "colocated-chunked" else {}),
+            **({"router.local_prefill_tokens": args.local_prefill_tokens}
+               if name in ("disaggregated-local", "adaptive", "adaptive-tuned") else {}),
+            # (adaptive-tuned: its roles follow the benchmark's SLOs, and a backlog of about one
+            # long prompt asks for a prefill worker)
+            **({"autoscale.prefill.target_ttft_ms": args.ttft_slo_ms, "autoscale.decode.target_tpot_ms": args.tpot_slo_ms,
+                **({"autoscale.prefill.target_ttft_long_ms": args.ttft_slo_long_ms}
+                   if args.ttft_slo_long_ms is not None else {}),
+                "autoscale.prefill.target_queued_tokens": 1024} if name in TUNED else {}),
+            **({"decode.kv_cache_gb": args.prefix_kv_gb} if args.prefix_compare else {})}
+    cfg = load_config(args.config, over)
+    if (name in COMPARE or name in TUNED) and getattr(args, "kv_gb", 0):
+        # (every mode of a comparison: the same KV memory in all, over the pools the config has)
+        cfg = load_config(args.config, {**over, **kv_split(cfg, args.kv_gb)})
+    return cfg

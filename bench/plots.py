@@ -62,12 +62,16 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
         ax.set_title("roles over time (the rest decode)")
         paths.append(_save(plt, fig, out / "roles_over_time.png", ax))
 
-    sweeps = {k: v for k, v in results.items() if len(v["runs"]) > 1}
+    # (a sweep: more than one rate; with --seeds, each rate's median over its seeds, least and most as bars)
+    sweeps = {k: v for k, v in results.items() if len({r["rate"] for r in v["runs"] if r["rate"] is not None}) > 1}
     if sweeps:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, res in sweeps.items():
-            ax.plot([r["rate"] for r in res["runs"]], [r["summary"]["all"]["goodput_rps"] for r in res["runs"]],
-                    "o-", label=label)
+            rates = sorted({r["rate"] for r in res["runs"] if r["rate"] is not None})
+            by = [sorted(r["summary"]["all"]["goodput_rps"] for r in res["runs"] if r["rate"] == x) for x in rates]
+            mid = [ys[len(ys) // 2] if len(ys) % 2 else (ys[len(ys) // 2 - 1] + ys[len(ys) // 2]) / 2 for ys in by]
+            ax.errorbar(rates, mid, yerr=[[m - ys[0] for m, ys in zip(mid, by)], [ys[-1] - m for m, ys in zip(mid, by)]],
+                        fmt="o-", capsize=3, label=label)
         ax.set_xlabel("offered rate (requests/s)")
         ax.set_ylabel("goodput (requests/s meeting both SLOs)")
         paths.append(_save(plt, fig, out / "goodput_vs_rate.png", ax))

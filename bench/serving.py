@@ -248,6 +248,8 @@ def _main(args) -> int:
     from router.client import connect
     from router.config import load_config
     _rates(args)  # refuse nonsense before starting anything
+    if args.seeds < 1:
+        raise BenchError(f"--seeds must be >= 1, got {args.seeds}")
     if args.prefix_compare:
         if args.compare:
             raise BenchError("give --compare or --prefix-compare, not both")
@@ -380,6 +382,10 @@ def _report(results: dict[str, dict], args) -> dict:
                       f"{(1 - ha) / (1 - hb):.2f}")
     if args.compare and (args.seeds > 1 or args.rates):
         flat.update(summary_table(results))
+        if args.seeds > 1 and not args.rates:
+            # (the per-mode keys and their ratios below are one run's: with seeds there are several)
+            print("\n(--seeds with one rate: the per-mode figures are in the table above and the runs' "
+                  "columns; the one-run keys and ratios are not given)")
     if "adaptive" in results or "adaptive-tuned" in results:
         adaptive_ratios(results, flat, args.dataset)
         _roles_log(results, flat)

@@ -135,15 +135,19 @@ def profile(model: str | None = None, threads: int = 1, transfer_gbps: float | N
 
 def overheads(cost: CostModel, ttfts_ms: list[float], tpots_ms: list[float]) -> tuple[float, float]:
     """(request_ms, loop_ms) from lone requests' TTFTs and TPOTs (CLUSTER_PROMPT prompt tokens,
-    CLUSTER_ANSWER answer tokens) through a cluster of ``cost``'s workers: the medians less what
-    the engine's own steps (and, for a prefill worker's prompt, its transfer) take; never < 0."""
+    CLUSTER_ANSWER answer tokens) through a cluster of ``cost``'s workers; never < 0. loop_ms:
+    the median TPOT less a lone decode step of the engine's own; request_ms: the median TTFT less
+    the prompt's step with its loop_ms (the simulator adds both to that step) and, for a prefill
+    worker's prompt, its transfer."""
     # (heavy: numpy, loaded only by what uses them)
     import numpy as np
-    engine_ttft = cost.step_ms(0, 0, [(CLUSTER_PROMPT, 0)]) + (cost.transfer_ms(CLUSTER_PROMPT) if cost.threads == 1
-                                                                else 0.0)
+    import dataclasses  # noqa: I001
+    engine = dataclasses.replace(cost, loop_ms=0.0, request_ms=0.0)
     # a lone stream's mean step over its answer: context from the prompt to the prompt + answer
-    engine_tpot = cost.step_ms(1, CLUSTER_PROMPT + CLUSTER_ANSWER // 2)
-    return max(0.0, float(np.median(ttfts_ms)) - engine_ttft), max(0.0, float(np.median(tpots_ms)) - engine_tpot)
+    loop_ms = max(0.0, float(np.median(tpots_ms)) - engine.step_ms(1, CLUSTER_PROMPT + CLUSTER_ANSWER // 2))
+    first = engine.step_ms(0, 0, [(CLUSTER_PROMPT, 0)]) + loop_ms + (
+        engine.transfer_ms(CLUSTER_PROMPT) if cost.threads == 1 else 0.0)
+    return max(0.0, float(np.median(ttfts_ms)) - first), loop_ms
 
 
 def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:

@@ -56,8 +56,9 @@ def load_args(load: str, n: int, rate: float, seed: int, warmup: int) -> argpars
 def sim_setup(cfg, costs: dict[int, CostModel], kv_blocks: int | None) -> tuple[ClusterSpec, CostModel]:
     """The simulated deployment of a real cluster config and the cost model its workers run by:
     the pools' sizes, the router's settings and the engine's budgets as configured; the KV the
-    real workers reported (``kv_blocks``: their ``auto`` budget; the decode side's, as the
-    simulator gives every worker one size). Both pools share the decode pool's step budget
+    real workers reported (``kv_blocks``: their budget, bench/modes.py ``kv_split`` of
+    ``--kv-gb``; the decode side's, as the simulator gives every worker one size). Both pools
+    share the decode pool's step budget
     (equal in every mode here: the engine's default)."""
     colocated = cfg.mode == "colocated"
     if colocated:

@@ -37,6 +37,16 @@ def test_no_sweep_no_goodput_plot(tmp_path):
     assert [p.name for p in paths] == ["latency_cdf.png", "tpot_over_time.png"]
 
 
+def test_seeds_of_one_rate_or_a_closed_loop_are_no_sweep(tmp_path):
+    """--seeds repeats a rate: runs of one rate (or of no rate, a closed loop) plot no goodput
+    line; a sweep with seeds plots each rate once (its median, least and most as bars)."""
+    one = {"colocated": {"runs": [_run(0.5, 0.3), _run(0.5, 0.4)]},
+           "adaptive": {"runs": [{**_run(0.5, 0.3), "rate": None}, {**_run(0.5, 0.3), "rate": None}]}}
+    assert [p.name for p in plot_all(one, str(tmp_path / "a"))] == ["latency_cdf.png", "tpot_over_time.png"]
+    sweep = {"colocated": {"runs": [_run(0.5, 0.3), _run(1.0, 0.5), _run(0.5, 0.4), _run(1.0, 0.6)]}}
+    assert [p.name for p in plot_all(sweep, str(tmp_path / "b"))][-1] == "goodput_vs_rate.png"
+
+
 def test_an_adaptive_run_plots_its_roles_over_time(tmp_path):
     run = _run(0.5, 0.3)
     for r in run["results"]:

@@ -160,9 +160,12 @@ def test_seeds_give_medians_with_the_least_and_most_and_a_p99_only_over_100_samp
     flat = _report(res, args)
     assert (flat["adaptive_goodput_median"], flat["adaptive_goodput_min"], flat["adaptive_goodput_max"]) == (2.0, 1.0, 2.0)
     assert flat["colocated_goodput_by_seed"] == {"0": 1.0, "100": 0.5, "200": 0.5}
-    # medians: adaptive 2.0, disaggregated 0.5, colocated 0.5; per seed: 2/1, 1/0.5, 2/1
+    # medians: adaptive 2.0, disaggregated 0.5 (the first of the best), colocated 0.5; per seed
+    # against that same mode: 2/0.5, 1/0.5, 2/1, so the ratio of medians lies within them
     assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 4.0
-    assert flat["goodput_ratio_adaptive_vs_best_fixed_mix_by_seed"] == {"0": 2.0, "100": 2.0, "200": 2.0}
+    assert flat["goodput_ratio_adaptive_vs_best_fixed_mix_by_seed"] == {"0": 4.0, "100": 2.0, "200": 2.0}
+    assert (flat["goodput_ratio_adaptive_vs_best_fixed_mix_min"], flat["goodput_ratio_adaptive_vs_best_fixed_mix_max"]) \
+        == (2.0, 4.0)
     assert flat["p90_tpot_ratio_adaptive_vs_colocated_mix"] == flat["p99_tpot_ratio_adaptive_vs_colocated_mix"] == 0.25
     out = capsys.readouterr().out
     assert "95% [95%..95%]" in out and "2 [1..2]" in out  # (the table: a rate's share, the goodput)
@@ -170,9 +173,18 @@ def test_seeds_give_medians_with_the_least_and_most_and_a_p99_only_over_100_samp
                                               ("adaptive", {0: 2.0, 100: 1.0, 200: 2.0}, 100.0))}
     flat = _report(res, args)
     assert "p99_tpot_ratio_adaptive_vs_colocated_mix" not in flat and flat["p90_tpot_ratio_adaptive_vs_colocated_mix"]
+    # a closed loop (no rate) with seeds: the table still gives each mode's goodput over them
+    closed = build_parser().parse_args(["--compare", "--modes", "colocated,adaptive", "--seeds", "2"])
+    res = {k: {"runs": [{"rate": None, "seed": s, "summary": {"all": {"goodput_rps": g + s / 100,
+                                                                      "slo_attainment": 1.0}},
+                         "results": _results([100.0] * 5)} for s in (0, 100)], "max_goodput_rate": 0.0}
+           for k, g in (("colocated", 0.5), ("adaptive", 1.0))}
+    flat = _report(res, closed)
+    assert (flat["adaptive_goodput_median"], flat["adaptive_goodput_min"], flat["adaptive_goodput_max"]) == (1.5, 1.0, 2.0)
+    assert flat["goodput_ratio_adaptive_vs_best_fixed_mix"] == 1.5 / 1.0
 
 
-def test_every_mode_gets_the_same_kv_memory_split_by_role():
+def test_every_mode_gets_the_same_kv_memory_split_by_role(tmp_path):
     """--kv-gb (default 2 GiB): colocated's one worker all of it; disaggregated's prefill and
     decode workers 1:3 (the weights `kv_cache_gb: auto` gives their roles); adaptive's two
     workers half each (both run the decode engine). 0: each worker its config's own."""
@@ -192,6 +204,13 @@ def test_every_mode_gets_the_same_kv_memory_split_by_role():
     assert set(total) == {"disaggregated", "colocated", "colocated-chunked", "disaggregated-local", "adaptive",
                           "adaptive-tuned"}
     assert all(t == pytest.approx(2.0) for t in total.values())
+    # the pools' sizes are the config's: a config with two decode workers splits over both
+    conf = tmp_path / "two.yaml"
+    conf.write_text("decode:\n  replicas: 2\n")
+    two = build_parser().parse_args(["--compare", "--config", str(conf), "--kv-gb", "3"])
+    cfg = cluster_config("disaggregated", _compare_modes(two)["disaggregated"], two)
+    assert (cfg.prefill.kv_cache_gb, cfg.decode.kv_cache_gb) == pytest.approx((3 / 7, 9 / 7))  # 1 x 1 + 2 x 3 shares
+    assert cluster_config("colocated", _compare_modes(two)["colocated"], two).decode.kv_cache_gb == 1.5
     off = build_parser().parse_args(["--compare", "--kv-gb", "0"])
     assert cluster_config("colocated", _compare_modes(off)["colocated"], off).decode.kv_cache_gb == "auto"
     # --prefix-compare sizes its own workers' caches (--prefix-kv-gb)

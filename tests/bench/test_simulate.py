@@ -182,9 +182,10 @@ def test_a_clusters_overheads_add_to_every_step_and_to_each_requests_ttft():
 
 
 def test_the_profiles_cluster_overheads_are_the_medians_less_the_engines_own_steps():
-    """bench.sim.profile.overheads: request_ms = median TTFT - (the prompt's step + its transfer
-    on a 1-thread (disaggregated) profile; no transfer on a colocated one); loop_ms = median TPOT
-    - a lone decode step at the answer's middle context; never below 0."""
+    """bench.sim.profile.overheads: loop_ms = median TPOT - a lone decode step at the answer's
+    middle context; request_ms = median TTFT - (the prompt's step with its loop_ms, as the
+    simulator charges it, + its transfer on a 1-thread (disaggregated) profile; no transfer on a
+    colocated one); never below 0."""
     import dataclasses
 
     from bench.sim.profile import CLUSTER_ANSWER, CLUSTER_PROMPT, overheads
@@ -192,9 +193,14 @@ def test_the_profiles_cluster_overheads_are_the_medians_less_the_engines_own_ste
     transfer = 1.0 + CLUSTER_PROMPT * 1e6 / 1e9 * 1e3
     lone = 20.0 + 1.0 + 0.5 * (CLUSTER_PROMPT + CLUSTER_ANSWER // 2) / 1e3
     ttfts, tpots = [step + transfer + x for x in (90.0, 100.0, 500.0)], [lone + x for x in (4.0, 5.0, 50.0)]
-    assert overheads(COST, ttfts, tpots) == pytest.approx((100.0, 5.0))
-    two = dataclasses.replace(COST, threads=2)
+    assert overheads(COST, ttfts, tpots) == pytest.approx((100.0 - 5.0, 5.0))
+    two = dataclasses.replace(COST, threads=2, loop_ms=7.0)  # (a cost's own loop_ms is not the engine's)
     assert overheads(two, [step + 40.0], [lone]) == pytest.approx((40.0, 0.0))
+    # the simulator then gives a lone request the measured TTFT: request_ms + (step + loop) + transfer
+    request_ms, loop_ms = overheads(COST, ttfts, tpots)
+    c = Cluster(_spec("disaggregated", n=2, p=1), dataclasses.replace(COST, request_ms=request_ms, loop_ms=loop_ms))
+    (job,) = c.run([Spec(0, 1.0, "chat", list(range(1000, 1000 + CLUSTER_PROMPT)), CLUSTER_ANSWER)])
+    assert (job.first_token - 1.0) * 1e3 == pytest.approx(step + transfer + 100.0)
     assert overheads(COST, [1.0], [1.0]) == (0.0, 0.0)
 
 
