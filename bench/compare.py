@@ -91,9 +91,9 @@ def _goodput_ratio(results, fixed: dict[str, dict], label: str, short: str, flat
     mine = goodput_by_seed(results[label]["runs"])
     med = {name: spread(g.values())[0] for name, g in fixed.items()}
     best = max(med, key=med.get)
-    key = f"goodput_ratio_{short}_vs_best_fixed_{dataset}"
+    key, ours = f"goodput_ratio_{short}_vs_best_fixed_{dataset}", spread(mine.values())[0]
     if med[best] > 0:
-        flat[key] = spread(mine.values())[0] / med[best]
+        flat[key] = ours / med[best]
         # (each seed against the same mode as the key: a ratio of medians lies within them)
         by_seed = {seed: mine[seed] / fixed[best][seed] for seed in mine if fixed[best].get(seed, 0.0) > 0}
         if len(mine) > 1:
@@ -103,11 +103,11 @@ def _goodput_ratio(results, fixed: dict[str, dict], label: str, short: str, flat
         log(f"\ngoodput: {label} / best fixed mode ({best}) = {flat[key]:.2f}"
             + (f" [{min(by_seed.values()):.2f} .. {max(by_seed.values()):.2f} by seed]"
                if len(mine) > 1 and by_seed else ""))
-    elif spread(mine.values())[0] > 0 and is_sweep(results[label]["runs"]):
+    elif ours > 0 and is_sweep(results[label]["runs"]):
         # No fixed mode held 90% even at the sweep's lowest rate: their goodput is below it,
         # so the ratio is above adaptive's / that rate (the key itself needs a lower rate).
         lowest = min(r["rate"] for r in results[label]["runs"])
-        flat[f"{key}_lower_bound"] = spread(mine.values())[0] / lowest
+        flat[f"{key}_lower_bound"] = ours / lowest
         log(f"\ngoodput: no fixed mode held 90% within both SLOs at {lowest:g} req/s, the lowest rate; "
             f"{label} / best fixed > {flat[f'{key}_lower_bound']:.2f} (sweep lower rates for the ratio)")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.compare import spread
+
 
 def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
     """Latency CDFs, per-token latency over time, (for sweeps) goodput vs rate and (for an
@@ -68,9 +70,9 @@ def plot_all(results: dict[str, dict], out_dir: str) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, res in sweeps.items():
             rates = sorted({r["rate"] for r in res["runs"] if r["rate"] is not None})
-            by = [sorted(r["summary"]["all"]["goodput_rps"] for r in res["runs"] if r["rate"] == x) for x in rates]
-            mid = [ys[len(ys) // 2] if len(ys) % 2 else (ys[len(ys) // 2 - 1] + ys[len(ys) // 2]) / 2 for ys in by]
-            ax.errorbar(rates, mid, yerr=[[m - ys[0] for m, ys in zip(mid, by)], [ys[-1] - m for m, ys in zip(mid, by)]],
+            mid, lo, hi = zip(*(spread(r["summary"]["all"]["goodput_rps"] for r in res["runs"] if r["rate"] == x)
+                                for x in rates))
+            ax.errorbar(rates, mid, yerr=[[m - a for m, a in zip(mid, lo)], [b - m for m, b in zip(mid, hi)]],
                         fmt="o-", capsize=3, label=label)
         ax.set_xlabel("offered rate (requests/s)")
         ax.set_ylabel("goodput (requests/s meeting both SLOs)")

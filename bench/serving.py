@@ -45,7 +45,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.compare import adaptive_ratios, goodput_by_seed, spread, summary_table
+from bench.compare import adaptive_ratios, goodput_by_seed, is_sweep, spread, summary_table
 from bench.loadgen import BenchError, make_workload, run, summarize
 from bench.modes import COMPARE, DEFAULT_KV_GB, PREFIX_CLUSTERS, TUNED, cluster_config, prefix_compare
 
@@ -149,6 +149,14 @@ def _rates(args) -> list[float | None]:
     return [args.rate]
 
 
+def _plan(args) -> list[tuple[int, float | None, int]]:
+    """The runs on one cluster, in order: (the rate's index, the rate, the seed) for every seed
+    (``--seed``, +100, +200, ...) and, within it, every rate."""
+    if args.seeds < 1:
+        raise BenchError(f"--seeds must be >= 1, got {args.seeds}")
+    return [(k, rate, args.seed + 100 * i) for i in range(args.seeds) for k, rate in enumerate(_rates(args))]
+
+
 def _bar(total: int, desc: str):
     # (optional: tqdm comes with transformers, not a dependency of ours)
     from tqdm import tqdm
@@ -160,16 +168,14 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
     (a callable: (KV bytes the decode workers received, prompt tokens they already held and
     were not sent) so far), the MB each run moved and its decode-side prefix hit rate."""
     runs = []
-    if args.seeds < 1:
-        raise BenchError(f"--seeds must be >= 1, got {args.seeds}")
+    plan = _plan(args)
     if args.warmup:
         # Not counted: a fresh cluster's first requests are slow (the first took 10-15 s on the
         # 2-core machine in every mode). Other prompts than the measured ones (another seed): no
         # prefix of theirs is warmed.
         warm = workload(args, vocab, n=args.warmup, seed=args.seed + 1)
         asyncio.run(run(server, warm, concurrency=2, seed=args.seed + 1))
-    for k, rate, seed in [(k, rate, args.seed + 100 * i) for i in range(args.seeds)
-                          for k, rate in enumerate(_rates(args))]:
+    for k, rate, seed in plan:
         specs = workload(args, vocab, k, seed=seed)
         conc = None if rate is not None else (args.concurrency or 4)
         if args.dataset == "shared-prefix" and args.prefix_compare:
@@ -199,7 +205,7 @@ def bench_server(server: str, args, vocab: int, kv_bytes=None) -> dict:
             log(f"{n} request(s) failed: {code}: {detail}")
         runs.append({"rate": rate, "seed": seed, "summary": summary, "results": results, "started": started})
     # (a sweep's goodput, the median over its seeds; one rate or a closed loop: none)
-    best = spread(goodput_by_seed(runs).values())[0] if any(r["rate"] != runs[0]["rate"] for r in runs) else 0.0
+    best = spread(goodput_by_seed(runs).values())[0] if is_sweep(runs) else 0.0
     return {"runs": runs, "max_goodput_rate": best}
 
 
@@ -247,9 +253,7 @@ def _main(args) -> int:
     # (heavy: gRPC, Ray and a cluster, loaded only by what uses them)
     from router.client import connect
     from router.config import load_config
-    _rates(args)  # refuse nonsense before starting anything
-    if args.seeds < 1:
-        raise BenchError(f"--seeds must be >= 1, got {args.seeds}")
+    _plan(args)  # refuse nonsense before starting anything
     if args.prefix_compare:
         if args.compare:
             raise BenchError("give --compare or --prefix-compare, not both")

@@ -89,11 +89,15 @@ class CostModel:
                 raise ValueError(f"cost model cluster.{k} must be a finite number >= 0, got {getattr(self, k)!r}")
 
     # ---- what the simulator asks ----------------------------------------------------------
+    def _rows_ms(self, batch: int, ctx: int) -> float:
+        """A step's cost without prompt chunks: ``batch`` decode rows over ``ctx`` tokens."""
+        s = self.step
+        return s.base_ms + self.loop_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
+
     def step_ms(self, batch: int, ctx: int, chunks: list[tuple[int, int]] = ()) -> float:
         """One forward: ``batch`` decode rows over ``ctx`` context tokens in all, plus prompt
         ``chunks`` of (tokens, tokens already computed before them)."""
-        s = self.step
-        ms = s.base_ms + self.loop_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
+        s, ms = self.step, self._rows_ms(batch, ctx)
         for n, past in chunks:
             ms += s.per_prefill_tok_ms * n + s.per_prefill_attn_ms * n * (past + n / 2) / 1e6
         return ms
@@ -101,18 +105,15 @@ class CostModel:
     def decode_run_ms(self, batch: int, ctx: int, k: int) -> float:
         """``k`` decode-only steps of a fixed batch whose context sum starts at ``ctx`` and
         grows by ``batch`` a step: sum over i < k of step_ms(batch, ctx + i * batch)."""
-        s = self.step
-        first = s.base_ms + self.loop_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
-        return k * first + s.per_ctx_ktok_ms * batch / 1e3 * k * (k - 1) / 2
+        return k * self._rows_ms(batch, ctx) + self.step.per_ctx_ktok_ms * batch / 1e3 * k * (k - 1) / 2
 
     def decode_steps_within(self, batch: int, ctx: int, ms: float) -> int:
         """The most whole steps of such a run that end within ``ms`` (the inverse of
         :meth:`decode_run_ms`)."""
         if ms <= 0:
             return 0
-        s = self.step
-        a = s.base_ms + self.loop_ms + s.per_seq_ms * batch + s.per_ctx_ktok_ms * ctx / 1e3
-        c = s.per_ctx_ktok_ms * batch / 1e3 / 2  # T(k) = c k^2 + (a - c) k
+        a = self._rows_ms(batch, ctx)
+        c = self.step.per_ctx_ktok_ms * batch / 1e3 / 2  # T(k) = c k^2 + (a - c) k
         if c <= 0:
             k = int(ms // a) if a > 0 else 10**9
         else:

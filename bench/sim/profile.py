@@ -22,7 +22,9 @@ less a lone decode step's time is ``loop_ms`` (costs.py). About a minute more.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
+import statistics
 import time
 
 from bench.sim.costs import CostModel, fit_step
@@ -139,22 +141,18 @@ def overheads(cost: CostModel, ttfts_ms: list[float], tpots_ms: list[float]) -> 
     the median TPOT less a lone decode step of the engine's own; request_ms: the median TTFT less
     the prompt's step with its loop_ms (the simulator adds both to that step) and, for a prefill
     worker's prompt, its transfer."""
-    # (heavy: numpy, loaded only by what uses them)
-    import numpy as np
-    import dataclasses  # noqa: I001
     engine = dataclasses.replace(cost, loop_ms=0.0, request_ms=0.0)
     # a lone stream's mean step over its answer: context from the prompt to the prompt + answer
-    loop_ms = max(0.0, float(np.median(tpots_ms)) - engine.step_ms(1, CLUSTER_PROMPT + CLUSTER_ANSWER // 2))
+    loop_ms = max(0.0, statistics.median(tpots_ms) - engine.step_ms(1, CLUSTER_PROMPT + CLUSTER_ANSWER // 2))
     first = engine.step_ms(0, 0, [(CLUSTER_PROMPT, 0)]) + loop_ms + (
         engine.transfer_ms(CLUSTER_PROMPT) if cost.threads == 1 else 0.0)
-    return max(0.0, float(np.median(ttfts_ms)) - first), loop_ms
+    return max(0.0, statistics.median(ttfts_ms) - first), loop_ms
 
 
 def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
     """``cost`` with ``request_ms`` and ``loop_ms`` measured on a local cluster (module doc)."""
     # (heavy: asyncio, Ray and a cluster, loaded only by what uses them)
     import asyncio
-    import dataclasses
     import ray  # noqa: I001
     from bench.loadgen import make_workload, run
     from router.app import BackgroundCluster, init_ray
@@ -178,8 +176,8 @@ def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
         raise RuntimeError(f"the profile's cluster answered {len(ok)} of {len(results)} requests")
     ttfts, tpots = [r.ttft * 1e3 for r in ok], [r.tpot * 1e3 for r in ok]
     request_ms, loop_ms = overheads(cost, ttfts, tpots)
-    log(f"cluster ({cfg.mode}): lone requests' TTFT median {sorted(ttfts)[len(ttfts) // 2]:.0f} ms, TPOT "
-        f"{sorted(tpots)[len(tpots) // 2]:.1f} ms: request_ms {request_ms:.1f}, loop_ms {loop_ms:.2f}")
+    log(f"cluster ({cfg.mode}): lone requests' TTFT median {statistics.median(ttfts):.0f} ms, TPOT "
+        f"{statistics.median(tpots):.1f} ms: request_ms {request_ms:.1f}, loop_ms {loop_ms:.2f}")
     return dataclasses.replace(cost, request_ms=round(request_ms, 2), loop_ms=round(loop_ms, 3),
                                sources={**cost.sources, "cluster": f"measured: {len(ok)} lone requests through a "
                                                                    f"local {cfg.mode} cluster"},
