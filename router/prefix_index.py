@@ -122,7 +122,9 @@ def prefix_view(index: PrefixIndex, live: Holdings, loads: list[WorkerLoad], has
     view = PrefixView(
         cached={w.worker_id: min(most, index.hit_blocks(w.worker_id, hashes)) * block_size for w in loads},
         held={w.worker_id: index.size(w.worker_id) for w in loads}, in_use=in_use)
-    return [dataclasses.replace(w, queued_prompt_tokens=live.queued(w.worker_id)) for w in loads], view
+    # (a copy only where the queue differs: this runs for every worker on every placement try)
+    return [w if w.queued_prompt_tokens == (q := live.queued(w.worker_id))
+            else dataclasses.replace(w, queued_prompt_tokens=q) for w in loads], view
 
 
 def expect_prefix(index: PrefixIndex, job: Job, w: WorkerLoad, hashes: list[int], prompt_tokens: int,
