@@ -17,6 +17,9 @@ over its seeds, with the least and the most beside.
   samples behind it, so ``p99_tpot_ratio_adaptive_vs_colocated_<dataset>`` is given only where
   every rate has >= 100 of them; ``p90_tpot_ratio_adaptive_vs_colocated_<dataset>`` always. The
   key is the worst (highest) ratio over the rates.
+
+``--datasets mix,phase,shared-prefix`` (:func:`per_dataset`) runs the comparison on each in
+turn in one invocation, so that every key comes from one run of one code version.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from bench.loadgen import max_goodput_rate, percentile
+import argparse
+import os
+from collections.abc import Callable
+
+from bench.loadgen import BenchError, max_goodput_rate, percentile
 from bench.modes import COMPARE
 
 P99_SAMPLES = 100  # the fewest samples a p99 is reported on (else the p90)
@@ -152,3 +159,34 @@ def summary_table(results: dict[str, dict], log=print) -> dict:
                      f"{name}_goodput_by_seed": {str(s): x for s, x in g.items()}})
         log(f"{label:<22}" + "".join(f"{c:>20}" for c in cells) + f"{f'{m:g} [{lo:g}..{hi:g}]':>22}")
     return flat
+
+
+# The prefix comparison's keys (bench/serving.py _report), named by no dataset
+PREFIX_KEYS = ("ttft_p90_ratio_prefix_blind_vs_aware", "kv_bytes_ratio_aware_vs_blind", "kv_bytes_ratio_expected_from_hits")
+
+
+def per_dataset(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict]) -> dict:
+    """``--compare --datasets A,B,...``: ``run`` (bench/serving.py ``_main``) on each dataset in
+    turn, as ``--dataset`` with the same modes, rates and seeds; ``shared-prefix`` is the prefix
+    comparison instead (``--prefix-compare --prefix-cluster disaggregated``: prefix-blind and
+    prefix-aware placement, both of its keys; one run at the arrivals given, as
+    ``--prefix-compare``: its keys are one run's). The keys named by their dataset and the
+    prefix comparison's come up to the top; every dataset's whole output is under
+    ``by_dataset``. Plots (``--plot-dir``) go to a folder per dataset."""
+    names = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    if not args.compare:
+        raise BenchError("--datasets runs --compare on each dataset: add --compare")
+    if not names or len(set(names)) != len(names):
+        raise BenchError(f"--datasets: give distinct dataset names, got {args.datasets!r}")
+    out: dict = {"datasets": names, "by_dataset": {}}
+    for ds in names:
+        a = argparse.Namespace(**vars(args))
+        a.datasets, a.dataset = None, ds
+        if a.plot_dir:
+            a.plot_dir = os.path.join(a.plot_dir, ds)
+        if ds == "shared-prefix":
+            a.compare, a.prefix_compare, a.prefix_cluster, a.rates, a.seeds = False, True, "disaggregated", None, 1
+        part = run(a)
+        out["by_dataset"][ds] = part
+        out.update({k: v for k, v in part.items() if k.endswith("_" + ds) or k in PREFIX_KEYS})
+    return out

@@ -18,7 +18,9 @@ the other:
 
 ``--modes`` runs a subset of them, in the order given. Every mode gets the same KV memory in
 all (``--kv-gb``, split by role: bench/modes.py ``kv_split``); ``--seeds N`` repeats every rate
-with N seeds and reports medians with the least and the most (bench/compare.py).
+with N seeds and reports medians with the least and the most (bench/compare.py);
+``--datasets mix,phase,shared-prefix`` runs the comparison on each in turn, every key in one
+invocation (the prefix comparison for shared-prefix).
 
 TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
 column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
@@ -45,7 +47,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.compare import adaptive_ratios, goodput_by_seed, is_sweep, spread, summary_table
+from bench.compare import adaptive_ratios, goodput_by_seed, is_sweep, per_dataset, spread, summary_table
 from bench.loadgen import BenchError, make_workload, run, summarize
 from bench.modes import COMPARE, DEFAULT_KV_GB, PREFIX_CLUSTERS, TUNED, cluster_config, prefix_compare
 
@@ -96,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random | mix (short chats + long documents; default) | shared-prefix (system prompts "
                         "shared by groups of requests) | phase (long documents and chats, then chats "
                         "with long answers) | a JSONL file of prompts")
+    w.add_argument("--datasets", default=None,
+                   help="--compare on each of these in turn, e.g. mix,phase,shared-prefix (shared-prefix: the "
+                        "--prefix-compare pair on --prefix-cluster disaggregated, one run): every key of one "
+                        "invocation (bench/compare.py per_dataset)")
     w.add_argument("--num-requests", type=int, default=32, help="requests to send (default 32)")
     w.add_argument("--prompt-tokens", default="256", help="random dataset: N or LO:HI (default 256)")
     w.add_argument("--max-tokens", default="64", help="random/file datasets: N or LO:HI (default 64)")
@@ -232,10 +238,12 @@ def start_local(cfg):
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _main(args)
+        out = per_dataset(args, _main) if args.datasets else _main(args)
     except BenchError as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
+    print(json.dumps(out))
+    return 0
 
 
 def _compare_modes(args) -> dict[str, dict]:
@@ -249,7 +257,7 @@ def _compare_modes(args) -> dict[str, dict]:
     return {m: every[m] for m in names}
 
 
-def _main(args) -> int:
+def _main(args) -> dict:
     # (heavy: gRPC, Ray and a cluster, loaded only by what uses them)
     from router.client import connect
     from router.config import load_config
@@ -317,8 +325,7 @@ def _main(args) -> int:
         from bench.plots import plot_all
         for path in plot_all(results, args.plot_dir):
             log(f"wrote {path}")
-    print(json.dumps(out))
-    return 0
+    return out
 
 
 def _kv_bytes(cluster):

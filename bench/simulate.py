@@ -37,6 +37,7 @@ from bench.sim.report import Timer, goodput, summarize, table
 from bench.sim.traces import SLO, WORKLOADS, make_trace
 from bench.sim.validate import add_args as add_validate_args
 from bench.sim.validate import cmd_validate
+from router.autoscale import DecodeTargets, PrefillTargets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,9 +71,21 @@ def configs(n: int, modes: list[str], splits: str) -> list[ClusterSpec]:
     return out
 
 
+def slo_targets(slo: dict) -> tuple[PrefillTargets, DecodeTargets]:
+    """The role controller's targets an operator serving to ``slo`` would set: the chats' TTFT
+    for prompts up to ``long_prompt_tokens`` (1,024: chats are shorter), the documents' above
+    it, the tightest class's TPOT. (An agent turn past 1,024 tokens is then held to the
+    documents' TTFT target: the controller knows classes by prompt length only.)"""
+    return (PrefillTargets(target_ttft_ms=slo["chat"][0] * 1e3, target_ttft_long_ms=slo["document"][0] * 1e3),
+            DecodeTargets(target_tpot_ms=min(tpot for _, tpot in slo.values()) * 1e3))
+
+
 def simulate(spec: ClusterSpec, cost: CostModel, workload: str, rate_per_worker: float, duration_s: float,
              seed: int, slo: dict) -> dict:
     """One run: the summary plus what the run was (mode, split, rate) and its CPU seconds."""
+    if spec.mode == "adaptive-slo":
+        tp, td = slo_targets(slo)
+        spec = dataclasses.replace(spec, prefill_targets=tp, decode_targets=td)
     trace = make_trace(workload, rate_per_worker * spec.workers, duration_s, seed)
     with Timer() as t:
         c = Cluster(spec, cost)

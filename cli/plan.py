@@ -12,7 +12,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="recommend a mode and P:D split by simulating every one on a workload",
         description="Simulate every mode (colocated, colocated+chunked, disaggregated, disaggregated-local, "
-                    "adaptive) and P:D split on WORKERS workers with the router's real placement and role "
+                    "adaptive, and adaptive with the SLOs as its controller's targets: adaptive-slo) and P:D split on WORKERS workers with the router's real placement and role "
                     "policies, over a cost model of the engine on this machine (`python -m bench.simulate "
                     "profile`), and print the one with the highest DistServe goodput (requests/s at which 90% "
                     "meet both targets) with the alternatives'. Simulated, not measured: a plan to check on the "
@@ -35,7 +35,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # (heavy: the simulator and the router's policies, loaded only for `pdserve plan`)
     from bench.sim.costs import load
     from bench.sim.report import table
-    from bench.simulate import GOOD_COLS, cost_path, parse_slo, recommend
+    from bench.simulate import GOOD_COLS, cost_path, parse_slo, recommend, slo_targets
     if args.workers < 1:
         raise ValueError("--workers must be >= 1")
     cost = load(args.cost or cost_path(args.model))
@@ -50,5 +50,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(f"recommended: {best['mode']} {best['split']} — {best['goodput_rps']:.2f} req/s within SLO "
               f"({best['goodput_per_worker']:.3f} per worker), simulated")
+        if best["mode"] == "adaptive-slo":
+            tp, td = slo_targets(slo)
+            print(f"  (mode: adaptive with the SLOs as the role controller's targets: autoscale.prefill."
+                  f"target_ttft_ms {tp.target_ttft_ms:g}, target_ttft_long_ms {tp.target_ttft_long_ms:g}, "
+                  f"autoscale.decode.target_tpot_ms {td.target_tpot_ms:g})")
     print(table(rows, GOOD_COLS))
     return 0

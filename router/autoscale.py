@@ -133,7 +133,13 @@ def decide(role: str, now: float, s: Signals, t: PrefillTargets | DecodeTargets,
 
 
 class Latency(NamedTuple):
-    """One latency sample: a request's TTFT at its first token, or its TPOT when it finished."""
+    """One latency sample: a request's TTFT at its first token, or its TPOT when it finished.
+
+    The TTFT is counted from the request's placement (``Job.queue_free_ttft``), not its
+    arrival: a wait in the router's admission queue is the decode pool's shortage (its
+    ``waiting_admission`` signal), and counted in the TTFT it read as the prefill pool's,
+    which then wanted the very worker the decode pool lacked (simulated phase load, 8 workers:
+    workers moved back and forth every few seconds while requests queued for admission)."""
 
     at: float  # monotonic time it was taken
     ttft: float | None

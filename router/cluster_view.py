@@ -32,15 +32,18 @@ class WorkerView:
     adaptive: bool = False
     reserved_blocks: int = 0  # promised by calls its reports do not show yet
     queued_prompt_tokens: int = 0  # its reported queue plus the prompts of those calls
+    next_role: Role | None = None  # draining to join this role (router.roles), not to retire
 
     def __post_init__(self) -> None:  # (the enums, also when made of plain names: tests)
         object.__setattr__(self, "role", Role(self.role))
         object.__setattr__(self, "state", WorkerState(self.state))
+        if self.next_role is not None:
+            object.__setattr__(self, "next_role", Role(self.next_role))
 
     @classmethod
     def of(cls, w: Worker) -> WorkerView:
         return cls(w.worker_id, w.role, w.state, w.status, w.info, w.adaptive, w.reserved_blocks,
-                   w.load().queued_prompt_tokens)
+                   w.load().queued_prompt_tokens, w.next_role)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,9 @@ def cluster_view(workers: Iterable[Worker], jobs: Iterable, recent: Iterable = (
     (``now``: monotonic time, for how long the jobs without a first token have waited)."""
     jobs, now = list(jobs), time.monotonic() if now is None else now
     paces = tuple(j.pace for j in jobs if len(j.generated) >= LIVE_MIN_TOKENS and j.pace is not None)
-    # (placed and prefilling: one still waiting for a decode worker is no prefill's doing)
-    awaiting = tuple((now - j.arrival, len(j.prompt_ids)) for j in jobs if j.prefilling and j.first_token_time is None)
+    # (placed and prefilling, since its placement: a wait for a decode worker is no prefill's
+    # doing, router.autoscale Latency)
+    awaiting = tuple((now - (j.placed_time if j.placed_time is not None else j.arrival), len(j.prompt_ids))
+                     for j in jobs if j.prefilling and j.first_token_time is None)
     return ClusterView(tuple(WorkerView.of(w) for w in list(workers)), queued, len(jobs), tuple(recent), paces,
                        awaiting=awaiting, bad_reports=bad_reports)

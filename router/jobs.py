@@ -106,6 +106,7 @@ class Job:
     cached_tokens: int = 0
     uncached: int = 0  # prompt tokens this attempt's prefill computes, as placement estimated them
     prefix_hashes: list[int] = field(default_factory=list)  # its prompt's block hashes (router.prefix_index)
+    placed_time: float | None = None  # when its latest attempt was placed (Job.queue_free_ttft)
     first_token_time: float | None = None
     last_token_time: float | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between streamed token batches
@@ -161,6 +162,7 @@ class Job:
         self.prefill_id, self.decode_id = prefill.worker_id, decode.worker_id
         self.placement = placement
         self.state = JobState.RUNNING
+        self.placed_time = time.monotonic()
 
     @property
     def prefilling(self) -> bool:
@@ -254,6 +256,14 @@ class Job:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def queue_free_ttft(self) -> float | None:
+        """Its TTFT less its wait in the router's admission queue: from placement to the first
+        token, what the prefill side took (the pool signals' TTFT: router.autoscale)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - (self.placed_time if self.placed_time is not None else self.arrival)
 
     @property
     def tpot(self) -> float | None:

@@ -80,6 +80,14 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     p_up, p_idle, p_why = pressure("prefill", prefill, tp)
     # Decode wants more by its memory (KV utilization, requests waiting for admission) ...
     d_up, _, d_why = pressure("decode", dataclasses.replace(decode, tpot_p90_s=None), td)
+    # Requests held in the admission queue (no decode KV for them) reach their first token
+    # late: a TTFT over target with no prompt backlog at the prefill pool is then the decode
+    # pool's shortage, not the prefill pool's want. Counted as prefill's, both pools wanted
+    # and nothing moved (simulated phase load, 16 workers: 15 prefill : 1 decode through the
+    # whole decode-heavy half).
+    if p_up and d_up and decode.waiting_admission > 0 \
+            and not pressure("prefill", dataclasses.replace(prefill, ttft_p90_s=None), tp)[0]:
+        p_up = False
     # ... or by TPOT over target, but only while a prefill pool takes the long prompts: then
     # the slow steps are the batch's, which one more decode worker splits (a steady trickle of
     # long prompts keeps the prefill pool from ever being idle: issue 44, bug 3). With no
@@ -89,6 +97,14 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     slow = decode.tpot_p90_s is not None and decode.tpot_p90_s * 1e3 > td.target_tpot_ms and prefill.workers > 0
     if slow and not d_up:
         d_up, d_why = True, f"TPOT p90 {decode.tpot_p90_s * 1e3:.0f} ms > {td.target_tpot_ms:.0f} ms"
+        # Both slow by latency alone (no request waits for decode memory): the pool further
+        # over its target gains the worker. "No change" left a prompt backlog of minutes
+        # (TTFT p90 50x its target) behind streams at 1.3x theirs, where the load had turned
+        # from long answers to documents (simulated phase load, 16 workers). A switch moves
+        # both ratios toward each other, so they settle where the two are equally late.
+        if p_up:
+            p_up, d_up = (True, False) if _excess(prefill, tp) > decode.tpot_p90_s * 1e3 / td.target_tpot_ms \
+                else (False, True)
     # ... but an idle prefill pool gives its worker away only to a decode pool that is not idle
     # itself (TPOT counts here: with no prompt backlog, it is the batch's, which one
     # more decode worker splits). A worker given to an idle decode pool helps no stream, and
@@ -117,6 +133,39 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     state.last_switch, state.want, state.since = now, None, None
     state.history = (state.history + [f"{want[0]} -> {want[1]}: {why}"])[-20:]
     return want, why
+
+
+def decide_moving(now: float, prefill: Signals, decode: Signals, moving: list[str | None], tp: PrefillTargets,
+                  td: DecodeTargets, cfg: RolesConfig, state: RoleState) -> tuple[tuple[str, str] | None, str]:
+    """:func:`decide` while workers are on their way: ``moving`` is the role each draining
+    worker will join (None: one retiring, the autoscaler's: no decision until it is gone).
+
+    More of the same way goes on while they drain, each counted in the pool it joins (its
+    limits, its backlog per worker). A decode worker drains its streams first, and long answers
+    take a minute: one switch at a time then held the prefill pool at one worker per minute
+    while its backlog grew to minutes (simulated phase load, 16 workers). The other way waits
+    until they have joined (its want starts holding then: no flapping).
+    """
+    if any(m is None for m in moving):
+        return None, ""
+    to_p = sum(m == "prefill" for m in moving)
+    p = dataclasses.replace(prefill, workers=prefill.workers + to_p)
+    d = dataclasses.replace(decode, workers=decode.workers + len(moving) - to_p)
+    trial = dataclasses.replace(state)
+    want, why = decide(now, p, d, tp, td, cfg, trial)
+    way = want or trial.want
+    if way is not None and any(m != way[1] for m in moving):
+        state.want, state.since = None, None  # (the want of the drains' way broke)
+        return None, ""
+    state.__dict__.update(trial.__dict__)
+    return want, why
+
+
+def _excess(prefill: Signals, tp: PrefillTargets) -> float:
+    """How far over its targets the prefill pool is: the larger of TTFT p90 / target and the
+    prompt backlog per worker / target (1: at target)."""
+    ttft = prefill.ttft_p90_s * 1e3 / tp.target_ttft_ms if prefill.ttft_p90_s is not None else 0.0
+    return max(ttft, prefill.queued_prompt_tokens / max(1, prefill.workers) / tp.target_queued_tokens)
 
 
 def _below(n: int, most: int | None) -> bool:
@@ -152,8 +201,7 @@ class RoleController:
     def step(self, now: float) -> str | None:
         """One decision; returns what was done."""
         view = self.view()
-        if view.any(WorkerState.DRAINING):
-            return None  # one switch at a time: the last one is still draining its old role
+        moving = [w.next_role and w.next_role.value for w in view.workers if w.state is WorkerState.DRAINING]
         window, tp = self.autoscale.window_s, self.autoscale.prefill
         s_p, s_d = pool_signals(view, "prefill", now, window, tp), pool_signals(view, "decode", now, window, tp)
         # The prompt backlog: what waits at the prefill pool, or with no prefill worker left,
@@ -164,7 +212,8 @@ class RoleController:
         queued = sum(w.queued_prompt_tokens for w in view.workers if w.state.accepting
                      and (w.role is Role.PREFILL or not s_p.workers))
         s_p = dataclasses.replace(s_p, queued_prompt_tokens=queued)
-        want, why = decide(now, s_p, s_d, self.autoscale.prefill, self.autoscale.decode, self.cfg, self.state)
+        want, why = decide_moving(now, s_p, s_d, moving, self.autoscale.prefill, self.autoscale.decode, self.cfg,
+                                  self.state)
         self.trace.append((time.time(), s_p, s_d, want or self.state.want))
         if want is None:
             return None

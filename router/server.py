@@ -330,7 +330,7 @@ class Router(pb_grpc.GenerationServicer):
         """This attempt's first token is out. Its TTFT goes to the pool signals now, not when the
         answer ends, once per request (a re-run's is none); placement learns what it found cached."""
         if job.base == 0 and not job.parks:  # (a parked one's wait was its client's: router.parking)
-            self.recent.add(time.monotonic(), job.ttft, None, len(job.prompt_ids))
+            self.recent.add(time.monotonic(), job.queue_free_ttft, None, len(job.prompt_ids))
         self.placer.prefilled(job, record.cached_tokens)
 
     def _observe(self, job: Job, outcome: str) -> None:

@@ -29,9 +29,11 @@ from router.autoscale import DecodeTargets, Latency, PrefillTargets
 from router.holdings import Holdings
 from router.jobs import JobState
 from router.prefix_index import PrefixIndex, block_hashes, prefilled
-from router.roles import RolesConfig, RoleState, decide
+from router.roles import RolesConfig, RoleState, decide_moving
 
-MODES = ("colocated", "colocated+chunked", "disaggregated", "disaggregated-local", "adaptive")
+# adaptive-slo: adaptive with the controller's targets set to the SLOs served to (simulate.py
+# slo_targets), as an operator would configure autoscale.prefill/decode; adaptive: its defaults
+MODES = ("colocated", "colocated+chunked", "disaggregated", "disaggregated-local", "adaptive", "adaptive-slo")
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,10 @@ class Cluster:
     def __init__(self, spec: ClusterSpec, cost: CostModel) -> None:
         self.spec, self.cost = spec, cost
         colocated = spec.mode.startswith("colocated")
-        self.settings = RouterSettings(colocated=colocated, adaptive=spec.mode == "adaptive",
+        self.settings = RouterSettings(colocated=colocated, adaptive=spec.mode.startswith("adaptive"),
                                        prefix_aware=spec.prefix_aware,
                                        local_prefill_tokens=spec.local_prefill_tokens
-                                       if spec.mode in ("disaggregated-local", "adaptive") else 0)
+                                       if spec.mode in ("disaggregated-local", "adaptive", "adaptive-slo") else 0)
         self.workers: dict[str, SimWorker] = {}
         for i in range(spec.workers):
             role = "colocated" if colocated else "prefill" if i < spec.prefill else "decode"
@@ -250,7 +252,8 @@ class Cluster:
         job.first_token, job.generated = self.now, 1
         self._prefilling.discard(job)
         self.holdings.update(job)
-        self.recent.append(Latency(self.now, self.now - job.spec.arrival, None, job.prompt_tokens))
+        # (from its placement, as the router's Job.queue_free_ttft)
+        self.recent.append(Latency(self.now, self.now - job.placed_at, None, job.prompt_tokens))
         if job.spec.max_tokens <= 1:
             w.free(job.dblocks)
             job.dblocks, job.finish, job.state = 0, self.now, JobState.DONE
@@ -268,8 +271,8 @@ class Cluster:
 
     # ---- roles (adaptive) ----------------------------------------------------------------------
     def _control(self) -> None:
-        if any(w.state in ("draining", "switching") for w in self.workers.values()):
-            return  # one switch at a time (RoleController.step)
+        # the workers on their way to another role (roles.decide_moving, as RoleController.step)
+        moving = [w.next_role for w in self.workers.values() if w.state in ("draining", "switching")]
         while self.recent and self.recent[0][0] < self.now - self.spec.window_s:
             self.recent.popleft()
         paces = []
@@ -277,12 +280,12 @@ class Cluster:
             if w.running:
                 pace = self.cost.step_ms(len(w.running), sum(j.ctx for j in w.running)) / 1e3
                 paces += [pace for j in w.running if j.generated >= 16]
-        awaiting = [(self.now - j.spec.arrival, j.prompt_tokens) for j in self._prefilling]
+        awaiting = [(self.now - j.placed_at, j.prompt_tokens) for j in self._prefilling]
         s_p, s_d = role_signals(self.workers, list(self.recent), paces, len(self.queue), awaiting, self.now,
                                 self.spec.window_s, self.spec.prefill_targets)
         self.calls["roles.decide"] = self.calls.get("roles.decide", 0) + 1
-        want, why = decide(self.now, s_p, s_d, self.spec.prefill_targets, self.spec.decode_targets,
-                           self.spec.roles, self.role_state)
+        want, why = decide_moving(self.now, s_p, s_d, moving, self.spec.prefill_targets, self.spec.decode_targets,
+                                  self.spec.roles, self.role_state)
         if want is None:
             return
         old, new = want

@@ -15,7 +15,11 @@ Lengths are the public traces' shapes scaled to what a CPU engine serves (a 3k-t
 
 Workloads (``WORKLOADS``) mix them: ``chat``, ``long-document`` (70% documents), ``agentic``,
 ``bursty`` (chat + 20% documents whose rate switches between 4x for 20% of the time and 0.25x,
-as production traces burst), ``mix`` (80% chat, 20% documents). Arrivals are open loop (the
+as production traces burst), ``mix`` (80% chat, 20% documents), ``phase`` (what is scarce
+shifts: ``PHASE_S`` of prompt-heavy traffic, half documents and half chats wanting short answers,
+then ``PHASE_S`` of chats wanting long answers (256..1024 tokens), and again; bench/loadgen.py's
+``phase`` dataset over an hour instead of once: the load a fixed P:D split cannot fit both
+halves of, role switching's case). Arrivals are open loop (the
 same for every mode, so modes compare on the same requests), Poisson at ``rate`` req/s.
 
 A prompt is token ids only for its block hashes (router.prefix_index ``block_hashes``): made
@@ -31,7 +35,8 @@ from dataclasses import dataclass, field
 CLASSES = ("chat", "document", "agent")
 # (TTFT s, TPOT s) per class; override with bench/simulate.py --slo CLASS=TTFT,TPOT
 SLO = {"chat": (3.0, 0.25), "document": (20.0, 0.25), "agent": (5.0, 0.25)}
-WORKLOADS = ("chat", "long-document", "agentic", "bursty", "mix")
+WORKLOADS = ("chat", "long-document", "agentic", "bursty", "mix", "phase")
+PHASE_S = 300.0  # each half of the phase workload
 
 
 @dataclass
@@ -93,13 +98,17 @@ def make_trace(workload: str, rate: float, duration_s: float, seed: int = 0) -> 
     rng, ids = random.Random(seed), _Ids()
     if workload == "agentic":
         return _agentic(rng, ids, rate, duration_s)
-    doc_share = {"chat": 0.0, "long-document": 0.7, "bursty": 0.2, "mix": 0.2}[workload]
+    doc_share = {"chat": 0.0, "long-document": 0.7, "bursty": 0.2, "mix": 0.2, "phase": 0.5}[workload]
+    answers = (16, 256)
     out = []
     for t in _arrivals(rng, rate, duration_s, bursty=workload == "bursty"):
+        if workload == "phase":  # (the prompt-heavy half first, as bench/loadgen.py's)
+            prompts_half = int(t // PHASE_S) % 2 == 0
+            doc_share, answers = (0.5, (16, 64)) if prompts_half else (0.0, (256, 1024))
         if rng.random() < doc_share:
             cls, n, m = "document", _log_uniform(rng, 1024, 3072), _log_uniform(rng, 8, 64)
         else:
-            cls, n, m = "chat", _log_uniform(rng, 24, 512), _log_uniform(rng, 16, 256)
+            cls, n, m = "chat", _log_uniform(rng, 24, 512), _log_uniform(rng, *answers)
         out.append(Spec(len(out), t, cls, ids.fresh(n), m))
     return out
 

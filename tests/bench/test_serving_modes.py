@@ -271,3 +271,35 @@ def test_each_rate_of_a_sweep_sends_other_prompts_of_the_same_shape(dataset):
     assert not blocks[0] & blocks[1] and not blocks[1] & blocks[2] and not blocks[0] & blocks[2]
     warm = workload(args, 1000, n=12, seed=args.seed + 1)  # (as bench_server's warm-up)
     assert not {tuple(s.token_ids[:16]) for s in warm} & set().union(*blocks)
+
+
+def test_datasets_runs_the_comparison_on_each_and_hoists_the_keys_named_by_it():
+    """--datasets: every dataset's comparison in one invocation (shared-prefix: the prefix
+    comparison on the disaggregated pair, one run), the keys named by their dataset and the
+    prefix keys at the top, each dataset's whole output under by_dataset."""
+    import pytest
+
+    from bench.compare import per_dataset
+    from bench.loadgen import BenchError
+    seen = []
+
+    def run(a):
+        seen.append((a.dataset, a.compare, a.prefix_compare, a.prefix_cluster, a.rates, a.seeds, a.plot_dir))
+        if a.prefix_compare:
+            return {"dataset": a.dataset, "ttft_p90_ratio_prefix_blind_vs_aware": 3.5,
+                    "kv_bytes_ratio_aware_vs_blind": 0.7, "aware_ttft_ms_p90": 100.0}
+        return {"dataset": a.dataset, f"goodput_ratio_adaptive_vs_best_fixed_{a.dataset}": 1.1,
+                "adaptive_goodput_median": 0.4}
+    args = build_parser().parse_args(["--compare", "--modes", "all", "--datasets", "mix,phase,shared-prefix",
+                                      "--rates", "0.2,0.4", "--seeds", "3", "--plot-dir", "/tmp/p"])
+    out = per_dataset(args, run)
+    assert seen == [("mix", True, False, "colocated", "0.2,0.4", 3, "/tmp/p/mix"),
+                    ("phase", True, False, "colocated", "0.2,0.4", 3, "/tmp/p/phase"),
+                    ("shared-prefix", False, True, "disaggregated", None, 1, "/tmp/p/shared-prefix")]
+    assert out["goodput_ratio_adaptive_vs_best_fixed_mix"] == out["goodput_ratio_adaptive_vs_best_fixed_phase"] == 1.1
+    assert out["ttft_p90_ratio_prefix_blind_vs_aware"] == 3.5 and out["kv_bytes_ratio_aware_vs_blind"] == 0.7
+    assert "adaptive_goodput_median" not in out and out["by_dataset"]["mix"]["adaptive_goodput_median"] == 0.4
+    assert args.dataset == "mix" and args.compare  # (the caller's arguments untouched)
+    for bad in (["--datasets", "mix"], ["--compare", "--datasets", "mix,mix"]):
+        with pytest.raises(BenchError):
+            per_dataset(build_parser().parse_args(bad), run)

@@ -285,3 +285,54 @@ def test_documents_held_to_their_own_ttft_target_do_not_drain_decode():
     assert not [x for x in per_class.switches if x[3] == "prefill"]
     assert sum(w.role == "decode" for w in per_class.workers.values()) == 5
     assert s["document_ttft_ms_p90"] < 20000 and s["chat_ttft_ms_p90"] < 3000
+
+
+def test_the_phase_trace_alternates_prompt_heavy_and_decode_heavy_halves():
+    from bench.sim.traces import PHASE_S
+    trace = make_trace("phase", 2.0, 4 * PHASE_S, 1)
+    for half in range(4):
+        part = [s for s in trace if half * PHASE_S <= s.arrival < (half + 1) * PHASE_S]
+        docs = [s for s in part if s.cls == "document"]
+        if half % 2 == 0:  # prompts: half documents, every answer short
+            assert 0.35 < len(docs) / len(part) < 0.65 and max(s.max_tokens for s in part) <= 64
+        else:  # decode: chats wanting long answers only
+            assert not docs and min(s.max_tokens for s in part) >= 256
+
+
+def test_adaptive_follows_the_phases_both_ways_and_ends_clean():
+    """On the phase load the controller (router.roles, the real one) moves decode workers to
+    prefill while documents come, and back while long answers run: both ways in each cycle."""
+    from bench.sim.traces import PHASE_S
+    c = Cluster(_spec("adaptive", n=8, p=2), COST)
+    jobs = c.run(make_trace("phase", 3.0, 4 * PHASE_S, 2))
+    assert all((j.finish is not None) != bool(j.refused) for j in jobs)
+    assert all(w.used == 0 for w in c.workers.values())
+
+    def ways(lo, hi):
+        return {(old, new) for t, _, old, new, _ in c.switches if lo <= t < hi}
+    for cycle in range(2):
+        t0 = 2 * cycle * PHASE_S
+        assert ("decode", "prefill") in ways(t0, t0 + PHASE_S)
+        assert ("prefill", "decode") in ways(t0 + PHASE_S, t0 + 2 * PHASE_S)
+
+
+def test_adaptive_slo_runs_the_controller_with_the_slos_as_its_targets(monkeypatch):
+    """The labelled row adaptive-slo: the role controller's targets are the SLOs served to
+    (chats' TTFT up to 1,024 prompt tokens, documents' above, the tightest TPOT); adaptive
+    keeps the controller's defaults."""
+    from bench.simulate import simulate, slo_targets
+    from router.autoscale import DecodeTargets, PrefillTargets
+    tp, td = slo_targets({"chat": (3.0, 0.25), "document": (20.0, 0.3), "agent": (5.0, 0.2)})
+    assert (tp.target_ttft_ms, tp.target_ttft_long_ms, tp.long_prompt_tokens) == (3000.0, 20000.0, 1024)
+    assert td.target_tpot_ms == 200.0
+    seen = []
+    real = Cluster.__init__
+
+    def spy(self, spec, cost):
+        seen.append((spec.mode, spec.prefill_targets, spec.decode_targets))
+        real(self, spec, cost)
+    monkeypatch.setattr(Cluster, "__init__", spy)
+    for mode in ("adaptive-slo", "adaptive"):
+        simulate(_spec(mode, n=4, p=1), COST, "mix", 0.2, 30.0, 0, SLO)
+    tp, td = slo_targets(SLO)
+    assert seen == [("adaptive-slo", tp, td), ("adaptive", PrefillTargets(), DecodeTargets())]

@@ -184,6 +184,7 @@ def _placed_job(rid: str, prompt_tokens: int, waited_s: float, now: float):
     j = Job(rid, [1] * prompt_tokens, SamplingParams(max_tokens=1000), arrival=now - waited_s)
     w = SimpleNamespace(worker_id="w")
     j.placed(w, w, "pool:long")
+    j.placed_time = j.arrival  # (placed at once: no admission wait)
     return j
 
 
@@ -211,7 +212,7 @@ def test_a_ttft_enters_the_signals_at_the_first_token_not_when_the_answer_ends()
     assert list(asyncio.run(first_response()).token_ids) == [5]
     assert seen == [("r", 32)]
     s = pool_signals(cluster_view([], [job], router.recent), "prefill", time.monotonic(), 30.0)
-    assert s.ttft_p90_s is not None and abs(s.ttft_p90_s - job.ttft) < 1e-9 and s.awaiting_first_token == 0
+    assert s.ttft_p90_s is not None and abs(s.ttft_p90_s - job.queue_free_ttft) < 1e-9 and s.awaiting_first_token == 0
 
 
 def test_no_ttft_data_is_not_idle_while_a_request_awaits_its_first_token():
@@ -245,3 +246,22 @@ def test_ttft_is_judged_by_each_request_class_target():
     stuck = [_placed_job(f"d{i}", 2000, 25.0, 99.0) for i in range(5)]  # 25 s waiting: past 10 s
     s = pool_signals(cluster_view([], stuck, r, now=99.0), "prefill", 99.0, 30.0, t)
     assert abs(s.ttft_p90_s - 25.0 * 2000 / 10000) < 1e-9 and pressure("prefill", s, t)[0]
+
+
+def test_a_wait_in_the_admission_queue_is_not_the_prefill_pools_ttft():
+    """A request that waited 10 s for decode memory, then had its first token 0.5 s after its
+    placement: the prefill pool is judged by the 0.5 s (the wait is the decode pool's
+    ``waiting_admission``); one placed 3 s ago still prefilling has waited 3 s, not 13."""
+    from router.autoscale import Recent, pool_signals
+    now = 1000.0
+    done = _placed_job("a", 100, 10.5, now)
+    done.placed_time, done.first_token_time = now - 0.5, now
+    assert done.ttft == 10.5 and done.queue_free_ttft == 0.5
+    recent = Recent(30.0)
+    recent.add(now, done.queue_free_ttft, None, 100)
+    waiting = _placed_job("b", 100, 13.0, now)
+    waiting.placed_time = now - 3.0
+    view = cluster_view([], [waiting], recent, now=now)
+    assert view.awaiting == ((3.0, 100),)
+    s = pool_signals(view, "prefill", now, 30.0, P)
+    assert s.ttft_p90_s == 0.5 and s.awaiting_first_token == 1

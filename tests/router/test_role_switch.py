@@ -109,3 +109,35 @@ def test_the_controller_traces_each_decision_with_the_signals_it_read():
     del pools.workers["prefill-0"]
     ctl.step(4.0)
     assert ctl.trace[-1][1].queued_prompt_tokens == 78 and ctl.trace[-1][1].workers == 0
+
+
+def test_the_controller_switches_more_workers_the_same_way_while_one_drains():
+    """A decode worker on its way to prefill still drains its streams: a prompt backlog moves
+    the next one meanwhile (roles.decide_moving), a worker retiring holds the decision."""
+    from types import SimpleNamespace
+
+    from router.cluster_view import cluster_view
+    from router.roles import RoleController
+    cfg = load_config(None, {"mode": "adaptive", "roles.switch_delay_s": 1})
+    pools = _pools()
+    p = pools.workers["prefill-0"] = Worker("prefill-0", "prefill", None, state="ready", adaptive=True)
+    _report(p, queued_prompt_tokens=100_000)
+    for i in range(3):
+        d = pools.workers[f"decode-{i}"] = Worker(f"decode-{i}", "decode", None, state="ready", adaptive=True)
+        _report(d, running=1, used=4)
+    pools.workers["decode-0"].state, pools.workers["decode-0"].next_role = "draining", "prefill"
+    switched = SimpleNamespace(labels=lambda role: SimpleNamespace(inc=lambda: None))
+
+    async def run():
+        ctl = RoleController(cfg.roles, cfg.autoscale, pools, lambda: cluster_view(pools.workers.values(), []),
+                             lambda w: True, switched)
+        assert ctl.step(0.0) is None  # (the want must hold switch_delay_s)
+        done = ctl.step(1.0)
+        # (the draining one counted where it goes: the backlog is over two workers)
+        assert done is not None and "decode -> prefill: prefill: queued prompt tokens 50000/worker" in done
+        assert sum(w.state == "draining" and w.next_role == "prefill" for w in pools.workers.values()) == 2
+        pools.workers["prefill-0"].state = "draining"  # retiring (no next role): no decision
+        assert ctl.step(5.0) is None and ctl.step(9.0) is None
+        assert sum(w.state == "draining" and w.next_role == "prefill" for w in pools.workers.values()) == 2
+        await _stop(pools)
+    asyncio.run(run())

@@ -24,10 +24,11 @@ def replay(trace, prefill=2, decode=2, cfg=CFG, dt=1.0):
         want, why = decide(i * dt, Signals(workers=prefill, **p), Signals(workers=decode, **d), P, D, cfg, state)
         if want == ("decode", "prefill"):
             prefill, decode = prefill + 1, decode - 1
-            assert why.startswith("prefill: queued prompt tokens")
+            assert why.startswith(("prefill: queued prompt tokens", "prefill: TTFT p90"))
         elif want == ("prefill", "decode"):
             prefill, decode = prefill - 1, decode + 1
-            assert why.startswith(("decode: KV utilization", "decode: TPOT p90", "prefill: no prompt backlog"))
+            assert why.startswith(("decode: KV utilization", "decode: TPOT p90", "prefill: no prompt backlog")) \
+                or why.startswith("decode: ") and "waiting for admission" in why
         sizes.append((prefill, decode))
     return sizes
 
@@ -156,3 +157,56 @@ def test_max_per_role_is_read_from_the_config_and_checked():
         load_config(None, {"roles.max_decode": 0})
     with pytest.raises(ConfigError, match="min_prefill 2 > max_prefill 1"):
         load_config(None, {"roles.min_prefill": 2, "roles.max_prefill": 1})
+
+
+def test_requests_waiting_for_decode_admission_are_decode_s_want_not_a_ttft_miss_of_prefill():
+    """Requests held in the router's admission queue (no decode KV for them) get their first
+    token late: the TTFT p90 is over target while the prefill pool has no backlog. That miss
+    is the decode pool's shortage, and it must not cancel the decode pool's want (both wanting
+    was "no change": measured in the simulator on the phase load, 16 workers, 15 prefill : 1
+    decode through the whole decode-heavy half)."""
+    starved = ({"ttft_p90_s": 6.0, "awaiting_first_token": 3},
+               {"kv_utilization": 0.7, "waiting_admission": 16})
+    sizes = replay([starved] * 30, prefill=3, decode=1)
+    assert sizes[4] == (3, 1) and sizes[5] == (2, 2) and sizes[-1] == (1, 3)
+    history = _history([starved] * 30, prefill=3, decode=1)
+    assert history and all("waiting for admission" in h for h in history)
+    # a real prompt backlog as well: both pools short, no change (as before)
+    both = ({"ttft_p90_s": 6.0, "queued_prompt_tokens": 50_000}, {"kv_utilization": 0.7, "waiting_admission": 16})
+    assert set(replay([both] * 30, prefill=3, decode=1)) == {(3, 1)}
+
+
+def test_both_pools_late_by_latency_alone_the_one_further_over_its_target_gains_the_worker():
+    """No request waits for decode memory; the prompts' TTFT and the streams' TPOT are both
+    over target: the larger excess wins (it was "no change", a prompt backlog of minutes
+    behind streams 1.3x over theirs)."""
+    docs = ({"ttft_p90_s": 60.0, "queued_prompt_tokens": 500}, {"kv_utilization": 0.2, "tpot_p90_s": 0.13})
+    assert replay([docs] * 12, prefill=1, decode=3)[-1] == (3, 1)
+    streams = ({"ttft_p90_s": 2.4, "queued_prompt_tokens": 500}, {"kv_utilization": 0.2, "tpot_p90_s": 0.5})
+    assert replay([streams] * 12, prefill=3, decode=1)[-1] == (1, 3)
+
+
+def test_while_workers_drain_more_go_the_same_way_counted_in_the_pool_they_join():
+    """A decode worker drains its streams before it prefills (a minute of long answers): more
+    may follow the same way meanwhile, each counted where it goes; the other way waits until
+    they have joined; a worker retiring (the autoscaler's) holds every decision."""
+    from router.roles import decide_moving
+    p, d = Signals(workers=1, queued_prompt_tokens=50_000), Signals(workers=3, kv_utilization=0.2)
+    state = RoleState()
+    assert decide_moving(0.0, p, d, ["prefill"], P, D, CFG, state) == (None, "")  # (the want starts)
+    want, why = decide_moving(5.0, p, d, ["prefill"], P, D, CFG, state)
+    assert want == ("decode", "prefill") and "queued prompt tokens 25000/worker" in why  # 2 counted
+    # max_prefill counts the one on its way
+    capped = dataclasses.replace(CFG, max_prefill=2)
+    state = RoleState()
+    assert all(decide_moving(t, p, d, ["prefill"], P, D, capped, state)[0] is None for t in range(0, 30, 5))
+    # the other way waits for the drain, and its want starts holding only then
+    state = RoleState()
+    full = Signals(workers=3, kv_utilization=0.95)
+    assert all(decide_moving(t, Signals(workers=2), full, ["prefill"], P, D, CFG, state)[0] is None
+               for t in range(0, 30, 5))
+    assert decide_moving(30.0, Signals(workers=3), full, [], P, D, CFG, state)[0] is None
+    assert decide_moving(35.0, Signals(workers=3), full, [], P, D, CFG, state)[0] == ("prefill", "decode")
+    # a worker retiring: no decision at all
+    state = RoleState()
+    assert all(decide_moving(t, p, d, [None], P, D, CFG, state)[0] is None for t in range(0, 30, 5))
