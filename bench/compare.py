@@ -24,14 +24,13 @@ turn in one invocation, so that every key comes from one run of one code version
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Iterable
-
 import argparse
 import os
-from collections.abc import Callable
+import re
+import statistics
+from collections.abc import Callable, Iterable
 
-from bench.loadgen import BenchError, max_goodput_rate, percentile
+from bench.loadgen import BenchError, make_workload, max_goodput_rate, percentile
 from bench.modes import COMPARE
 
 P99_SAMPLES = 100  # the fewest samples a p99 is reported on (else the p90)
@@ -162,7 +161,8 @@ def summary_table(results: dict[str, dict], log=print) -> dict:
 
 
 # The prefix comparison's keys (bench/serving.py _report), named by no dataset
-PREFIX_KEYS = ("ttft_p90_ratio_prefix_blind_vs_aware", "kv_bytes_ratio_aware_vs_blind", "kv_bytes_ratio_expected_from_hits")
+PREFIX_KEYS = ("ttft_p90_ratio_prefix_blind_vs_aware", "kv_bytes_ratio_aware_vs_blind",
+               "kv_bytes_ratio_expected_from_hits")
 
 
 def per_dataset(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict]) -> dict:
@@ -178,6 +178,8 @@ def per_dataset(args: argparse.Namespace, run: Callable[[argparse.Namespace], di
         raise BenchError("--datasets runs --compare on each dataset: add --compare")
     if not names or len(set(names)) != len(names):
         raise BenchError(f"--datasets: give distinct dataset names, got {args.datasets!r}")
+    for ds in names:  # (a bad name now, not after hours of the ones before it)
+        make_workload(1, ds, 1000)
     out: dict = {"datasets": names, "by_dataset": {}}
     for ds in names:
         a = argparse.Namespace(**vars(args))
@@ -188,5 +190,6 @@ def per_dataset(args: argparse.Namespace, run: Callable[[argparse.Namespace], di
             a.compare, a.prefix_compare, a.prefix_cluster, a.rates, a.seeds = False, True, "disaggregated", None, 1
         part = run(a)
         out["by_dataset"][ds] = part
-        out.update({k: v for k, v in part.items() if k.endswith("_" + ds) or k in PREFIX_KEYS})
+        named = re.compile(rf"_{re.escape(ds)}(_|$)")  # (..._mix, ..._mix_by_seed, ..._mix_lower_bound)
+        out.update({k: v for k, v in part.items() if named.search(k) or k in PREFIX_KEYS})
     return out

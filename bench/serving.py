@@ -23,7 +23,8 @@ with N seeds and reports medians with the least and the most (bench/compare.py);
 invocation (the prefix comparison for shared-prefix).
 
 TTFT/TPOT/ITL/e2e p50/p90/p99, throughput, goodput under TTFT/TPOT targets. Prints a table (one
-column per run) on stdout and, as the last line, one flat JSON object; ``--compare`` adds
+column per run) on stdout and, as the last line, one JSON object (flat, but for ``--datasets``'
+``by_dataset``); ``--compare`` adds
 ``p99_tpot_ratio_disagg_vs_colocated`` (with ``adaptive``: ``goodput_ratio_adaptive_vs_best_fixed_<dataset>``,
 ``p99_tpot_ratio_adaptive_vs_colocated_<dataset>``, ``role_switches``), ``--prefix-compare`` runs the shared-prefix dataset on one
 cluster config with prefix-blind and prefix-aware placement (``router.prefix_aware``) and adds

@@ -122,6 +122,9 @@ def parse_slo(items: list[str], ttft: float | None = None, tpot: float | None = 
         if cls not in slo:
             raise ValueError(f"--slo {item!r}: unknown class; known: {', '.join(slo)}")
         slo[cls] = (a, b)
+    for cls, (a, b) in slo.items():
+        if not (a > 0 and b > 0):
+            raise ValueError(f"the {cls} SLO's TTFT and TPOT must be > 0 s, got {a}, {b}")
     return slo
 
 

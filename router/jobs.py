@@ -260,7 +260,8 @@ class Job:
     @property
     def queue_free_ttft(self) -> float | None:
         """Its TTFT less its wait in the router's admission queue: from placement to the first
-        token, what the prefill side took (the pool signals' TTFT: router.autoscale)."""
+        token, what the prefill side took (the pool signals' TTFT: router.autoscale). Read at
+        its first token: a later re-run's placement moves ``placed_time``."""
         if self.first_token_time is None:
             return None
         return self.first_token_time - (self.placed_time if self.placed_time is not None else self.arrival)

@@ -18,13 +18,19 @@ each pool (``autoscale.pool_signals``, ``autoscale.pressure`` against ``autoscal
   target), a prefill worker becomes a decode worker (``roles.min_prefill``; with 0, the last
   one too: then every decode worker prefills its own prompts, as colocated ones; the first
   backlog brings one back);
-- both want more, or neither (and the prefill pool not idle): no change.
+- both want more: requests waiting for decode memory with no prompt backlog go to decode (no
+  prompt can start decoding without it); both late by latency alone, the pool over its
+  target by ``TIE_MARGIN`` times more than the other gains the worker; else no change.
+  Neither (and the prefill pool not idle): no change.
 
 No role grows past its ``roles.max_prefill`` / ``roles.max_decode`` (null: no limit).
 
 Hysteresis as the autoscaler's: a want must hold for ``switch_delay_s`` without a break (an
 idle prefill pool: ``idle_delay_s``, longer, as the autoscaler's shrinking), one worker
-switches per decision, and after a switch the next waits ``switch_delay_s`` again.
+switches per decision, and after a switch the next waits ``switch_delay_s`` again. While
+workers drain to switch, more may follow the same way on a backlog or memory want (not on
+latency, which shows a switch only a window later), the other way waits
+(``decide_moving``).
 ``decide`` is pure over the snapshots (unit-tested on synthetic traces); ``RoleController``
 carries its decisions out through ``Pools.switch``: the worker leaves its pool at once (no new
 work of the old role), finishes what it holds in the old role, then joins the other pool with
@@ -80,11 +86,11 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     p_up, p_idle, p_why = pressure("prefill", prefill, tp)
     # Decode wants more by its memory (KV utilization, requests waiting for admission) ...
     d_up, _, d_why = pressure("decode", dataclasses.replace(decode, tpot_p90_s=None), td)
-    # Requests held in the admission queue (no decode KV for them) reach their first token
-    # late: a TTFT over target with no prompt backlog at the prefill pool is then the decode
-    # pool's shortage, not the prefill pool's want. Counted as prefill's, both pools wanted
-    # and nothing moved (simulated phase load, 16 workers: 15 prefill : 1 decode through the
-    # whole decode-heavy half).
+    # Requests held in the admission queue (no decode KV for them) cannot start at all,
+    # whatever the prefill pool does: with no prompt backlog there, a TTFT over target (of
+    # the requests that did get placed) yields to decode's memory. Both wanting was no change
+    # (simulated phase load, 16 workers: 15 prefill : 1 decode through the whole
+    # decode-heavy half, requests queued for admission).
     if p_up and d_up and decode.waiting_admission > 0 \
             and not pressure("prefill", dataclasses.replace(prefill, ttft_p90_s=None), tp)[0]:
         p_up = False
@@ -98,13 +104,14 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
     if slow and not d_up:
         d_up, d_why = True, f"TPOT p90 {decode.tpot_p90_s * 1e3:.0f} ms > {td.target_tpot_ms:.0f} ms"
         # Both slow by latency alone (no request waits for decode memory): the pool further
-        # over its target gains the worker. "No change" left a prompt backlog of minutes
-        # (TTFT p90 50x its target) behind streams at 1.3x theirs, where the load had turned
-        # from long answers to documents (simulated phase load, 16 workers). A switch moves
-        # both ratios toward each other, so they settle where the two are equally late.
+        # over its target, by TIE_MARGIN, gains the worker. "No change" left a prompt backlog
+        # of minutes (TTFT p90 50x its target) behind streams at 1.3x theirs, where the load
+        # had turned from long answers to documents (simulated phase load, 16 workers). The
+        # margin: with whole workers the two ratios cross at each switch, and without it one
+        # worker went back and forth between two splits.
         if p_up:
-            p_up, d_up = (True, False) if _excess(prefill, tp) > decode.tpot_p90_s * 1e3 / td.target_tpot_ms \
-                else (False, True)
+            p_x, d_x = _excess(prefill, tp), decode.tpot_p90_s * 1e3 / td.target_tpot_ms
+            p_up, d_up = p_x > TIE_MARGIN * d_x, d_x > TIE_MARGIN * p_x
     # ... but an idle prefill pool gives its worker away only to a decode pool that is not idle
     # itself (TPOT counts here: with no prompt backlog, it is the batch's, which one
     # more decode worker splits). A worker given to an idle decode pool helps no stream, and
@@ -141,16 +148,21 @@ def decide_moving(now: float, prefill: Signals, decode: Signals, moving: list[st
     worker will join (None: one retiring, the autoscaler's: no decision until it is gone).
 
     More of the same way goes on while they drain, each counted in the pool it joins (its
-    limits, its backlog per worker). A decode worker drains its streams first, and long answers
-    take a minute: one switch at a time then held the prefill pool at one worker per minute
-    while its backlog grew to minutes (simulated phase load, 16 workers). The other way waits
-    until they have joined (its want starts holding then: no flapping).
+    limits, its backlog per worker), on a prompt backlog or decode memory only: the latency
+    signals (30 s windows) show a switch only once the worker has joined and a window has
+    passed, and read while it drains they would move worker after worker for one want. A decode
+    worker drains its streams first, and long answers take a minute: one switch at a time then
+    held the prefill pool at one worker per minute while its backlog grew to minutes
+    (simulated phase load, 16 workers). The other way waits until they have joined (its want
+    starts holding then: no flapping).
     """
     if any(m is None for m in moving):
         return None, ""
     to_p = sum(m == "prefill" for m in moving)
     p = dataclasses.replace(prefill, workers=prefill.workers + to_p)
     d = dataclasses.replace(decode, workers=decode.workers + len(moving) - to_p)
+    if moving:
+        p, d = dataclasses.replace(p, ttft_p90_s=None), dataclasses.replace(d, tpot_p90_s=None)
     trial = dataclasses.replace(state)
     want, why = decide(now, p, d, tp, td, cfg, trial)
     way = want or trial.want
@@ -166,6 +178,9 @@ def _excess(prefill: Signals, tp: PrefillTargets) -> float:
     prompt backlog per worker / target (1: at target)."""
     ttft = prefill.ttft_p90_s * 1e3 / tp.target_ttft_ms if prefill.ttft_p90_s is not None else 0.0
     return max(ttft, prefill.queued_prompt_tokens / max(1, prefill.workers) / tp.target_queued_tokens)
+
+
+TIE_MARGIN = 1.5  # both pools late: how many times further over its target one must be to win
 
 
 def _below(n: int, most: int | None) -> bool:

@@ -289,6 +289,7 @@ def test_datasets_runs_the_comparison_on_each_and_hoists_the_keys_named_by_it():
             return {"dataset": a.dataset, "ttft_p90_ratio_prefix_blind_vs_aware": 3.5,
                     "kv_bytes_ratio_aware_vs_blind": 0.7, "aware_ttft_ms_p90": 100.0}
         return {"dataset": a.dataset, f"goodput_ratio_adaptive_vs_best_fixed_{a.dataset}": 1.1,
+                f"goodput_ratio_adaptive_vs_best_fixed_{a.dataset}_by_seed": [1.0, 1.1, 1.2],
                 "adaptive_goodput_median": 0.4}
     args = build_parser().parse_args(["--compare", "--modes", "all", "--datasets", "mix,phase,shared-prefix",
                                       "--rates", "0.2,0.4", "--seeds", "3", "--plot-dir", "/tmp/p"])
@@ -297,9 +298,11 @@ def test_datasets_runs_the_comparison_on_each_and_hoists_the_keys_named_by_it():
                     ("phase", True, False, "colocated", "0.2,0.4", 3, "/tmp/p/phase"),
                     ("shared-prefix", False, True, "disaggregated", None, 1, "/tmp/p/shared-prefix")]
     assert out["goodput_ratio_adaptive_vs_best_fixed_mix"] == out["goodput_ratio_adaptive_vs_best_fixed_phase"] == 1.1
+    assert out["goodput_ratio_adaptive_vs_best_fixed_phase_by_seed"] == [1.0, 1.1, 1.2]
     assert out["ttft_p90_ratio_prefix_blind_vs_aware"] == 3.5 and out["kv_bytes_ratio_aware_vs_blind"] == 0.7
     assert "adaptive_goodput_median" not in out and out["by_dataset"]["mix"]["adaptive_goodput_median"] == 0.4
     assert args.dataset == "mix" and args.compare  # (the caller's arguments untouched)
-    for bad in (["--datasets", "mix"], ["--compare", "--datasets", "mix,mix"]):
+    for bad in (["--datasets", "mix"], ["--compare", "--datasets", "mix,mix"], ["--compare", "--datasets", "mix,nope"]):
         with pytest.raises(BenchError):
             per_dataset(build_parser().parse_args(bad), run)
+    assert len(seen) == 3  # (none of them ran a dataset)

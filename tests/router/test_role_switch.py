@@ -136,8 +136,9 @@ def test_the_controller_switches_more_workers_the_same_way_while_one_drains():
         # (the draining one counted where it goes: the backlog is over two workers)
         assert done is not None and "decode -> prefill: prefill: queued prompt tokens 50000/worker" in done
         assert sum(w.state == "draining" and w.next_role == "prefill" for w in pools.workers.values()) == 2
-        pools.workers["prefill-0"].state = "draining"  # retiring (no next role): no decision
-        assert ctl.step(5.0) is None and ctl.step(9.0) is None
+        pools.workers["decode-1"].state = "draining"  # retiring (no next role): no decision,
+        assert ctl.step(5.0) is None and ctl.step(9.0) is None  # though the backlog is still there
+        assert ctl.trace[-1][1].queued_prompt_tokens == 100_000
         assert sum(w.state == "draining" and w.next_role == "prefill" for w in pools.workers.values()) == 2
         await _stop(pools)
     asyncio.run(run())

@@ -184,6 +184,9 @@ def test_both_pools_late_by_latency_alone_the_one_further_over_its_target_gains_
     assert replay([docs] * 12, prefill=1, decode=3)[-1] == (3, 1)
     streams = ({"ttft_p90_s": 2.4, "queued_prompt_tokens": 500}, {"kv_utilization": 0.2, "tpot_p90_s": 0.5})
     assert replay([streams] * 12, prefill=3, decode=1)[-1] == (1, 3)
+    # within the margin (TTFT 1.6x its target, TPOT 1.3x): no change, not one worker to and fro
+    close = ({"ttft_p90_s": 3.2, "queued_prompt_tokens": 500}, {"kv_utilization": 0.2, "tpot_p90_s": 0.13})
+    assert set(replay([close] * 30, prefill=2, decode=2)) == {(2, 2)}
 
 
 def test_while_workers_drain_more_go_the_same_way_counted_in_the_pool_they_join():
@@ -207,6 +210,16 @@ def test_while_workers_drain_more_go_the_same_way_counted_in_the_pool_they_join(
                for t in range(0, 30, 5))
     assert decide_moving(30.0, Signals(workers=3), full, [], P, D, CFG, state)[0] is None
     assert decide_moving(35.0, Signals(workers=3), full, [], P, D, CFG, state)[0] == ("prefill", "decode")
-    # a worker retiring: no decision at all
+    # while they drain, a want by latency alone moves no more (the signals do not show the
+    # drain yet); a backlog does (above)
+    late = Signals(workers=1, ttft_p90_s=60.0)
     state = RoleState()
-    assert all(decide_moving(t, p, d, [None], P, D, CFG, state)[0] is None for t in range(0, 30, 5))
+    assert all(decide_moving(t, late, d, ["prefill"], P, D, CFG, state)[0] is None for t in range(0, 30, 5))
+    assert decide_moving(30.0, late, d, [], P, D, CFG, state)[0] is None  # (it starts holding now)
+    assert decide_moving(35.0, late, d, [], P, D, CFG, state)[0] == ("decode", "prefill")
+    # a worker retiring: no decision at all, and a want held before it keeps holding
+    state = RoleState()
+    assert decide_moving(0.0, p, d, [], P, D, CFG, state)[0] is None
+    assert all(decide_moving(t, p, d, [None], P, D, CFG, state)[0] is None for t in (1.0, 3.0))
+    assert state.want == ("decode", "prefill") and state.since == 0.0
+    assert decide_moving(5.0, p, d, [], P, D, CFG, state)[0] == ("decode", "prefill")
