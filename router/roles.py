@@ -110,8 +110,7 @@ def decide(now: float, prefill: Signals, decode: Signals, tp: PrefillTargets, td
         # margin: with whole workers the two ratios cross at each switch, and without it one
         # worker went back and forth between two splits.
         if p_up:
-            p_x, d_x = _excess(prefill, tp), decode.tpot_p90_s * 1e3 / td.target_tpot_ms
-            p_up, d_up = p_x > TIE_MARGIN * d_x, d_x > TIE_MARGIN * p_x
+            p_up, d_up = _tie(_excess(prefill, tp), decode.tpot_p90_s * 1e3 / td.target_tpot_ms)
     # ... but an idle prefill pool gives its worker away only to a decode pool that is not idle
     # itself (TPOT counts here: with no prompt backlog, it is the batch's, which one
     # more decode worker splits). A worker given to an idle decode pool helps no stream, and
@@ -181,6 +180,12 @@ def _excess(prefill: Signals, tp: PrefillTargets) -> float:
 
 
 TIE_MARGIN = 1.5  # both pools late: how many times further over its target one must be to win
+
+
+def _tie(p_excess: float, d_excess: float) -> tuple[bool, bool]:
+    """(prefill wants, decode wants) when both are late by latency: the one ``TIE_MARGIN``
+    times further over its target (``decide``), else neither."""
+    return p_excess > TIE_MARGIN * d_excess, d_excess > TIE_MARGIN * p_excess
 
 
 def _below(n: int, most: int | None) -> bool:
