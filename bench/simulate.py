@@ -157,7 +157,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _with(spec: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
     return dataclasses.replace(spec, local_prefill_tokens=args.local_prefill_tokens,
-                               prefix_aware=not args.prefix_blind)
+                               prefix_aware=not args.prefix_blind, node_workers=args.node_workers)
 
 
 def recommend(cost: CostModel, workload: str, workers: int, slo: dict, duration_s: float = 300.0,
@@ -171,7 +171,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     # (heavy: torch and the engine, loaded only by what uses them)
     from bench.sim.profile import profile
     cost = profile(args.model, threads=args.threads, transfer_gbps=args.transfer_gbps,
-                   log=lambda s: print(s, file=sys.stderr), cluster=args.cluster)
+                   log=lambda s: print(s, file=sys.stderr), cluster=args.cluster, node=args.node)
     out = cost.save(args.out or cached_path(args.model, args.threads))
     print(out)
     return 0
@@ -192,6 +192,9 @@ def add_run_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--local-prefill-tokens", type=int, default=96,
                    help="disaggregated-local and adaptive: router.local_prefill_tokens (default 96)")
     a.add_argument("--prefix-blind", action="store_true", help="router.prefix_aware: false")
+    a.add_argument("--node-workers", type=int, default=1,
+                   help="workers per node sharing its memory bandwidth (the cost model's node factors; default 1: "
+                        "each alone, which flatters the modes that run prompts beside streams on one node)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--transfer-gbps", type=float, default=None, help="KV transfer GB/s (default: measure a copy)")
     pr.add_argument("--no-cluster", dest="cluster", action="store_false",
                     help="skip what a running cluster adds per request and per step (request_ms, loop_ms: 0)")
+    pr.add_argument("--no-node", dest="node", action="store_false",
+                    help="skip how much a neighbour on the node slows a step (node factors: 1)")
     pr.add_argument("--out", default=None, help="where to write it (default ~/.cache/pdserve/sim/cost_MODEL.json; "
                                                 "cost_MODEL_tT.json at --threads T > 1)")
     pr.set_defaults(func=cmd_profile)

@@ -53,12 +53,16 @@ class ClusterSpec:
     prefill_targets: PrefillTargets = field(default_factory=PrefillTargets)
     decode_targets: DecodeTargets = field(default_factory=DecodeTargets)
     window_s: float = 30.0  # autoscale.window_s
+    # workers per node, sharing its memory bandwidth (workers.py neighbours; consecutive
+    # workers share one): 1 = each alone, as the scale runs assume; a 2-core machine running
+    # a prefill and a decode worker of one thread each is 2 (validate.sim_setup)
+    node_workers: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
-        if self.workers < 1:
-            raise ValueError("workers must be >= 1")
+        if self.workers < 1 or self.node_workers < 1:
+            raise ValueError("workers and node_workers must be >= 1")
         if not self.mode.startswith("colocated") and not 1 <= self.prefill < self.workers:
             raise ValueError(f"{self.mode}: prefill workers must be in 1..{self.workers - 1}, got {self.prefill}")
 
@@ -80,6 +84,11 @@ class Cluster:
             role = "colocated" if colocated else "prefill" if i < spec.prefill else "decode"
             self.workers[f"w{i:03d}"] = SimWorker(f"w{i:03d}", role, cost,
                                                   chunked=spec.mode != "colocated")
+        ws = list(self.workers.values())
+        for i, w in enumerate(ws):
+            first = i - i % spec.node_workers
+            w.neighbours = [n for n in ws[first:first + spec.node_workers] if n is not w]
+        self._announced: dict[str, bool] = {}  # each worker's busy state its neighbours last saw
         self.index = PrefixIndex() if spec.prefix_aware else None
         self.heap: list = []
         self.seq = itertools.count()
@@ -218,6 +227,18 @@ class Cluster:
         elif w.state == "draining" and w.holds_nothing():
             w.state = "switching"  # (rewiring: the switch's cost, once)
             self.push(self.now + self.cost.switch_ms / 1e3, "switched", w)
+        self._announce(w)
+
+    def _announce(self, w: SimWorker) -> None:
+        """``w`` started or stopped computing: its neighbours' decode runs end at their next step
+        and go on at the pace a busy (or quiet) node gives them (workers.py module doc)."""
+        if not w.neighbours or self._announced.get(w.wid, False) == w.busy:
+            return
+        self._announced[w.wid] = w.busy
+        for n in w.neighbours:
+            t = n.interrupt(self.now)
+            if t is not None:
+                self.push(t, "step", (n, n.gen))
 
     def _step_done(self, w: SimWorker) -> None:
         if w.run is not None:
@@ -278,7 +299,8 @@ class Cluster:
         paces = []
         for w in self.workers.values():
             if w.running:
-                pace = self.cost.step_ms(len(w.running), sum(j.ctx for j in w.running)) / 1e3
+                pace = self.cost.step_ms(len(w.running), sum(j.ctx for j in w.running)) / 1e3 * (
+                    self.cost.node_decode_x if w.crowded() else 1.0)
                 paces += [pace for j in w.running if j.generated >= 16]
         awaiting = [(self.now - j.placed_at, j.prompt_tokens) for j in self._prefilling]
         s_p, s_d = role_signals(self.workers, list(self.recent), paces, len(self.queue), awaiting, self.now,

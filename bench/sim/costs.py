@@ -14,6 +14,14 @@ tokens after ``past`` tokens already computed. Its time, fitted to the engine's 
 so a run of decode-only steps has a closed-form duration (``decode_run_ms``): the simulator
 advances a batch many steps per event instead of one.
 
+Workers that share a node share its memory bandwidth and caches: a step while another worker on
+the node computes takes longer (measured by ``bench.sim.profile.measure_node``, two engines on
+two cores, one stepping while the other runs prompts or decodes; 1 when not measured)::
+
+    node_decode_x   a decode-only step's time, a neighbour busy / alone (decode reads weights
+                    and KV: it is the one bandwidth-bound, so the one that slows most)
+    node_prefill_x  a step with prompt tokens, a neighbour busy / alone
+
 A worker in a cluster does more than ``engine.step()``, and a request crosses more than the
 engine (both measured on a running cluster by ``bench.sim.profile``; 0 when not measured):
 
@@ -26,7 +34,7 @@ engine (both measured on a running cluster by ``bench.sim.profile``; 0 when not 
 JSON format (``format: pdserve-sim-cost/1``): ``model``, ``machine``, ``threads``,
 ``block_size``, ``kv_bytes_per_token``, ``kv_blocks`` (one worker's KV cache, in blocks),
 ``max_num_seqs``, ``max_batched_tokens``, ``step`` (the five coefficients above),
-``cluster`` (``loop_ms``, ``request_ms``; absent: 0),
+``cluster`` (``loop_ms``, ``request_ms``; absent: 0), ``node`` (``decode_x``, ``prefill_x``; absent: 1),
 ``transfer`` (``gbps``, ``latency_ms``), ``switch_ms`` (a role switch's rewiring once the
 worker is drained), ``sources`` (where each figure came from: measured or assumed) and
 ``samples`` (the raw measurements the fit came from).
@@ -74,6 +82,8 @@ class CostModel:
     switch_ms: float = 500.0
     loop_ms: float = 0.0  # per step in a cluster worker's loop (module doc)
     request_ms: float = 0.0  # per request between the client and the engine (module doc)
+    node_decode_x: float = 1.0  # a decode-only step beside a busy neighbour / alone (module doc)
+    node_prefill_x: float = 1.0  # a step with prompt tokens beside a busy neighbour / alone
     machine: str = ""
     threads: int = 1
     sources: dict = field(default_factory=dict)
@@ -87,6 +97,9 @@ class CostModel:
         for k in ("loop_ms", "request_ms"):
             if not math.isfinite(getattr(self, k)) or getattr(self, k) < 0:
                 raise ValueError(f"cost model cluster.{k} must be a finite number >= 0, got {getattr(self, k)!r}")
+        for k in ("node_decode_x", "node_prefill_x"):
+            if not (math.isfinite(getattr(self, k)) and getattr(self, k) >= 1.0):
+                raise ValueError(f"cost model node.{k[5:]} must be a finite number >= 1, got {getattr(self, k)!r}")
 
     # ---- what the simulator asks ----------------------------------------------------------
     def _rows_ms(self, batch: int, ctx: int) -> float:
@@ -138,9 +151,11 @@ class CostModel:
     def to_json(self) -> dict:
         d = asdict(self)
         d = {"format": FORMAT, **{k: v for k, v in d.items()
-                                  if k not in ("transfer_gbps", "transfer_latency_ms", "loop_ms", "request_ms")}}
+                                  if k not in ("transfer_gbps", "transfer_latency_ms", "loop_ms", "request_ms",
+                                               "node_decode_x", "node_prefill_x")}}
         d["transfer"] = {"gbps": self.transfer_gbps, "latency_ms": self.transfer_latency_ms}
         d["cluster"] = {"loop_ms": self.loop_ms, "request_ms": self.request_ms}
+        d["node"] = {"decode_x": self.node_decode_x, "prefill_x": self.node_prefill_x}
         return d
 
     def save(self, path: str | Path) -> Path:
@@ -160,12 +175,13 @@ def from_json(d: dict, source: str = "cost model") -> CostModel:
         raise ValueError(f"{source}: not a {FORMAT} file (its `format` field)")
     try:
         step = StepCost(**{k: float(d["step"][k]) for k in STEP_KEYS})
-        t, c = d.get("transfer", {}), d.get("cluster", {})
+        t, c, nd = d.get("transfer", {}), d.get("cluster", {}), d.get("node", {})
         keys = ("block_size", "kv_bytes_per_token", "kv_blocks", "max_num_seqs", "max_batched_tokens", "threads")
         return CostModel(model=str(d["model"]), step=step, transfer_gbps=float(t.get("gbps", 1.0)),
                          transfer_latency_ms=float(t.get("latency_ms", 1.0)),
                          switch_ms=float(d.get("switch_ms", 500.0)), machine=str(d.get("machine", "")),
                          loop_ms=float(c.get("loop_ms", 0.0)), request_ms=float(c.get("request_ms", 0.0)),
+                         node_decode_x=float(nd.get("decode_x", 1.0)), node_prefill_x=float(nd.get("prefill_x", 1.0)),
                          sources=dict(d.get("sources", {})), samples=dict(d.get("samples", {})),
                          **{k: int(d[k]) for k in keys if k in d})
     except KeyError as e:

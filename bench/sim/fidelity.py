@@ -108,9 +108,10 @@ def _err(c: Cell, tolerance: float) -> str:
     return f"{sign}{e * 100:.0f}%" + ("*" if e > tolerance else "")
 
 
-def render_table(cs: Sequence[Cell], tolerance: float = TOLERANCE) -> str:
+def render_table(cs: Sequence[Cell], tolerance: float = TOLERANCE, other: str = "sim") -> str:
     """One row per (mode, load): each figure real / sim (ms) and the signed error (sim above
-    real: +); ``*`` marks a cell over ``tolerance``."""
+    real: +); ``*`` marks a cell over ``tolerance``. ``other`` names the second column (a
+    second real run: ``real 2``)."""
     rows: dict[tuple[str, str], dict] = {}
     for c in cs:
         r = rows.setdefault((c.mode, c.load), {"mode": c.mode, "load": c.load})
@@ -118,15 +119,16 @@ def render_table(cs: Sequence[Cell], tolerance: float = TOLERANCE) -> str:
     cols = [("mode", "mode", "s"), ("load", "load", "s")]
     for f in FIGURES:
         name = f.replace("_ms_", " ").upper().replace("P50", "p50").replace("P90", "p90")
-        cols += [(f"{f}_real", f"{name} real", ".0f"), (f"{f}_sim", "sim", ".0f"), (f"{f}_err", "err", "s")]
+        cols += [(f"{f}_real", f"{name} real", ".0f"), (f"{f}_sim", other, ".0f"), (f"{f}_err", "err", "s")]
     return table(list(rows.values()), cols)
 
 
-def report(cs: Sequence[Cell], meta: dict, tolerance: float = TOLERANCE) -> dict:
-    """The JSON line: ``sim_vs_real_max_rel_error``, the worst cells, how many missed
+def report(cs: Sequence[Cell], meta: dict, tolerance: float = TOLERANCE,
+           key: str = "sim_vs_real_max_rel_error") -> dict:
+    """The JSON line: ``key`` (the largest error), the worst cells, how many missed
     ``tolerance``, every cell, and ``meta`` (what ran: model, loads, seeds, cost models)."""
     over = [c for c in cs if c.rel_error is not None and c.rel_error > tolerance]
     m = max_rel_error(cs)
-    return {"sim_vs_real_max_rel_error": None if m is None else round(m, 4), "tolerance": tolerance,
+    return {key: None if m is None else round(m, 4), "tolerance": tolerance,
             "cells_over_tolerance": len(over), "cells_compared": sum(c.rel_error is not None for c in cs),
             "worst": [c.to_json() for c in worst(cs, 5)], **meta, "cells": [c.to_json() for c in cs]}

@@ -13,6 +13,11 @@ KV bytes per token come from the model's shape; transfer GB/s from a copy of one
 cost is assumed (``sources`` says which figures are measured). About three minutes for
 smollm2-135m on one core.
 
+Then, for a 1-thread profile (``node=True``, :func:`measure_node`), how much a neighbour on the
+node slows a step: a second engine in another process (the other core) runs prompts, or decodes
+a batch, while this one times decode steps, then prompt steps, each against the same steps alone
+(costs.py ``node_decode_x``, ``node_prefill_x``). Half a minute.
+
 Then (``cluster=True``, :func:`measure_cluster`) what a cluster adds: a local cluster of the
 workers a mode of that thread count runs (1 thread: 1 prefill + 1 decode worker; 2: one
 colocated worker) serves ``CLUSTER_REQUESTS`` lone requests, one at a time; the median TTFT
@@ -23,6 +28,7 @@ less a lone decode step's time is ``loop_ms`` (costs.py). About a minute more.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import platform
 import statistics
 import time
@@ -40,6 +46,10 @@ DECODE_STEPS = 3
 REPEATS = 3
 CLUSTER_REQUESTS = 12  # lone requests through a running cluster (measure_cluster)
 CLUSTER_PROMPT, CLUSTER_ANSWER = 64, 48  # their prompt and answer tokens
+# measure_node: the decode batch timed (a disaggregated decode worker's few streams), the prompt
+# chunk timed and the neighbour's work (a prefill worker's prompts; a decode worker's batch)
+NODE_BATCH, NODE_CTX, NODE_CHUNK, NODE_NEIGHBOUR_BATCH = 4, 256, 256, 16
+NODE_DECODE_STEPS, NODE_PROMPTS = 40, 8
 
 
 def _engine(model: str | None, threads: int, budget: int):
@@ -57,7 +67,7 @@ def _prompt(i: int, n: int, vocab: int) -> list[int]:
 
 
 def profile(model: str | None = None, threads: int = 1, transfer_gbps: float | None = None,
-            log=print, cluster: bool = True) -> CostModel:
+            log=print, cluster: bool = True, node: bool = True) -> CostModel:
     """Measure and fit (module doc). ``log`` gets one line per measured point."""
     # (heavy: torch and the engine, loaded only by what uses them)
     import torch
@@ -131,6 +141,8 @@ def profile(model: str | None = None, threads: int = 1, transfer_gbps: float | N
                      transfer_latency_ms=1.0, switch_ms=500.0, threads=threads,
                      machine=f"{platform.machine()} {platform.processor() or ''}".strip(), sources=sources,
                      samples={"prefill": prefill, "decode": decode})
+    if node and threads == 1:  # (a 2-thread worker has the 2-core node to itself)
+        cost = measure_node(cost, eng, model, log)
     del eng  # (its memory, before a cluster's workers load the model again)
     return measure_cluster(cost, model, log) if cluster else cost
 
@@ -182,3 +194,86 @@ def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
                                sources={**cost.sources, "cluster": f"measured: {len(ok)} lone requests through a "
                                                                    f"local {cfg.mode} cluster"},
                                samples={**cost.samples, "cluster": {"ttft_ms": ttfts, "tpot_ms": tpots}})
+
+
+def _neighbour(model: str | None, kind: str, ready, stop) -> None:
+    """The other engine on the node (measure_node), in its own process: until ``stop``, it
+    prefills fresh prompts of NODE_CHUNK tokens (``kind`` "prefill") or decodes a batch of
+    NODE_NEIGHBOUR_BATCH streams ("decode")."""
+    # (heavy: torch and the engine, loaded only by what uses them)
+    from engine.request import SamplingParams
+    eng = _engine(model, 1, budget=max(PREFILL_CHUNKS))
+    vocab, uid = eng.model_config.vocab_size, iter(range(10**6, 10**9))
+    one, long = SamplingParams(max_tokens=1, temperature=0.0), \
+        SamplingParams(max_tokens=512, temperature=0.0, ignore_eos=True)
+    ready.set()
+    while not stop.is_set():
+        if kind == "prefill" and not eng.has_unfinished():
+            eng.add_request(_prompt(next(uid), NODE_CHUNK, vocab), one)
+        while kind == "decode" and len(eng.scheduler.running) + len(eng.scheduler.waiting) < NODE_NEIGHBOUR_BATCH:
+            eng.add_request(_prompt(next(uid), NODE_CTX, vocab), long)
+        eng.step()
+
+
+def _timed_steps(eng, kind: str, uid, vocab: int) -> list[float]:
+    """ms of NODE_DECODE_STEPS decode steps of a batch of NODE_BATCH at about NODE_CTX tokens
+    each, or of NODE_PROMPTS fresh prompts of NODE_CHUNK tokens (one step each)."""
+    # (heavy: torch and the engine, loaded only by what uses them)
+    from engine.request import SamplingParams
+    out = []
+    if kind == "prefill":
+        for _ in range(NODE_PROMPTS):
+            eng.add_request(_prompt(next(uid), NODE_CHUNK, vocab), SamplingParams(max_tokens=1, temperature=0.0))
+            t0 = time.perf_counter()
+            while eng.has_unfinished():
+                eng.step()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    rids = [eng.add_request(_prompt(next(uid), NODE_CTX, vocab),
+                            SamplingParams(max_tokens=NODE_DECODE_STEPS + 8, temperature=0.0, ignore_eos=True))
+            for _ in range(NODE_BATCH)]
+    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(NODE_DECODE_STEPS):
+        t0 = time.perf_counter()
+        eng.step()
+        out.append((time.perf_counter() - t0) * 1e3)
+    for rid in rids:
+        eng.abort(rid)
+    return out
+
+
+def node_factor(alone_ms: list[float], beside_ms: list[float]) -> float:
+    """Median beside a busy neighbour / median alone, at least 1 (a neighbour never speeds a
+    step up: below 1 is noise)."""
+    return max(1.0, statistics.median(beside_ms) / statistics.median(alone_ms))
+
+
+def measure_node(cost: CostModel, eng, model: str | None, log=print) -> CostModel:
+    """``cost`` with ``node_decode_x`` and ``node_prefill_x`` measured (module doc): this
+    process's ``eng`` times its steps alone, then beside a neighbour process at work."""
+    vocab, uid = eng.model_config.vocab_size, iter(range(2 * 10**9, 3 * 10**9))
+    ctx = mp.get_context("spawn")  # (a fresh interpreter: no fork of this one's torch threads)
+    x, samples = {}, {}
+    for mine, theirs in (("decode", "prefill"), ("prefill", "decode")):
+        alone = _timed_steps(eng, mine, uid, vocab)
+        ready, stop = ctx.Event(), ctx.Event()
+        p = ctx.Process(target=_neighbour, args=(model, theirs, ready, stop), daemon=True)
+        p.start()
+        try:
+            if not ready.wait(180):
+                raise RuntimeError("the profile's neighbour engine did not start within 180 s")
+            time.sleep(1.0)  # (its first steps: one-time costs)
+            beside = _timed_steps(eng, mine, uid, vocab)
+        finally:
+            stop.set()
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+        x[mine] = node_factor(alone, beside)
+        samples[mine] = {"alone_ms": alone, "beside_ms": beside}
+        log(f"node: {mine} steps beside a neighbour running {theirs}: median {statistics.median(beside):.1f} ms "
+            f"against {statistics.median(alone):.1f} alone: x {x[mine]:.3f}")
+    return dataclasses.replace(cost, node_decode_x=round(x["decode"], 3), node_prefill_x=round(x["prefill"], 3),
+                               sources={**cost.sources, "node": "measured: two engines, two processes"},
+                               samples={**cost.samples, "node": samples})

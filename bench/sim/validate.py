@@ -59,7 +59,8 @@ def sim_setup(cfg, costs: dict[int, CostModel], kv_blocks: int | None) -> tuple[
     real workers reported (``kv_blocks``: their budget, bench/modes.py ``kv_split`` of
     ``--kv-gb``; the decode side's, as the simulator gives every worker one size). Both pools
     share the decode pool's step budget
-    (equal in every mode here: the engine's default)."""
+    (equal in every mode here: the engine's default). Every worker shares the one machine's
+    memory bandwidth: one node."""
     colocated = cfg.mode == "colocated"
     if colocated:
         mode = "colocated+chunked" if cfg.decode.chunked_prefill else "colocated"
@@ -77,12 +78,13 @@ def sim_setup(cfg, costs: dict[int, CostModel], kv_blocks: int | None) -> tuple[
                                max_batched_tokens=cfg.decode.max_batched_tokens,
                                max_num_seqs=cfg.decode.max_num_seqs,
                                kv_blocks=kv_blocks or costs[threads].kv_blocks)
-    spec = ClusterSpec(mode, cfg.decode.replicas + (0 if colocated else cfg.prefill.replicas),
+    workers = cfg.decode.replicas + (0 if colocated else cfg.prefill.replicas)
+    spec = ClusterSpec(mode, workers,
                        prefill=0 if colocated else cfg.prefill.replicas,
                        local_prefill_tokens=cfg.router.local_prefill_tokens, prefix_aware=cfg.router.prefix_aware,
                        queue_timeout_s=cfg.router.queue_timeout_s, max_queue=cfg.router.max_queue, roles=cfg.roles,
                        prefill_targets=cfg.autoscale.prefill, decode_targets=cfg.autoscale.decode,
-                       window_s=cfg.autoscale.window_s)
+                       window_s=cfg.autoscale.window_s, node_workers=workers)  # (one machine: one node)
     return spec, cost
 
 
@@ -227,6 +229,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also write the real runs' measurements here")
     g.add_argument("--real-in", dest="v_real_in", default=None, metavar="JSON",
                    help="no cluster: simulate against measurements a --real-out wrote")
+    g.add_argument("--real-vs", dest="v_real_vs", default=None, metavar="JSON",
+                   help="with --real-in, no simulator: compare its runs with another real record of the same "
+                        "arrivals (the floor a simulator's error is read against: how far the real cluster is "
+                        "from itself); the JSON line's key is real_vs_real_max_rel_error")
 
 
 def _names(text: str, known, what: str) -> list[str]:
@@ -240,6 +246,10 @@ def _names(text: str, known, what: str) -> list[str]:
 def cmd_validate(args: argparse.Namespace) -> int:
     def log(s: str) -> None:
         print(f"[validate] {s}", file=sys.stderr, flush=True)
+    if args.v_real_vs:
+        if not args.v_real_in:
+            raise ValueError("--real-vs compares two real records: give the first with --real-in")
+        return _real_vs_real(_read_record(args.v_real_in), _read_record(args.v_real_vs, "--real-vs"))
     record = _read_record(args.v_real_in) if args.v_real_in else None
     if record is None:
         modes = _names(args.v_modes, list(COMPARE), "modes")
@@ -257,10 +267,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                           (lambda r: out.write_text(json.dumps(r) + "\n")) if out else (lambda r: None))
     cs = simulate_record(record, costs, log)
     print(render_table(cs))
-    meta = {k: record.get(k) for k in ("model", "num_requests", "rate", "seed", "loads", "modes")}
-    meta["runs"] = [{k: r.get(k) for k in ("mode", "load", "seed", "kv_blocks", "failed", "send_lag_ms_max", "wall_s",
-                                                "loadavg_1m_after")}
-                    for r in record["runs"]]
+    meta = _meta(record)
     meta["cost_models"] = {str(t): {"machine": c.machine, "step": dataclasses.asdict(c.step),
                                     "transfer_gbps": c.transfer_gbps, "transfer_latency_ms": c.transfer_latency_ms}
                            for t, c in sorted(costs.items())}
@@ -268,11 +275,51 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_record(path: str) -> dict:
+SAME = ("model", "num_requests", "rate", "seed", "warmup")  # what two records must share to be compared
+
+
+def _meta(record: dict) -> dict:
+    meta = {k: record.get(k) for k in ("model", "num_requests", "rate", "seed", "loads", "modes")}
+    meta["runs"] = [{k: r.get(k) for k in ("mode", "load", "seed", "kv_blocks", "failed", "send_lag_ms_max", "wall_s",
+                                            "loadavg_1m_after")} for r in record["runs"]]
+    return meta
+
+
+def real_cells(a: dict, b: dict) -> list[Cell]:
+    """Run by run, record ``a`` against ``b`` (``b`` in the second column): the runs both have,
+    matched by mode, load and seed.
+
+    Raises:
+        ValueError: the records ran different requests or arrivals (a field of ``SAME`` differs),
+            or share no run.
+    """
+    diff = [k for k in SAME if a.get(k) != b.get(k)]
+    if diff:
+        raise ValueError("the two records did not send the same requests at the same times: "
+                         + ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in diff))
+    theirs = {(r["mode"], r["load"], r["seed"]): r for r in b["runs"]}
+    out: list[Cell] = []
+    for r in a["runs"]:
+        o = theirs.get((r["mode"], r["load"], r["seed"]))
+        if o is not None:
+            out += cells(r["mode"], r["load"], Figures.of(r["ttft_s"], r["tpot_s"]), Figures.of(o["ttft_s"], o["tpot_s"]))
+    if not out:
+        raise ValueError("the two records share no run (mode, load and seed)")
+    return out
+
+
+def _real_vs_real(a: dict, b: dict) -> int:
+    cs = real_cells(a, b)
+    print(render_table(cs, other="real 2"))
+    print(json.dumps(report(cs, {**_meta(a), "runs_2": _meta(b)["runs"]}, TOLERANCE, key="real_vs_real_max_rel_error")))
+    return 0
+
+
+def _read_record(path: str, flag: str = "--real-in") -> dict:
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--real-in {path}: {e}") from None
+        raise ValueError(f"{flag} {path}: {e}") from None
     if not isinstance(record, dict) or record.get("format") != REAL_FORMAT:
-        raise ValueError(f"--real-in {path}: not a {REAL_FORMAT} record (its `format` field)")
+        raise ValueError(f"{flag} {path}: not a {REAL_FORMAT} record (its `format` field)")
     return record

@@ -23,7 +23,10 @@ A step is one forward (``CostModel.step_ms``): with prompts waiting, their chunk
 the running decodes, within ``max_batched_tokens``; not chunked: whole prompts alone, decodes
 wait); otherwise a *run* of decode-only steps up to the first request that finishes, timed in
 closed form (``decode_run_ms``) and cut short at the next step boundary when the batch changes
-(``interrupt``). KV: a request's blocks are its context's, less the leading blocks it shares
+(``interrupt``). A worker's ``neighbours`` share its node: while one of them is busy, its
+steps take the cost model's ``node_decode_x`` / ``node_prefill_x`` times as long (fixed at a
+step's or run's start; the cluster cuts a run at the next step when a neighbour starts or stops).
+KV: a request's blocks are its context's, less the leading blocks it shares
 with the worker's prefix cache; blocks never go below zero and all are free at the end
 (``check``).
 """
@@ -94,7 +97,8 @@ class SimWorker:
         self.queued_tokens = 0  # prompt tokens in waiting not yet computed
         self.gen = 0  # bumps when the step in progress is replaced (stale events are dropped)
         self.busy = False
-        self.run: tuple[float, int, int, int] | None = None  # decode run: (t0, steps, batch, ctx)
+        self.run: tuple[float, int, int, int, float] | None = None  # decode run: (t0, steps, batch, ctx, x)
+        self.neighbours: list[SimWorker] = []  # the other workers on its node (module doc)
         self.step_work: tuple[list[tuple[SimJob, int]], list[SimJob]] | None = None
         self.busy_ms = 0.0
         self.max_used = 0
@@ -153,6 +157,10 @@ class SimWorker:
             self.alloc(want - job.dblocks)
             job.dblocks = want
 
+    def crowded(self) -> bool:
+        """A neighbour on its node is computing (module doc)."""
+        return any(n.busy for n in self.neighbours)
+
     def plan(self, now: float) -> tuple[float, str] | None:
         """Start the next step if idle: (its end time, kind) or None (nothing to do)."""
         if self.busy:
@@ -160,18 +168,20 @@ class SimWorker:
         while self.ready and len(self.running) < self.cost.max_num_seqs:
             self.running.append(self.ready.popleft())
         chunks = self._chunks()
+        crowded = self.crowded()
         if chunks:
             batch = list(self.running) if self.chunked else []
             ms = self.cost.step_ms(len(batch), sum(j.ctx for j in batch),
-                                   [(n, j.computed) for j, n in chunks])
+                                   [(n, j.computed) for j, n in chunks]) * (self.cost.node_prefill_x if crowded else 1.0)
             self.step_work, self.busy = (chunks, batch), True
             self.busy_ms += ms
             return now + ms / 1e3, "step"
         if self.running:
             k = min(j.spec.max_tokens - j.generated for j in self.running)
             b, ctx = len(self.running), sum(j.ctx for j in self.running)
-            self.run, self.busy = (now, k, b, ctx), True
-            return now + self.cost.decode_run_ms(b, ctx, k) / 1e3, "run"
+            x = self.cost.node_decode_x if crowded else 1.0
+            self.run, self.busy = (now, k, b, ctx, x), True
+            return now + self.cost.decode_run_ms(b, ctx, k) * x / 1e3, "run"
         return None
 
     def _chunks(self) -> list[tuple[SimJob, int]]:
@@ -204,18 +214,18 @@ class SimWorker:
         run's new end time, or None if it does not move (no run, or it ends by then anyway)."""
         if self.run is None:
             return None
-        t0, k, b, ctx = self.run
-        done = self.cost.decode_steps_within(b, ctx, (now - t0) * 1e3)
+        t0, k, b, ctx, x = self.run
+        done = self.cost.decode_steps_within(b, ctx, (now - t0) * 1e3 / x)
         if done + 1 >= k:
             return None
-        self.run = (t0, done + 1, b, ctx)
+        self.run = (t0, done + 1, b, ctx, x)
         self.gen += 1
-        return t0 + self.cost.decode_run_ms(b, ctx, done + 1) / 1e3
+        return t0 + self.cost.decode_run_ms(b, ctx, done + 1) * x / 1e3
 
     def end_run(self, now: float) -> list[SimJob]:
         """A decode run ended: every running request advanced its steps; returns the finished."""
-        t0, k, b, ctx = self.run
-        self.busy_ms += self.cost.decode_run_ms(b, ctx, k)
+        t0, k, b, ctx, x = self.run
+        self.busy_ms += self.cost.decode_run_ms(b, ctx, k) * x
         self.run, self.busy = None, False
         for j in self.running:
             j.generated += k

@@ -172,3 +172,28 @@ def test_validate_refuses_bad_input_with_a_message(tmp_path, capsys, monkeypatch
         sim_main([])  # neither a command nor --validate
     with pytest.raises(SystemExit):
         sim_main(["run", "--validate"])
+
+
+def test_real_vs_real_compares_two_records_of_the_same_arrivals(tmp_path, capsys):
+    """--real-in A --real-vs B: the same table and JSON line with B in the second column and no
+    simulator; records of other requests or arrivals are refused with what differs."""
+    a = _record(tmp_path)
+    b = json.loads(json.dumps(a))
+    b["runs"][1]["tpot_s"] = [t * 1.5 for t in b["runs"][1]["tpot_s"]]  # disaggregated / shared-prefix
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert sim_main(["--validate", "--real-in", str(pa), "--real-vs", str(pb)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    got = json.loads(out[-1])
+    assert "sim_vs_real_max_rel_error" not in got and "cost_models" not in got
+    assert got["real_vs_real_max_rel_error"] == pytest.approx(0.5, abs=1e-4)
+    assert {(c["mode"], c["load"], c["figure"]) for c in got["worst"][:2]} == \
+        {("disaggregated", "shared-prefix", "tpot_ms_p50"), ("disaggregated", "shared-prefix", "tpot_ms_p90")}
+    assert got["cells_over_tolerance"] == 2 and "real 2" in out[0]
+    b["rate"] = 0.6
+    pb.write_text(json.dumps(b))
+    assert sim_main(["--validate", "--real-in", str(pa), "--real-vs", str(pb)]) == 2
+    assert "rate 0.5 vs 0.6" in capsys.readouterr().err
+    assert sim_main(["--validate", "--real-vs", str(pb)]) == 2
+    assert "--real-in" in capsys.readouterr().err

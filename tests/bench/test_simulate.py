@@ -336,3 +336,39 @@ def test_adaptive_slo_runs_the_controller_with_the_slos_as_its_targets(monkeypat
         simulate(_spec(mode, n=4, p=1), COST, "mix", 0.2, 30.0, 0, SLO)
     tp, td = slo_targets(SLO)
     assert seen == [("adaptive-slo", tp, td), ("adaptive", PrefillTargets(), DecodeTargets())]
+
+
+def test_a_decode_run_beside_a_busy_neighbour_on_its_node_slows_by_the_measured_factor():
+    """Workers on one node share its memory bandwidth (costs.py node_decode_x): a stream
+    decoding while its neighbour prefills a long prompt loses P (1 - 1/x) of progress, P the
+    prompt's step. The slow pace starts and ends at a step boundary of the stream's run (the run
+    is cut at its next step when the neighbour starts or stops), so the slowed span is P less up
+    to one step s, or more by up to one slow step x s: the delay lies in
+    [(P - s)(1 - 1/x), (P + x s)(1 - 1/x)]. Alone (node_workers 1), or with x = 1, nothing changes."""
+    import dataclasses
+    x, short, answer, long = 1.5, 50, 400, 1000
+    trace = [Spec(0, 1.0, "chat", list(range(1000, 1000 + short)), answer),
+             Spec(1, 2.0, "document", list(range(5000, 5000 + long)), 1)]  # (arrives mid-answer)
+    slow = dataclasses.replace(COST, node_decode_x=x)
+
+    def finish(cost, node_workers):
+        a, b = Cluster(_spec("disaggregated", n=2, p=1, node_workers=node_workers), cost).run(trace)
+        assert b.placement.startswith("pool") and b.first_token < a.finish  # (its prefill overlaps a's answer)
+        return a.finish
+    alone = finish(slow, 1)
+    assert finish(COST, 2) == alone  # x = 1: the same as alone
+    p, s = COST.step_ms(0, 0, [(long, 0)]), COST.step_ms(1, short + answer)
+    delay_ms = (finish(slow, 2) - alone) * 1e3
+    assert (p - s) * (1 - 1 / x) <= delay_ms <= (p + x * s) * (1 - 1 / x)
+    # a worker alone on its node (colocated: one worker) never slows
+    assert Cluster(_spec("colocated", n=1, node_workers=2), slow).run(trace)[0].finish == \
+        Cluster(_spec("colocated", n=1), COST).run(trace)[0].finish
+    # the JSON keeps the factors (as "node"); a file without them is 1 (no neighbour measured); below 1 is refused
+    back = from_json(json.loads(json.dumps(slow.to_json())))
+    assert (back.node_decode_x, back.node_prefill_x) == (x, 1.0) and COST.node_decode_x == 1.0
+    with pytest.raises(ValueError, match="node.decode_x"):
+        from_json({**slow.to_json(), "node": {"decode_x": 0.9}})
+    # the profile's factor: median beside / median alone, never below 1 (a faster step beside a busy
+    # neighbour is noise)
+    from bench.sim.profile import node_factor
+    assert node_factor([10.0, 10.0, 99.0], [15.0, 15.0, 1.0]) == 1.5 and node_factor([10.0], [9.0]) == 1.0
