@@ -53,9 +53,10 @@ class ClusterSpec:
     prefill_targets: PrefillTargets = field(default_factory=PrefillTargets)
     decode_targets: DecodeTargets = field(default_factory=DecodeTargets)
     window_s: float = 30.0  # autoscale.window_s
-    # workers per node, sharing its memory bandwidth (workers.py neighbours; consecutive
-    # workers share one): 1 = each alone, as the scale runs assume; a 2-core machine running
-    # a prefill and a decode worker of one thread each is 2 (validate.sim_setup)
+    # workers per node, sharing its memory bandwidth (workers.py neighbours; worker i on node
+    # i mod nodes, so prefill workers spread over the nodes): 1 = each alone, as the scale runs
+    # assume; a 2-core machine running a prefill and a decode worker of one thread each is 2
+    # (validate.sim_setup)
     node_workers: int = 1
 
     def __post_init__(self) -> None:
@@ -84,11 +85,12 @@ class Cluster:
             role = "colocated" if colocated else "prefill" if i < spec.prefill else "decode"
             self.workers[f"w{i:03d}"] = SimWorker(f"w{i:03d}", role, cost,
                                                   chunked=spec.mode != "colocated")
-        ws = list(self.workers.values())
+        # worker i on node i mod nodes: the prefill workers (the first ones) spread over the nodes
+        ws, nodes = list(self.workers.values()), -(-spec.workers // spec.node_workers)
         for i, w in enumerate(ws):
-            first = i - i % spec.node_workers
-            w.neighbours = [n for n in ws[first:first + spec.node_workers] if n is not w]
+            w.neighbours = [n for k, n in enumerate(ws) if k % nodes == i % nodes and n is not w]
         self._announced: dict[str, bool] = {}  # each worker's busy state its neighbours last saw
+        self._quiet_node = cost.node_decode_x == cost.node_prefill_x == 1.0  # (neighbours change nothing)
         self.index = PrefixIndex() if spec.prefix_aware else None
         self.heap: list = []
         self.seq = itertools.count()
@@ -232,11 +234,11 @@ class Cluster:
     def _announce(self, w: SimWorker) -> None:
         """``w`` started or stopped computing: its neighbours' decode runs end at their next step
         and go on at the pace a busy (or quiet) node gives them (workers.py module doc)."""
-        if not w.neighbours or self._announced.get(w.wid, False) == w.busy:
+        if not w.neighbours or self._announced.get(w.wid, False) == w.busy or self._quiet_node:
             return
         self._announced[w.wid] = w.busy
         for n in w.neighbours:
-            t = n.interrupt(self.now)
+            t = n.repace(self.now)  # (None where its pace does not change: nothing is cut)
             if t is not None:
                 self.push(t, "step", (n, n.gen))
 
@@ -300,7 +302,7 @@ class Cluster:
         for w in self.workers.values():
             if w.running:
                 pace = self.cost.step_ms(len(w.running), sum(j.ctx for j in w.running)) / 1e3 * (
-                    self.cost.node_decode_x if w.crowded() else 1.0)
+                    w.run[4] if w.run is not None else 1.0)
                 paces += [pace for j in w.running if j.generated >= 16]
         awaiting = [(self.now - j.placed_at, j.prompt_tokens) for j in self._prefilling]
         s_p, s_d = role_signals(self.workers, list(self.recent), paces, len(self.queue), awaiting, self.now,

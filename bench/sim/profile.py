@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import time
@@ -204,15 +205,22 @@ def _neighbour(model: str | None, kind: str, ready, stop) -> None:
     from engine.request import SamplingParams
     eng = _engine(model, 1, budget=max(PREFILL_CHUNKS))
     vocab, uid = eng.model_config.vocab_size, iter(range(10**6, 10**9))
-    one, long = SamplingParams(max_tokens=1, temperature=0.0), \
-        SamplingParams(max_tokens=512, temperature=0.0, ignore_eos=True)
-    ready.set()
+    one, steps = SamplingParams(max_tokens=1, temperature=0.0), 0
     while not stop.is_set():
         if kind == "prefill" and not eng.has_unfinished():
             eng.add_request(_prompt(next(uid), NODE_CHUNK, vocab), one)
         while kind == "decode" and len(eng.scheduler.running) + len(eng.scheduler.waiting) < NODE_NEIGHBOUR_BATCH:
-            eng.add_request(_prompt(next(uid), NODE_CTX, vocab), long)
+            # (answers of different lengths: the streams end, and are replaced, one at a time)
+            n = 256 + 16 * (next(uid) % NODE_NEIGHBOUR_BATCH)
+            eng.add_request(_prompt(next(uid), NODE_CTX, vocab), SamplingParams(max_tokens=n, temperature=0.0,
+                                                                                 ignore_eos=True))
         eng.step()
+        steps += 1
+        # ready once at its steady work: its first prompts past, a decode batch's prompts computed
+        if not ready.is_set() and steps >= 3 and (kind == "prefill" or (
+                not eng.scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                  for r in eng.scheduler.running))):
+            ready.set()
 
 
 def _timed_steps(eng, kind: str, uid, vocab: int) -> list[float]:
@@ -252,6 +260,9 @@ def node_factor(alone_ms: list[float], beside_ms: list[float]) -> float:
 def measure_node(cost: CostModel, eng, model: str | None, log=print) -> CostModel:
     """``cost`` with ``node_decode_x`` and ``node_prefill_x`` measured (module doc): this
     process's ``eng`` times its steps alone, then beside a neighbour process at work."""
+    if len(os.sched_getaffinity(0)) < 2:  # (on one core a neighbour time-slices: not what a node shares)
+        log("node: this process may use one CPU only: no neighbour measured (node factors 1)")
+        return dataclasses.replace(cost, sources={**cost.sources, "node": "not measured: one CPU"})
     vocab, uid = eng.model_config.vocab_size, iter(range(2 * 10**9, 3 * 10**9))
     ctx = mp.get_context("spawn")  # (a fresh interpreter: no fork of this one's torch threads)
     x, samples = {}, {}
@@ -261,15 +272,20 @@ def measure_node(cost: CostModel, eng, model: str | None, log=print) -> CostMode
         p = ctx.Process(target=_neighbour, args=(model, theirs, ready, stop), daemon=True)
         p.start()
         try:
-            if not ready.wait(180):
-                raise RuntimeError("the profile's neighbour engine did not start within 180 s")
-            time.sleep(1.0)  # (its first steps: one-time costs)
+            t0 = time.monotonic()
+            while not ready.wait(0.5):
+                if not p.is_alive() or time.monotonic() - t0 > 300:
+                    raise RuntimeError(f"the profile's neighbour engine ({theirs}) did not start "
+                                       f"(exit code {p.exitcode}; waited {time.monotonic() - t0:.0f} s)")
             beside = _timed_steps(eng, mine, uid, vocab)
+            if not p.is_alive():  # (else "beside" was alone for some of it)
+                raise RuntimeError(f"the profile's neighbour engine ({theirs}) stopped (exit code {p.exitcode})")
         finally:
             stop.set()
             p.join(30)
             if p.is_alive():
                 p.terminate()
+                p.join(5)
         x[mine] = node_factor(alone, beside)
         samples[mine] = {"alone_ms": alone, "beside_ms": beside}
         log(f"node: {mine} steps beside a neighbour running {theirs}: median {statistics.median(beside):.1f} ms "

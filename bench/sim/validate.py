@@ -108,6 +108,9 @@ def ensure_costs(model: str, threads: list[int], given: list[str], profile_ok: b
         path = cached_path(model, t)
         if path.is_file():
             costs[t] = load(path)
+            if t == 1 and "node" not in costs[t].sources:
+                log(f"{path} has no node factors (profiled before they were measured): its workers never slow "
+                    f"each other; re-profile to measure them (`python -m bench.simulate profile --model {model}`)")
             continue
         if not profile_ok:
             raise ValueError(f"no cost model of {model} at {t} thread(s) on this machine ({path}): make one with "
@@ -269,7 +272,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(render_table(cs))
     meta = _meta(record)
     meta["cost_models"] = {str(t): {"machine": c.machine, "step": dataclasses.asdict(c.step),
-                                    "transfer_gbps": c.transfer_gbps, "transfer_latency_ms": c.transfer_latency_ms}
+                                    "transfer_gbps": c.transfer_gbps, "transfer_latency_ms": c.transfer_latency_ms,
+                                    "loop_ms": c.loop_ms, "request_ms": c.request_ms,
+                                    "node_decode_x": c.node_decode_x, "node_prefill_x": c.node_prefill_x}
                            for t, c in sorted(costs.items())}
     print(json.dumps(report(cs, meta, TOLERANCE)))
     return 0

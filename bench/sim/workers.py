@@ -24,8 +24,9 @@ the running decodes, within ``max_batched_tokens``; not chunked: whole prompts a
 wait); otherwise a *run* of decode-only steps up to the first request that finishes, timed in
 closed form (``decode_run_ms``) and cut short at the next step boundary when the batch changes
 (``interrupt``). A worker's ``neighbours`` share its node: while one of them is busy, its
-steps take the cost model's ``node_decode_x`` / ``node_prefill_x`` times as long (fixed at a
-step's or run's start; the cluster cuts a run at the next step when a neighbour starts or stops).
+steps take the cost model's ``node_decode_x`` / ``node_prefill_x`` times as long. When a
+neighbour starts or stops (``repace``), a prompt step in progress goes on at the new pace for
+the rest of its work, and a decode run is cut at its next step (the next run takes the new pace).
 KV: a request's blocks are its context's, less the leading blocks it shares
 with the worker's prefix cache; blocks never go below zero and all are free at the end
 (``check``).
@@ -100,6 +101,8 @@ class SimWorker:
         self.run: tuple[float, int, int, int, float] | None = None  # decode run: (t0, steps, batch, ctx, x)
         self.neighbours: list[SimWorker] = []  # the other workers on its node (module doc)
         self.step_work: tuple[list[tuple[SimJob, int]], list[SimJob]] | None = None
+        self.step_pace: tuple[float, float, float] | None = None  # its (since, ms of work left then, x)
+        self.step_t0 = 0.0
         self.busy_ms = 0.0
         self.max_used = 0
         self.overflow = 0  # allocations past the total (placement promised room it did not have)
@@ -161,6 +164,26 @@ class SimWorker:
         """A neighbour on its node is computing (module doc)."""
         return any(n.busy for n in self.neighbours)
 
+    def _pace(self) -> tuple[float, float]:
+        """(decode-only, prompt) step time factors on its node now (module doc)."""
+        if self.crowded():
+            return self.cost.node_decode_x, self.cost.node_prefill_x
+        return 1.0, 1.0
+
+    def repace(self, now: float) -> float | None:
+        """A neighbour started or stopped (module doc): the new end of the work in progress
+        (``gen`` bumped: the old end is stale), or None where it does not move."""
+        run_x, step_x = self._pace()
+        if self.run is not None:
+            return self.interrupt(now) if self.run[4] != run_x else None
+        if self.step_pace is None or self.step_pace[2] == step_x:
+            return None
+        since, left, x = self.step_pace
+        left = max(0.0, left - (now - since) * 1e3 / x)
+        self.step_pace = (now, left, step_x)
+        self.gen += 1
+        return now + left * step_x / 1e3
+
     def plan(self, now: float) -> tuple[float, str] | None:
         """Start the next step if idle: (its end time, kind) or None (nothing to do)."""
         if self.busy:
@@ -168,18 +191,17 @@ class SimWorker:
         while self.ready and len(self.running) < self.cost.max_num_seqs:
             self.running.append(self.ready.popleft())
         chunks = self._chunks()
-        crowded = self.crowded()
         if chunks:
             batch = list(self.running) if self.chunked else []
-            ms = self.cost.step_ms(len(batch), sum(j.ctx for j in batch),
-                                   [(n, j.computed) for j, n in chunks]) * (self.cost.node_prefill_x if crowded else 1.0)
+            ms = self.cost.step_ms(len(batch), sum(j.ctx for j in batch), [(n, j.computed) for j, n in chunks])
+            x = self._pace()[1]
             self.step_work, self.busy = (chunks, batch), True
-            self.busy_ms += ms
-            return now + ms / 1e3, "step"
+            self.step_pace, self.step_t0 = (now, ms, x), now
+            return now + ms * x / 1e3, "step"
         if self.running:
             k = min(j.spec.max_tokens - j.generated for j in self.running)
             b, ctx = len(self.running), sum(j.ctx for j in self.running)
-            x = self.cost.node_decode_x if crowded else 1.0
+            x = self._pace()[0]
             self.run, self.busy = (now, k, b, ctx, x), True
             return now + self.cost.decode_run_ms(b, ctx, k) * x / 1e3, "run"
         return None
@@ -234,7 +256,8 @@ class SimWorker:
     def end_step(self, now: float) -> tuple[list[SimJob], list[SimJob]]:
         """A step ended: (prompts whose last chunk it was, requests finished)."""
         chunks, batch = self.step_work
-        self.step_work, self.busy = None, False
+        self.step_work, self.step_pace, self.busy = None, None, False
+        self.busy_ms += (now - self.step_t0) * 1e3
         for j in batch:
             j.generated += 1
         prefilled = []

@@ -108,6 +108,7 @@ def test_each_real_mode_becomes_its_simulated_twin(tmp_path):
         spec, cost = validate.sim_setup(cluster_config(m, COMPARE[m], a), costs, 900)
         got[m] = (spec.mode, spec.workers, spec.prefill, cost.threads, cost.max_batched_tokens, cost.kv_blocks)
         assert spec.local_prefill_tokens == (96 if m in ("disaggregated-local", "adaptive") else 0)
+        assert spec.node_workers == spec.workers  # (one machine: every worker shares its bandwidth)
     assert got == {"disaggregated": ("disaggregated", 2, 1, 1, 2048, 900),
                    "colocated": ("colocated", 1, 0, 2, 8192, 900),
                    "colocated-chunked": ("colocated+chunked", 1, 0, 2, 256, 900),

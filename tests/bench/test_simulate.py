@@ -360,9 +360,22 @@ def test_a_decode_run_beside_a_busy_neighbour_on_its_node_slows_by_the_measured_
     p, s = COST.step_ms(0, 0, [(long, 0)]), COST.step_ms(1, short + answer)
     delay_ms = (finish(slow, 2) - alone) * 1e3
     assert (p - s) * (1 - 1 / x) <= delay_ms <= (p + x * s) * (1 - 1 / x)
-    # a worker alone on its node (colocated: one worker) never slows
-    assert Cluster(_spec("colocated", n=1, node_workers=2), slow).run(trace)[0].finish == \
-        Cluster(_spec("colocated", n=1), COST).run(trace)[0].finish
+    # node_prefill_x: the prompt step beside the busy decode worker takes x times as long
+    px = dataclasses.replace(COST, node_prefill_x=2.0)
+    lone = Cluster(_spec("disaggregated", n=2, p=1, node_workers=1), px).run(trace)[1].first_token
+    assert Cluster(_spec("disaggregated", n=2, p=1, node_workers=2), px).run(trace)[1].first_token - lone == \
+        pytest.approx(p / 1e3, abs=1e-9)
+    # a prompt step started on a quiet node goes on at the slow pace from when its neighbour starts:
+    # b's step starts when a's ends (t_s), a's decode starts when its KV lands (t_d, 1 transfer later)
+    early = [trace[0], dataclasses.replace(trace[1], arrival=1.0001)]
+    b = Cluster(_spec("disaggregated", n=2, p=1, node_workers=2), px).run(early)[1]
+    t_s = 1.0 + COST.step_ms(0, 0, [(short, 0)]) / 1e3
+    t_d = t_s + COST.transfer_ms(short) / 1e3
+    assert b.first_token == pytest.approx(t_d + (p / 1e3 - (t_d - t_s)) * 2.0 + COST.transfer_ms(long) / 1e3,
+                                          abs=1e-9)
+    # prefill workers (the first ones) spread over the nodes: 8 workers, 2 prefill, 2 a node
+    c = Cluster(_spec("disaggregated", n=8, p=2, node_workers=2), slow)
+    assert [[n.role for n in c.workers[f"w00{i}"].neighbours] for i in (0, 1)] == [["decode"], ["decode"]]
     # the JSON keeps the factors (as "node"); a file without them is 1 (no neighbour measured); below 1 is refused
     back = from_json(json.loads(json.dumps(slow.to_json())))
     assert (back.node_decode_x, back.node_prefill_x) == (x, 1.0) and COST.node_decode_x == 1.0
