@@ -24,7 +24,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                                                 "(default: per class, bench/sim/traces.py)")
     p.add_argument("--tpot-slo", type=float, default=None, help="TPOT target in seconds, every class")
     p.add_argument("--workers", type=int, default=4, help="workers in the cluster (default 4)")
-    p.add_argument("--splits", default="grid", help="P:D splits to try: grid (default), all, or prefill counts 1,2")
+    p.add_argument("--splits", default="grid", help="P:D splits to try: grid (default: 1/8..3/4 prefill workers, then each mode's best split's "
+                        "neighbours until it is a peak), all, or prefill counts 1,2")
     p.add_argument("--duration", type=float, default=300.0, help="simulated seconds per probe (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -385,3 +385,22 @@ def test_a_decode_run_beside_a_busy_neighbour_on_its_node_slows_by_the_measured_
     # neighbour is noise)
     from bench.sim.profile import node_factor
     assert node_factor([10.0, 10.0, 99.0], [15.0, 15.0, 1.0]) == 1.5 and node_factor([10.0], [9.0]) == 1.0
+
+
+def test_plan_climbs_from_the_grid_to_the_peak_split():
+    """The grid (2, 4, ..., 12 prefill workers of 16) missed the mix's peak at 13:3; climb tries the
+    best's untried neighbours until the best has both: a single-peaked curve's top, whatever the
+    grid's step; never a split outside 1..n-1."""
+    from bench.simulate import climb, splits_for
+    curve = {p: 0.4 - 0.03 * abs(p - 13) for p in range(1, 16)}
+    seen = []
+
+    def f(p):
+        seen.append(p)
+        return curve[p]
+    grid = {p: curve[p] for p in splits_for(16, "grid")}
+    got = climb(f, grid, 16)
+    assert max(got, key=got.get) == 13 and seen == [11, 13, 14] and set(grid) < set(got)
+    edge = climb(lambda p: curve[p] if p < 16 else 1 / 0, {15: curve[15], 14: curve[14]}, 16)
+    assert max(edge, key=edge.get) == 13
+    assert climb(f, {}, 16) == {}
