@@ -183,13 +183,11 @@ def recommend(cost: CostModel, workload: str, workers: int, slo: dict, duration_
     rows = [goodput_of(spec, cost, workload, duration_s, seed, slo) for spec in configs(workers, list(modes), splits)]
     if splits == "grid":
         for mode in (m for m in modes if not m.startswith("colocated")):
-            mine = {int(r["split"].split(":")[0]): r for r in rows if r["mode"] == mode}
-
-            def one(p: int, mode=mode, mine=mine) -> float:
-                mine[p] = goodput_of(ClusterSpec(mode, workers, prefill=p), cost, workload, duration_s, seed, slo)
-                rows.append(mine[p])
-                return mine[p]["goodput_per_worker"]
-            climb(one, {p: r["goodput_per_worker"] for p, r in mine.items()}, workers)
+            def one(p: int, mode=mode) -> float:
+                rows.append(goodput_of(ClusterSpec(mode, workers, prefill=p), cost, workload, duration_s, seed, slo))
+                return rows[-1]["goodput_per_worker"]
+            climb(one, {int(r["split"].split(":")[0]): r["goodput_per_worker"] for r in rows if r["mode"] == mode},
+                  workers)
     return sorted(rows, key=lambda r: (-r["goodput_per_worker"], r["mode"], r["split"]))
 
 

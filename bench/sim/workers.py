@@ -160,13 +160,10 @@ class SimWorker:
             self.alloc(want - job.dblocks)
             job.dblocks = want
 
-    def crowded(self) -> bool:
-        """A neighbour on its node is computing (module doc)."""
-        return any(n.busy for n in self.neighbours)
-
     def _pace(self) -> tuple[float, float]:
-        """(decode-only, prompt) step time factors on its node now (module doc)."""
-        if self.crowded():
+        """(decode-only, prompt) step time factors on its node now: a neighbour computing or
+        not (module doc)."""
+        if any(n.busy for n in self.neighbours):
             return self.cost.node_decode_x, self.cost.node_prefill_x
         return 1.0, 1.0
 
