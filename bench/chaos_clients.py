@@ -16,7 +16,10 @@ user has, over both routers' addresses, checked against their undisturbed runs.
   even before its end.
 
 Each request counts once: ``identical``, ``wrong``, ``hung`` (no end within ``--hang-s``) or
-its final error's name.
+its final error's name. Every kind waits up to ``--hang-s`` for a router to lead (the gRPC
+clients' ``wait_s``, the OpenAI client's retries), so a slow takeover counts as a long wait in
+each alike, not as an error of the gRPC clients only: router.client's default (RESUME_WAIT_S,
+30 s) is shorter than a head restart takes on a loaded 2-core machine (38.5 s, measured).
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ class Streams:
         from router.client import astream, make_request
         ids, gap, last = [], 0.0, time.monotonic()
         async for r in astream(stub, make_request(self.prompts[i], request_id=rid, **self.sampling()),
-                               timeout=self.args.hang_s):
+                               timeout=self.args.hang_s, wait_s=self.args.hang_s):
             now = time.monotonic()
             gap, last = max(gap, now - last), now
             ids += r.token_ids
@@ -166,7 +169,7 @@ class Streams:
                 request = make_request(self.prompts[i], request_id=f"t{i}-{k}-{uuid.uuid4().hex[:6]}",
                                        **self.sampling())
                 try:  # (the call's deadline is the bound: no second one around a thread)
-                    for r in stream(stub, request, timeout=self.args.hang_s):
+                    for r in stream(stub, request, timeout=self.args.hang_s, wait_s=self.args.hang_s):
                         now = time.monotonic()
                         gap, last = max(gap, now - last), now
                         ids += r.token_ids

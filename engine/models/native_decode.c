@@ -283,7 +283,12 @@ static void dot_any_i4(const uint8_t *w, const float *s, const float *o, int64_t
  * dot covers one block's columns, so one weight group and one activation group (groups of 32
  * columns or multiples, blocks of 2 * VW <= 32): xd holds, per chunk, each lane's activation
  * scale. The zero point term, sum over groups of s * zero * (sum of the group's inputs), uses
- * the inputs' exact fp32 group sums (xg).
+ * the quantized inputs' group sums (xg: sum over the group's activation groups of d * (sum of
+ * codes)), as llama.cpp's Q8_K block sums do: the weight is then s * (code - zero), centred,
+ * times the quantized input, and the quantization's error is multiplied by the centred weight.
+ * With the exact fp32 sums it was multiplied by the code (0..15) instead and only partly taken
+ * back: a down projection's output 3x further off (SmolLM2-135M INT4: +1.07% perplexity
+ * from that projection alone, +3.4% in all on AVX2).
  *
  * Buffer of one call, R rows: [xq int8 R * k][xd float R * k/8][xg float R * k/group]. */
 #define A8_CHUNK (8 * VW)
@@ -350,6 +355,7 @@ static void quant_x_a8(const lin_t *L, int R, const float *x, void *buf) {
     int8_t *xq = (int8_t *)buf;
     float *xd = (float *)(xq + (int64_t)R * k), *xg = xd + (int64_t)R * (k / 8);
     float ad[na];
+    int sums[na];
     for (int r = 0; r < R; r++) {
         const float *xr = x + (int64_t)r * k;
         int8_t *qr = xq + (int64_t)r * k;
@@ -358,19 +364,22 @@ static void quant_x_a8(const lin_t *L, int R, const float *x, void *buf) {
             for (int i = 0; i < 32; i++) m = fmaxf(m, fabsf(xr[32 * a + i]));
             const float inv = m > 0.f ? 127.f / m : 0.f;
             ad[a] = m / 127.f;
+            int sum = 0;
             for (int i = 0; i < 32; i++) {
                 const int64_t col = 32 * a + i, c0 = col - col % A8_CHUNK, off = col - c0;
                 const int64_t t = off / (2 * VW), wi = off % (2 * VW);
                 const int64_t pos = c0 + (wi < VW ? t * VW + wi : 4 * VW + t * VW + wi - VW);
                 qr[pos] = q8(xr[col], inv);
+                sum += qr[pos];
             }
+            sums[a] = sum;
         }
         float *dr = xd + (int64_t)r * (k / 8);
         for (int64_t c = 0; c < k; c += A8_CHUNK)
             for (int l = 0; l < VW; l++) dr[c / 8 + l] = ad[(c + (4 * l / VW) * 2 * VW) / 32];
         for (int64_t gi = 0; gi < ng; gi++) {
             float t = 0.f;
-            for (int64_t c = gi * g; c < (gi + 1) * g; c++) t += xr[c];
+            for (int64_t a = gi * (g / 32); a < (gi + 1) * (g / 32); a++) t += ad[a] * (float)sums[a];
             xg[(int64_t)r * ng + gi] = t;
         }
     }
