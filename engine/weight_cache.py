@@ -227,14 +227,24 @@ def load(path_stem: Path, externals: dict[str, object] | None = None):
 # ---- the cache ----------------------------------------------------------------------------------
 
 def _evict(directory: Path, keep: str, budget: int) -> None:
-    entries = sorted(directory.glob("*.pkl"), key=lambda p: p.stat().st_mtime)
-    total = sum(p.stat().st_size + _size(p.with_suffix(".bin")) for p in entries)
-    for p in entries:
+    """The oldest entries but ``keep`` removed until the cache fits ``budget`` bytes. Processes
+    share the cache and evict each other's entries: one listed here may be gone by its stat (it
+    is then skipped), each is stat'ed once."""
+    entries = []
+    for p in directory.glob("*.pkl"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue  # (another process evicted it since the listing)
+        entries.append((st.st_mtime, p, st.st_size + _size(p.with_suffix(".bin"))))
+    entries.sort(key=lambda e: e[0])
+    total = sum(size for _, _, size in entries)
+    for _, p, size in entries:
         if total <= budget:
             break
         if p.stem == keep:
             continue
-        total -= p.stat().st_size + _size(p.with_suffix(".bin"))
+        total -= size
         for f in (p, p.with_suffix(".bin"), p.with_suffix(".lock")):
             f.unlink(missing_ok=True)
         log.info("served-weights cache: evicted %s", p.stem)

@@ -135,6 +135,21 @@ def test_oldest_entries_go_past_the_budget(tiny, cache, make_engine, monkeypatch
     assert len(left) == 1 and not left & first  # the newest stays even alone over the budget
 
 
+def test_an_entry_another_process_evicted_meanwhile_is_skipped(tmp_path):
+    """Two processes loading at once (``make test``'s two, two servers) each evict past the
+    budget: an entry listed by one may be gone, evicted by the other, when it is stat'ed."""
+    class Racing(type(tmp_path)):  # lists one entry that is no longer there
+        def glob(self, pattern):
+            return [*super().glob(pattern), self / "gone.pkl"]
+
+    for i, stem in enumerate(("old", "new")):
+        for suffix, size in ((".pkl", 10), (".bin", 1000)):
+            (tmp_path / (stem + suffix)).write_bytes(b"x" * size)
+        os.utime(tmp_path / f"{stem}.pkl", (1000 + i, 1000 + i))
+    weight_cache._evict(Racing(tmp_path), "new", 1500)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.bin", "new.pkl"]
+
+
 def test_what_cannot_be_mapped_is_served_uncached(cache):
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8), 1)  # opaque oneDNN layout
     obj, origin = weight_cache.cached("k" * 24, lambda: {"w": packed}, "an opaque tensor")
