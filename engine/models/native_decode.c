@@ -286,9 +286,8 @@ static void dot_any_i4(const uint8_t *w, const float *s, const float *o, int64_t
  * the quantized inputs' group sums (xg: sum over the group's activation groups of d * (sum of
  * codes)), as llama.cpp's Q8_K block sums do: the weight is then s * (code - zero), centred,
  * times the quantized input, and the quantization's error is multiplied by the centred weight.
- * With the exact fp32 sums it was multiplied by the code (0..15) instead and only partly taken
- * back: a down projection's output 3x further off (SmolLM2-135M INT4: +1.07% perplexity
- * from that projection alone, +3.4% in all on AVX2).
+ * With the exact fp32 sums it was multiplied by the code (0..15) instead and never taken back
+ * (what that cost: docs/bench/README.md, INT8 activations).
  *
  * Buffer of one call, R rows: [xq int8 R * k][xd float R * k/8][xg float R * k/group]. */
 #define A8_CHUNK (8 * VW)
