@@ -5,7 +5,6 @@ tool calls parsed back into OpenAI's shape, bad schemas a 400 naming the paramet
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +23,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": SCHEMA}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-QWEN = Path.home() / ".cache/pdserve/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m-1d9614638d18024d"
 
 
 def _one(kind, **body) -> pb.GenerateRequest:
@@ -84,10 +82,15 @@ def test_tool_choice_travels_in_chat_messages():
 
 @pytest.fixture(scope="module")
 def qwen():
-    if not (QWEN / "tokenizer.json").exists():
-        pytest.skip("the Qwen2.5-Coder-0.5B tokenizer is not in the model cache (make models)")
+    """The real Qwen2.5-Coder-0.5B tokenizer and chat template, read from its GGUF as the server
+    reads them (``make install`` pulls the model: asserted, not skipped, as tests/engine/test_gguf.py)."""
+    # (heavy: transformers and the GGUF reader, for the tests that use the real tokenizer only)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(QWEN))
+
+    from engine.models import catalog, gguf
+    path = catalog.pulled_file("qwen2.5-coder-0.5b")
+    assert path is not None, "qwen2.5-coder-0.5b is not pulled: `make install` runs `pdserve pull qwen2.5-coder-0.5b`"
+    return AutoTokenizer.from_pretrained(str(gguf.prepare(path, progress=False)))
 
 
 def test_tools_are_rendered_by_the_models_chat_template(qwen):
