@@ -25,7 +25,6 @@ import mmap
 import os
 from pathlib import Path
 
-import gguf
 import torch
 from tqdm import tqdm
 
@@ -33,6 +32,7 @@ from engine.errors import ModelLoadError
 from engine.memory import release_freed_memory
 from engine.models import gguf_codes as codes
 from engine.models.gguf_convert import cache_dir, staged_dir, unpermute
+from engine.models.gguf_reader import TensorReader
 from engine.models.hf_weights import our_name
 from engine.quant.linear import Int4Linear, Int8Linear
 from engine.quant.linear.base import bias_copy
@@ -96,7 +96,8 @@ def file_digest(path: Path) -> str:
 
 
 def open_reader(path: Path):
-    """The file's GGUFReader (memory-mapped), after checks that name the file and the problem.
+    """The file's reader (memory-mapped; its tensors and scalar metadata, engine/models/gguf_reader.py),
+    after checks that name the file and the problem.
 
     Raises:
         ModelLoadError: not a GGUF file, truncated, an unsupported version or architecture.
@@ -107,7 +108,7 @@ def open_reader(path: Path):
     if head != MAGIC:
         raise ModelLoadError(f"{str(path)!r} is not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = TensorReader(str(path))
     except Exception as e:  # noqa: BLE001 - the reader raises ValueError, IndexError, ...: all mean a bad file
         raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
                              "truncated or corrupt? compare its size and sha256 with the source") from None
@@ -123,6 +124,9 @@ def open_reader(path: Path):
 
 
 def field(reader, key: str, default=None):
+    """A scalar or string metadata value (open_reader steps over the arrays: asking for one is a bug)."""
+    if key in getattr(reader, "skipped", ()):
+        raise KeyError(f"GGUF metadata {key!r} is an array, which open_reader does not read")
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
@@ -246,10 +250,6 @@ def load_weights(folder: Path, precision: str = "as-shipped", progress: bool = T
     cfg = json.loads((Path(folder) / "config.json").read_text())
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     groups = _tensor_groups(reader, arch)
-    # The metadata (the vocabulary: a numpy view per token, 0.5 GB of objects for a 151k-token
-    # file) is read once by prepare(); here only tensors are: freed before the weights convert,
-    # it would otherwise sit on top of the loading peak.
-    reader.fields.clear()
     tied = "lm_head.weight" not in groups
     if tied and precision != "float":  # the LM head as its own quantized copy of the embedding
         groups["lm_head.weight"] = groups.get("embed_tokens.weight")

@@ -101,8 +101,7 @@ def test_four_bit_blocks_keep_their_codes(name):
     the file's dequantized weights. Tolerance: both are scale*q + offset in fp32 with the products
     grouped differently (ours (q - zero)*scale, zero = -offset/scale): a few ulps of the largest
     |w| of the tensor, well under 1e-5 of it; a wrong code would move a weight by a whole scale."""
-    import gguf as gguf_py
-    reader = gguf_py.GGUFReader(str(_gguf(name)))
+    reader = gguf.open_reader(_gguf(name))  # (tensors only: the vocabulary is not read)
     four = [t for t in reader.tensors if gguf_codes.precision_class(t.tensor_type.name) == "int4"][:6]
     assert four, "the file has 4-bit tensors"
     for t in four:
@@ -133,11 +132,9 @@ def test_four_bit_embedding_is_served_from_its_codes():
     rather than 0.93 GB of fp32), a lookup dequantizing only its rows. Against gguf-py's values
     (d*sc*q - dmin*m in fp32): ours is (q - zero)*s, both a few fp32 roundings of terms no larger
     than max|w|, so 4 ulps of max|w| bound the difference."""
-    import gguf as gguf_py
-
     from engine.quant.linear import Int4Linear
     from engine.quant.linear.int4 import QuantEmbedding
-    reader = gguf_py.GGUFReader(str(_gguf("qwen2.5-coder-1.5b")))
+    reader = gguf.open_reader(_gguf("qwen2.5-coder-1.5b"))
     t = next(x for x in reader.tensors if x.name == "token_embd.weight")
     assert gguf_codes.precision_class(t.tensor_type.name) == "int4"
     emb = QuantEmbedding(Int4Linear(gguf_codes.as_int4(t)))
@@ -154,13 +151,11 @@ def test_four_bit_embedding_is_served_from_its_codes():
 def test_as_shipped_model_serves_the_files_codes():
     """As shipped, a fused linear whose parts are all 4-bit is an Int4Linear holding exactly
     their codes and scales; wider parts make it INT8; embeddings stay float."""
-    import gguf as gguf_py
-
     from engine.quant.linear import Int4Linear, Int8Linear
     name = "qwen2.5-coder-0.5b"
     eng = LLMEngine(EngineConfig(model=name, compile_decode=False, cache=CacheConfig(memory_gb=0.05)),
                     progress=False)
-    reader = gguf_py.GGUFReader(str(_gguf(name)))
+    reader = gguf.open_reader(_gguf(name))
     by_name = {t.name: t for t in reader.tensors}
     checked = {"int4": 0, "int8": 0}
     fused = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
