@@ -19,7 +19,10 @@ from bench.ha_pair import leader as _leader  # (router.leader is `leader` below)
 from router.client import collect, connect, make_request
 
 LEASE_S = 2.0
-TAKEOVER_S = LEASE_S + 8.0  # the lease lapses, the standby notices, takes an epoch, adopts, binds
+# How long to wait for the next leader (the lease lapses, a standby notices, takes an epoch,
+# adopts, binds): a bound on waiting, not a claim on speed (the time is in the messages). It took
+# over 10 s once under `make test`'s two processes on 2 cores; the test is that one leads.
+TAKEOVER_S = LEASE_S + 58.0
 PROMPTS = ["The capital of France is", "Q: What is 17 times 3?\nA:"]
 
 
@@ -68,7 +71,7 @@ def test_a_standby_leads_when_the_leader_is_killed_stalled_or_stopped_and_the_st
         stopped = time.monotonic()
         third = _leader([r for r in rest if r is not second], TAKEOVER_S)
         took_stopped = time.monotonic() - stopped
-        assert _greedy(third.stub) == before and worker_pids(name) == pids
+        assert _greedy(third.stub) == before and worker_pids(name) == pids, f"took over in {took_stopped:.1f} s"
         second.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 30
         _standbys_refuse([second])  # at once: it finds its lease passed before it serves a call
