@@ -81,16 +81,13 @@ CHUNK_ROWS = 4096  # rows dequantized at a time: gguf-py's temporaries stay ~100
 
 
 def _q4_k_float(blocks: np.ndarray) -> torch.Tensor:
-    """Q4_K blocks [n, 144] as fp32 [n, 256]: gguf-py's arithmetic (d*sc * q - dmin*m, each
-    product and the difference rounded to fp32 once, as numpy rounds them), on torch's threads."""
+    """Q4_K blocks [n, 144] as fp32 [n, 256]: gguf-py's arithmetic, d*sc * q - dmin*m, each
+    product and the difference rounded to fp32 once as numpy rounds them, on torch's threads
+    (``_q4_k``'s offset is -(dmin*m): adding it is the same rounding as subtracting dmin*m)."""
     n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-    ds = torch.from_numpy(d * sc.astype(np.float32)).view(n, 8, 1)
-    dm = torch.from_numpy(dmin * m.astype(np.float32)).view(n, 8, 1)
-    qb = torch.from_numpy(np.ascontiguousarray(blocks[:, 16:])).view(n, 4, 1, 32)
-    q = torch.cat((qb & 15, qb >> 4), 2).view(n, 8, 32).float()  # (_q4_k's layout)
-    return torch.sub(torch.mul(ds, q), dm).view(n, 256)
+    q, scale, offset = _q4_k(blocks)
+    w = torch.mul(torch.from_numpy(scale).view(n, 8, 1), torch.from_numpy(q).view(n, 8, 32).float())
+    return torch.add(w, torch.from_numpy(offset).view(n, 8, 1)).view(n, 256)
 
 
 def _q6_k_float(blocks: np.ndarray) -> torch.Tensor:
@@ -106,7 +103,8 @@ def _q6_k_float(blocks: np.ndarray) -> torch.Tensor:
 
 
 # The bulk of a K-quant file, dequantized over whole chunks with torch's threads rather than by
-# gguf-py's numpy, 16 rows at a time on one thread (27 of the 44 s a 1.5B's fp32 conversion took)
+# gguf-py's numpy, 16 rows at a time on one thread (what that cost: docs/bench/README.md, First
+# load of a GGUF file)
 _FAST = {"Q4_K": (_q4_k_float, 144), "Q6_K": (_q6_k_float, 210)}
 
 

@@ -1,13 +1,12 @@
 """A GGUF reader for loading: the tensors and the scalar metadata, not the arrays.
 
 ``gguf.GGUFReader`` builds every metadata value as numpy views of the mapped file, one per
-array element: a 151,936-token vocabulary plus its 151,387 merges is 455,000 views, 20 s of a
-Qwen2.5 load on a 2-core machine before a single weight converts (and 0.5 GB of objects). A
+array element: a 151,936-token vocabulary plus its 151,387 merges is 455,000 views, seconds of
+every load before a single weight converts (docs/bench/README.md, First load of a GGUF file). A
 load reads the architecture, a few scalars and the tensors; the vocabulary and chat template
 are read once, by transformers, when ``prepare`` makes the model's folder. So here an array
-value is stepped over (its element lengths read with ``struct``, a few hundred ms for the
-largest vocabularies) and recorded in ``skipped`` instead of ``fields``; everything else, the
-tensors included, is the library's own parsing, unchanged.
+value is stepped over (its element lengths read with ``struct``) and recorded in ``skipped``
+instead of ``fields``; everything else, the tensors included, is the library's own parsing.
 
 Depends on ``GGUFReader._build_fields`` (gguf 0.19: called once from ``__init__`` with the
 offset of the first key/value and their count, returns the offset after the last). A bad file
@@ -40,16 +39,12 @@ class TensorReader(gguf.GGUFReader):
             (klen,) = struct.unpack_from(order + "Q", view, offs)
             name = bytes(view[offs + 8:offs + 8 + klen]).decode("utf-8")
             (vtype,) = struct.unpack_from(order + "I", view, offs + 8 + klen)
-            if vtype != GGUFValueType.ARRAY:
-                offs = self._build_one(offs)
+            if vtype != GGUFValueType.ARRAY:  # one scalar or string: the library parses it
+                offs = super()._build_fields(offs, 1)
                 continue
             self.skipped.add(name)
             offs = _skip_array(view, offs + 12 + klen, order)
         return offs
-
-    def _build_one(self, offs: int) -> int:
-        """One scalar or string key/value at ``offs``, parsed by the library; the offset after it."""
-        return super()._build_fields(offs, 1)
 
 
 def _skip_array(view: memoryview, offs: int, order: str) -> int:

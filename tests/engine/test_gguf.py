@@ -20,17 +20,12 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.errors import ModelLoadError
 from engine.llm_engine import LLMEngine
-from engine.models import catalog, gguf, gguf_codes, int4_blocks
+from engine.models import gguf, gguf_codes, int4_blocks
 from engine.request import SamplingParams
 from tests import hf_reference
+from tests.pulled import gguf_file as _gguf
 
 N_NEW = 16
-
-
-def _gguf(name: str):
-    path = catalog.pulled_file(name)
-    assert path is not None, f"{name} is not pulled: `make install` runs `pdserve pull {name}`"
-    return path
 
 
 def _prompts(tok, long_words: int) -> list[list[int]]:

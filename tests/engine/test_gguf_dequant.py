@@ -9,7 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from engine.models import catalog, gguf, gguf_codes
+from engine.models import gguf, gguf_codes
+from tests.pulled import gguf_file
 
 SIZES = {"Q4_K": 144, "Q6_K": 210}
 
@@ -46,9 +47,7 @@ def test_real_tensors_bit_for_bit():
     is per block, and rows are blocks), through the function the loader calls."""
     seen = set()
     for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"):
-        path = catalog.pulled_file(name)
-        assert path is not None, f"{name} is not pulled: `make install` runs `pdserve pull {name}`"
-        for t in gguf.open_reader(path).tensors:
+        for t in gguf.open_reader(gguf_file(name)).tensors:
             kind = t.tensor_type.name
             if kind not in SIZES or t.data.ndim != 2:
                 continue

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.models import catalog, gguf
+from engine.models import gguf
 from engine.models.gguf_reader import TensorReader
+from tests.pulled import gguf_file
 
 
 def _table(reader) -> list:
@@ -69,8 +70,7 @@ def test_a_file_cut_inside_its_vocabulary_is_refused_naming_it(tmp_path):
 def test_a_real_vocabulary_file_reads_the_same_tensors():
     """Qwen2.5-Coder-0.5B (151,936 tokens, 151,387 merges): the tensor table gguf-py builds."""
     import gguf as gguf_py
-    path = catalog.pulled_file("qwen2.5-coder-0.5b")
-    assert path is not None, "qwen2.5-coder-0.5b is not pulled: `make install` runs `pdserve pull qwen2.5-coder-0.5b`"
+    path = gguf_file("qwen2.5-coder-0.5b")
     ref, ours = gguf_py.GGUFReader(str(path)), gguf.open_reader(path)
     assert _table(ours) == _table(ref) and ours.data_offset == ref.data_offset
     assert ours.skipped == {k for k, f in ref.fields.items() if f.types and f.types[0] == gguf_py.GGUFValueType.ARRAY}

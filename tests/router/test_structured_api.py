@@ -83,14 +83,13 @@ def test_tool_choice_travels_in_chat_messages():
 @pytest.fixture(scope="module")
 def qwen():
     """The real Qwen2.5-Coder-0.5B tokenizer and chat template, read from its GGUF as the server
-    reads them (``make install`` pulls the model: asserted, not skipped, as tests/engine/test_gguf.py)."""
+    reads them (``make install`` pulls the model: tests/pulled.py asserts it is there)."""
     # (heavy: transformers and the GGUF reader, for the tests that use the real tokenizer only)
     from transformers import AutoTokenizer
 
-    from engine.models import catalog, gguf
-    path = catalog.pulled_file("qwen2.5-coder-0.5b")
-    assert path is not None, "qwen2.5-coder-0.5b is not pulled: `make install` runs `pdserve pull qwen2.5-coder-0.5b`"
-    return AutoTokenizer.from_pretrained(str(gguf.prepare(path, progress=False)))
+    from engine.models import gguf
+    from tests.pulled import gguf_file
+    return AutoTokenizer.from_pretrained(str(gguf.prepare(gguf_file("qwen2.5-coder-0.5b"), progress=False)))
 
 
 def test_tools_are_rendered_by_the_models_chat_template(qwen):
