@@ -83,16 +83,35 @@ def init_ray(cfg: ClusterConfig, address: str | None = None, temp_dir: str | Non
     if address is not None:
         ray.init(address=address, runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
         return
-    env = local_ray_env()
     colocated = cfg.mode == "colocated"
     auto = cfg.autoscale
     n_prefill = 0 if colocated else max(cfg.prefill.replicas, auto.prefill.max_replicas if auto.enabled else 0)
     n_decode = max(cfg.decode.replicas, auto.decode.max_replicas if auto.enabled else 0)
     threads = n_decode * cfg.decode.threads + n_prefill * cfg.prefill.threads
-    ray.init(num_cpus=max(os.cpu_count() or 1, threads), include_dashboard=False, log_to_driver=False,
-             resources={"prefill": n_prefill, "decode": n_decode},
+    start_local_ray(max(os.cpu_count() or 1, threads), {"prefill": n_prefill, "decode": n_decode}, temp_dir)
+
+
+_own_ray: set[str] = set()  # the GCS addresses of the Rays this process started (start_local_ray)
+
+
+def start_local_ray(num_cpus: int, resources: dict[str, float], temp_dir: str | None = None) -> None:
+    """Start a private local Ray (``local_ray_env``) with ``resources`` for the pools; its
+    temp dir ``temp_dir`` or a fresh one."""
+    import ray  # (heavy: Ray, loaded when the cluster starts)
+    env = local_ray_env()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, resources=resources,
              _temp_dir=temp_dir or tempfile.mkdtemp(prefix="pdserve-ray-"),
              _node_ip_address="127.0.0.1", runtime_env=env)
+    _own_ray.add(ray.get_runtime_context().gcs_address)
+
+
+def _check_nodes() -> bool:
+    """Whether the worker nodes' models need checking against the head's: not on a Ray this
+    process started, whose one node is this machine and whose workers inherit this process's
+    environment (its HOME, so its model cache): they resolve what the head resolved. (The check
+    runs a Ray task in a new process that loads torch: seconds of every local start.)"""
+    import ray  # (heavy: Ray, loaded when the cluster starts)
+    return not (ray.is_initialized() and ray.get_runtime_context().gcs_address in _own_ray)
 
 
 async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Callable[[str], None] = _say,
@@ -109,7 +128,7 @@ async def start_cluster(cfg: ClusterConfig, host: str, port: int, progress: Call
     model_path = str(await asyncio.to_thread(resolve_model_path, cfg.model, True))
     # Each worker node resolves the model itself (its own cache, its own folder): all must hold
     # the head's weights, or serving does not start (one error naming each node that differs).
-    nodes = await asyncio.to_thread(check_model, cfg.model, weights_digest(Path(model_path)))
+    nodes = await asyncio.to_thread(check_model, cfg.model, weights_digest(Path(model_path))) if _check_nodes() else []
     if len(nodes) > 1:
         progress(f"model checked on {len(nodes)} worker nodes: {', '.join(n.node_ip for n in nodes)}")
     router = Router(cfg, model_path, door)

@@ -92,12 +92,10 @@ def ray_session(tmp_path_factory):
     with room for every pool the tests create."""
     import ray
 
-    from router.app import local_ray_env
+    from router.app import start_local_ray
     for attempt in (1, 2):
         try:
-            ray.init(num_cpus=8, resources={"prefill": 4, "decode": 4}, include_dashboard=False,
-                     _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False,
-                     _node_ip_address="127.0.0.1", runtime_env=local_ray_env())
+            start_local_ray(8, {"prefill": 4, "decode": 4}, str(tmp_path_factory.mktemp("ray")))
             break
         except RuntimeError as e:
             # Once in a pre-check (2026-12-06) Ray's GCS server never wrote its port file within
