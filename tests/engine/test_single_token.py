@@ -41,6 +41,17 @@ def _record_logits(eng) -> list[torch.Tensor]:
     return seen
 
 
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory, model_path):
+    """A random Llama of 2 layers, hidden 256 (INT4 groups of 128 fit it): the quantized
+    compiled-path tests below compare two paths on one model, which its size does not change;
+    on the real model each pair of engines cost 40-130 s of a slow machine's `make test`
+    (quantizing, compiling, and the eager INT4 kernel's 7 ms per call on AVX2 with one thread)."""
+    path = tmp_path_factory.mktemp("small")
+    _save_tiny("llama", path, model_path, hidden_size=256, intermediate_size=512)
+    return path
+
+
 def test_single_request_greedy_matches_hf_through_the_compiled_path(make_engine, greedy_reference):
     prompt, ref = greedy_reference[0]
     eng = make_engine()
@@ -135,8 +146,8 @@ def test_layer_done_is_called_for_every_layer(make_engine):
 
 @pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"quantization": "w8a8"}, {"compile_decode": False}],
                          ids=["bf16", "w8a8", "off"])
-def test_not_used_where_unsupported_or_off(make_engine, kw):
-    eng = make_engine(**kw)
+def test_not_used_where_unsupported_or_off(make_engine, small_model, kw):
+    eng = make_engine(model=small_model, memory_gb=0.02, **kw)
     assert eng.model.single_token is None
     assert not SingleTokenDecoder.supports(eng.model) or kw.get("compile_decode") is False
     out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
@@ -188,22 +199,23 @@ def _same_as_eager(fast, eager) -> SamplingParams:
     assert fast.generate([ids], sp)[0].token_ids == eager.generate([ids], sp)[0].token_ids
     assert calls.count(1) == 15
     # Only the fp32 summation order differs (vectorized GEMV vs the kernel's blocked sums): a sum
-    # of K terms is off by ~sqrt(K) * 2^-24 relative, and 30 layers keep that near 1e-6 of the
-    # largest logit (measured 3e-6 under both AVX2 and AVX-512 dispatch). 1e-4 leaves 30x room,
-    # while one bf16 rounding anywhere (2^-8 = 4e-3 relative) would fail it.
+    # of K terms is off by ~sqrt(K) * 2^-24 relative, and the real model's 30 layers keep that
+    # near 1e-6 of the largest logit (measured 3e-6 under both AVX2 and AVX-512 dispatch; fewer
+    # layers, less). 1e-4 leaves 30x room, while one bf16 rounding anywhere (2^-8 = 4e-3
+    # relative) would fail it.
     for x, y in zip(got, want):
         assert (x - y).abs().max().item() < 1e-4 * y.abs().max().item()
     return sp
 
 
-def test_int4_weights_take_the_compiled_path_too(make_engine, monkeypatch):
+def test_int4_weights_take_the_compiled_path_too(make_engine, small_model, monkeypatch):
     """INT4 linears call the int4pack kernel from inside the compiled graphs, on the packed
     weight moved into the huge-page buffer (shared with the batched path); then a batch of
     three through them (test_quantized_small_batches_take_the_compiled_path's INT4 case, on the
     same two engines: each pair costs ~20 s of loading and compiling)."""
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
-    fast = make_engine(quantization="int4")
-    eager = make_engine(quantization="int4", compile_decode=False, weight_cache=False)
+    fast = make_engine(model=small_model, memory_gb=0.02, quantization="int4")
+    eager = make_engine(model=small_model, memory_gb=0.02, quantization="int4", compile_decode=False, weight_cache=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
     assert "inside the compiled graphs" in fast.kernels
     st, qkv = fast.model.single_token, fast.model.layers[0].self_attn.qkv_proj
@@ -215,10 +227,10 @@ def test_int4_weights_take_the_compiled_path_too(make_engine, monkeypatch):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int8-asym"])
-def test_int8_weights_take_the_compiled_path_too(make_engine, quant, monkeypatch):
+def test_int8_weights_take_the_compiled_path_too(make_engine, small_model, quant, monkeypatch):
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
-    fast = make_engine(quantization=quant, compile_decode_rows=1)  # batched steps: the INT8 kernel
-    eager = make_engine(quantization=quant, compile_decode=False, weight_cache=False)
+    fast = make_engine(model=small_model, memory_gb=0.02, quantization=quant, compile_decode_rows=1)  # batched: INT8 kernel
+    eager = make_engine(model=small_model, memory_gb=0.02, quantization=quant, compile_decode=False, weight_cache=False)
     assert fast.model.single_token is not None and eager.model.single_token is None
     assert fast.model.single_token.kernel == "compiled"  # (PDSERVE_NATIVE_DECODE=0 keeps the compiled graphs)
     assert "compiled fp32 GEMV" in fast.kernels and "compiled" not in eager.kernels
@@ -259,13 +271,13 @@ def test_interleaved_int8_state_dict_stays_canonical(make_engine):
     assert mod.qweight.data_ptr() == ptr and torch.equal(mod.quantized_weight().q, ref.qweight)
 
 
-def test_quantized_small_batches_take_the_compiled_path(make_engine, monkeypatch):
+def test_quantized_small_batches_take_the_compiled_path(make_engine, small_model, monkeypatch):
     """A batch of three through the compiled graphs, INT8 (one pass over the weight words
     updating every row); INT4 (the int4pack kernel on all rows) in
     test_int4_weights_take_the_compiled_path_too."""
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (test_native_decode: the native kernels)
-    fast, eager = make_engine(quantization="int8"), make_engine(quantization="int8", compile_decode=False,
-                                                                  weight_cache=False)
+    fast = make_engine(model=small_model, memory_gb=0.02, quantization="int8")
+    eager = make_engine(model=small_model, memory_gb=0.02, quantization="int8", compile_decode=False, weight_cache=False)
     _small_batches_same_as_eager(fast, eager)
 
 
