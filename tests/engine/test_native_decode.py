@@ -134,21 +134,23 @@ def test_the_avx2_build_matches_the_eager_path_too(tmp_path, model_path):
         assert got["rel"] < 1e-4, (key, got)
 
 
-def test_without_a_compiler_the_compiled_graphs_serve(make_engine, monkeypatch, tmp_path, caplog):
+def test_without_a_compiler_the_compiled_graphs_serve(make_engine, monkeypatch, tmp_path, model_path, caplog):
     """No library builds (here: a compiler that fails, an empty cache): a warning, and the
-    compiled graphs run the small steps with the same tokens."""
+    compiled graphs run the small steps with the same tokens (a tiny model: the real one's
+    graphs cost ~1 min of a slow machine's `make test` to compile, and compare the same paths)."""
+    _save_tiny("llama", tmp_path / "m", model_path)
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setenv("PDSERVE_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE", str(tmp_path / "native"))
     native.library.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="engine.models.native"):
-            eng = make_engine()
+            eng = make_engine(model=tmp_path / "m", memory_gb=0.02)
         assert native.library() is None
     finally:
         native.library.cache_clear()
     assert eng.model.single_token.kernel == "compiled" and "compiled GEMV" in eng.kernels
     assert "native decode kernels unavailable" in caplog.text
-    ref = make_engine(compile_decode=False, weight_cache=False)
+    ref = make_engine(model=tmp_path / "m", memory_gb=0.02, compile_decode=False, weight_cache=False)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert eng.generate([[5, 6, 7]], sp)[0].token_ids == ref.generate([[5, 6, 7]], sp)[0].token_ids
 
