@@ -10,6 +10,10 @@ recorded by an earlier run with the same inputs is returned, and only the prompt
 load the model and run (then are recorded). Nothing here is written by hand; the entries live
 in ``PDSERVE_HF_REFERENCE_DIR`` (default ``~/.cache/pdserve/hf-reference``), and
 ``PDSERVE_HF_REFERENCE_DIR=off`` computes every reference afresh.
+
+What transformers' tokenizer makes of a GGUF file's inputs (ids, a rendered chat, decoded text)
+is kept the same way (:func:`recorded`): reading a file's vocabulary into transformers takes
+10-17 s per load on a 2-core machine, for a few lists of ints.
 """
 
 from __future__ import annotations
@@ -112,9 +116,28 @@ def _recorded(digest: str, source: str, recipe: str, prompts: list[list[int]], n
                 del model
                 gc.collect()
         if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
             for i in missing:
-                tmp = folder / f".{keys[i]}.{os.getpid()}.tmp"  # whole files only, under any race
-                tmp.write_text(json.dumps({"file": source, "n": n, "prompt": prompts[i], "tokens": got[i]}))
-                os.replace(tmp, folder / f"{keys[i]}.json")
+                _write(folder, keys[i], {"file": source, "n": n, "prompt": prompts[i], "tokens": got[i]})
     return [list(g) for g in got]  # type: ignore[arg-type]
+
+
+def recorded(gguf: Path, recipe: str, inputs, compute):
+    """``compute()``'s result (JSON: lists, numbers, strings) for ``inputs`` on the GGUF file,
+    e.g. what transformers' tokenizer of the file makes of them; ``compute`` runs only when no
+    entry was recorded for the file's bytes, the versions, ``recipe`` and ``inputs``."""
+    from engine.models import gguf as gguf_files
+    folder = _folder()
+    key = _key(f"{recipe}:{gguf_files.file_digest(gguf)}", inputs, 0)
+    if folder is not None and (folder / f"{key}.json").is_file():
+        return json.loads((folder / f"{key}.json").read_text())["value"]
+    value = compute()
+    if folder is not None:
+        _write(folder, key, {"file": gguf.name, "recipe": recipe, "inputs": inputs, "value": value})
+    return value
+
+
+def _write(folder: Path, key: str, entry: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{key}.{os.getpid()}.tmp"  # whole files only, under any race
+    tmp.write_text(json.dumps(entry))
+    os.replace(tmp, folder / f"{key}.json")

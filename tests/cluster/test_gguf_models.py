@@ -54,20 +54,32 @@ class Reference:
     chat_text: list[str] = field(default_factory=list)  # decoded prefixes of chat_greedy, by length
 
 
-def _reference(gguf: Path, prompts: list[str]) -> Reference:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+def _tokenizer(gguf: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _inputs(gguf: Path, prompts: list[str]) -> dict:
+    """transformers' EOS ids, prompt ids and chat ids (None: no template) of the file."""
+    from transformers import AutoConfig, GenerationConfig
+    tok = _tokenizer(gguf)
     # (what the model's generation_config holds, without building the model)
     eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)).eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-    ids = [tok(p)["input_ids"] for p in prompts]
+    eos = sorted(set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id})
     chat = None if tok.chat_template is None else list(
         tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return {"eos": eos, "ids": [tok(p)["input_ids"] for p in prompts], "chat": chat}
+
+
+def _reference(gguf: Path, prompts: list[str]) -> Reference:
+    got = hf_reference.recorded(gguf, "cluster-inputs", [prompts, CHAT], lambda: _inputs(gguf, prompts))
+    ids, chat = got["ids"], got["chat"]
     greedy = hf_reference.greedy(gguf, ids + ([chat] if chat else []), NEW_TOKENS)
-    ref = Reference(eos, ids, greedy[:len(ids)])
+    ref = Reference(set(got["eos"]), ids, greedy[:len(ids)])
     if chat is not None:
         ref.chat_ids, ref.chat_greedy = chat, greedy[-1]
-        ref.chat_text = [tok.decode(ref.chat_greedy[:k], skip_special_tokens=True) for k in range(NEW_TOKENS + 1)]
+        ref.chat_text = hf_reference.recorded(gguf, "decoded-prefixes", ref.chat_greedy, lambda: [
+            _tokenizer(gguf).decode(ref.chat_greedy[:k], skip_special_tokens=True) for k in range(NEW_TOKENS + 1)])
     return ref
 
 

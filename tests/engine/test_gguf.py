@@ -67,8 +67,9 @@ def test_qwen_1p5b_greedy_matches_transformers():
     name = "qwen2.5-coder-1.5b"
     from transformers import AutoTokenizer
     f = _gguf(name)
-    tok = AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
-    prompts = _prompts(tok, 60)[:1] + _prompts(tok, 60)[3:]
+    prompts = hf_reference.recorded(f, "test-prompts", 60, lambda: _prompts(
+        AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name), 60))
+    prompts = prompts[:1] + prompts[3:]
     want = hf_reference.greedy(f, prompts, 8)  # (HF's model, where it runs, is freed before ours loads)
     eng = LLMEngine(EngineConfig(model=name, dequantize=True, compile_decode=False,
                                  cache=CacheConfig(memory_gb=0.1)), progress=False)
@@ -81,13 +82,17 @@ def test_chat_template_from_the_file_matches_transformers():
     from transformers import AutoTokenizer
     f = _gguf("qwen2.5-coder-0.5b")
     ours = AutoTokenizer.from_pretrained(str(gguf.prepare(f, progress=False)))
-    ref = AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Sort [3, 1, 2] in Python."},
             {"role": "assistant", "content": "sorted([3, 1, 2])"}, {"role": "user", "content": "And descending?"}]
-    assert ours.chat_template and ours.chat_template == ref.chat_template
-    assert ours.apply_chat_template(msgs, add_generation_prompt=True) == ref.apply_chat_template(
-        msgs, add_generation_prompt=True)
-    assert ours.eos_token_id == ref.eos_token_id
+
+    def hf() -> dict:
+        ref = AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
+        return {"template": ref.chat_template, "eos": ref.eos_token_id,
+                "ids": ref.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]}
+    ref = hf_reference.recorded(f, "chat-template", msgs, hf)
+    assert ours.chat_template and ours.chat_template == ref["template"]
+    assert ours.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"] == ref["ids"]
+    assert ours.eos_token_id == ref["eos"]
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
