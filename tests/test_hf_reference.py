@@ -92,3 +92,27 @@ def test_generate_on_a_folder_is_keyed_by_its_files_and_recipe(tmp_path, monkeyp
     (folder / "model.safetensors").write_bytes(bytes(65))  # other weights: another reference
     hf_reference.generate(folder, [[1, 2]], 4, load)
     assert len(models) == 2
+
+
+def test_a_recorded_result_is_reused_for_the_same_file_recipe_and_inputs(tmp_path, monkeypatch):
+    """``recorded``: what a tokenizer made of some inputs, computed once; other inputs, another
+    recipe or other file bytes compute again; ``off`` always computes."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    monkeypatch.setenv("PDSERVE_HF_REFERENCE_DIR", str(tmp_path / "refs"))
+    calls = []
+
+    def compute(value):
+        return lambda: calls.append(value) or {"ids": [value, value + 1], "text": "x"}
+    assert hf_reference.recorded(gguf, "ids", ["a", 1], compute(5)) == {"ids": [5, 6], "text": "x"}
+    assert hf_reference.recorded(gguf, "ids", ["a", 1], compute(9)) == {"ids": [5, 6], "text": "x"}
+    assert calls == [5]
+    hf_reference.recorded(gguf, "ids", ["a", 2], compute(1))
+    hf_reference.recorded(gguf, "other", ["a", 1], compute(2))
+    gguf.write_bytes(b"GGUF" + bytes(65))
+    hf_reference.recorded(gguf, "ids", ["a", 1], compute(3))
+    assert calls == [5, 1, 2, 3]
+    monkeypatch.setenv("PDSERVE_HF_REFERENCE_DIR", "off")
+    hf_reference.recorded(gguf, "ids", ["a", 1], compute(4))
+    hf_reference.recorded(gguf, "ids", ["a", 1], compute(4))
+    assert calls == [5, 1, 2, 3, 4, 4]
