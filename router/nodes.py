@@ -10,12 +10,12 @@ workers on that node could race to) and returns its weights digest
 (``engine.models.loader.weights_digest``). Serving does not start unless every such node has
 the model and all digests match the head's: one error names each node that lacks it or holds
 other weights. A node that joins later (the autoscaler) is checked the same way when its
-worker comes up (``ModelInfo.weights``, router.liveness); that comparison is all a private local
-Ray gets (router.app.start_local_ray: its one node is the head's machine, its workers have the
-head's environment and resolve what the head resolved, so the task is skipped). A catalogue model is resolved from each
-node's own model cache, so every node needs ``pdserve pull NAME`` (the error says so); a GGUF
-file is served from a folder each node prepares in its own cache (its digest carries the
-file's sha256).
+worker comes up (``ModelInfo.weights``, router.liveness); that comparison is all a private
+local Ray gets (router.app.start_local_ray: its one node is the head's machine, its workers
+have the head's environment and resolve what the head resolved, so the task is skipped). A
+catalogue model is resolved from each node's own model cache, so every node needs ``pdserve
+pull NAME`` (the error says so); a GGUF file is served from a folder each node prepares in its
+own cache (its digest carries the file's sha256).
 """
 
 from __future__ import annotations
