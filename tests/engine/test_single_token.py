@@ -44,7 +44,8 @@ def _record_logits(eng) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory, model_path):
     """A random Llama of 2 layers, hidden 256 (INT4 groups of 128 fit it): the quantized
-    compiled-path tests below compare two paths on one model, which its size does not change;
+    compiled-path tests below compare two paths on one model, or count compiled graphs, which
+    its size does not change;
     on the real model each pair of engines cost 40-130 s of a slow machine's `make test`
     (quantizing, compiling, and the eager INT4 kernel's 7 ms per call on AVX2 with one thread)."""
     path = tmp_path_factory.mktemp("small")
@@ -291,7 +292,7 @@ def _small_batches_same_as_eager(fast, eager) -> None:
     assert calls.count(3) == 7
 
 
-def test_serving_from_another_thread_compiles_nothing_after_load(make_engine, monkeypatch):
+def test_serving_from_another_thread_compiles_nothing_after_load(make_engine, small_model, monkeypatch):
     """A worker steps the engine on its own thread: every variant a step of 1..max_rows tokens
     (a decode batch, a verify step) runs must have been compiled at load, with the inputs made
     as serving makes them. (torch's config overrides are per thread: a graph first compiled on
@@ -303,7 +304,8 @@ def test_serving_from_another_thread_compiles_nothing_after_load(make_engine, mo
 
     from engine.config import SpeculativeConfig
     monkeypatch.setenv("PDSERVE_NATIVE_DECODE", "0")  # the graphs (the native kernels compile nothing)
-    eng = make_engine(quantization="int8", speculative=SpeculativeConfig(method="ngram", adaptive=False))
+    eng = make_engine(model=small_model, memory_gb=0.02, quantization="int8",
+                      speculative=SpeculativeConfig(method="ngram", adaptive=False))
     assert eng.model.single_token.max_rows == 5
     graphs = counters["stats"]["unique_graphs"]
     done: list[int] = []
