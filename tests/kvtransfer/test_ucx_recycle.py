@@ -44,12 +44,20 @@ def quick(monkeypatch):
     monkeypatch.setattr(ucx_generation, "RETIRE_AFTER_S", 0.5)
 
 
-def until(cond, what: str, pump=lambda: None, timeout: float = 30.0) -> None:
+def until(cond, what: str, pump=lambda: None, timeout: float = 30.0, state=lambda: "") -> None:
     end = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < end, f"never: {what}"
+        assert time.monotonic() < end, f"never: {what} {state()}"
         pump()
         time.sleep(0.002)
+
+
+def _recycle_state(t) -> str:
+    """What a replacement waits on (transport._replace_worker_if_due), for a failure's message."""
+    live = set(t._peers.live_uids())
+    return (f"(recycles {t.recycles}, retiring {len(t._retiring)}, stale {t._peers.stale} of {t._peers.recycle_at}, "
+            f"outbox {len(t._outbox)}, live peers {len(live)}, sending {t.sender.busy(live)}, "
+            f"receiving {t.receiver.receiving_from(live)})")
 
 
 def test_a_replaced_worker_keeps_its_peer_talking_both_ways(make, quick):
@@ -102,8 +110,11 @@ def test_a_sender_outliving_its_receivers_unmaps_them(spawn, quick):
                 baseline = shared_memory_mappings()  # our worker's own + one live receiver's
             receiver.kill()
             sender.disconnect(address)  # as the router has every sender forget a lost receiver
+        # (under make test's load this once never came within 30 s, where it takes under 1 s
+        # alone or beside two busy cores: a failure says what held it)
         until(lambda: sender.transport.recycles >= 1 and not sender.transport._retiring,
-              "the sender replaced its worker and destroyed the old one", sender.progress)
+              "the sender replaced its worker and destroyed the old one", sender.progress,
+              state=lambda: _recycle_state(sender.transport))
         # Left: our worker's own and those of the receivers that died since (fewer than
         # RECYCLE_MIN_STALE, or it would be replaced again), 2 each, as measured; the live
         # receiver's 2 of the baseline are gone with it.
