@@ -33,6 +33,7 @@ from engine.models import int4_blocks
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_decode.c")
+AMX_SOURCE = SOURCE.with_name("native_amx.c")  # included by SOURCE
 # What each torch dispatch level may use: exactly what make test-avx2's smallest CPU has, or
 # the AVX-512 subset every AVX-512 CPU of this project's kind has (F, BW, VL, DQ).
 ISA_FLAGS = {"AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
@@ -43,12 +44,16 @@ ISA_FLAGS = {"AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "
 VNNI_FLAG = "-mavx512vnni"
 
 
-def cpu_has_vnni() -> bool:
+def _cpu_flags() -> list[str]:
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        return False
-    return "avx512_vnni" in flags.split()
+        return []
+    return flags.split()
+
+
+def cpu_has_vnni() -> bool:
+    return "avx512_vnni" in _cpu_flags()
 W_F32, W_I8, W_I4 = 0, 1, 2
 
 
@@ -113,7 +118,8 @@ def _load(cap: str, vnni: bool) -> ctypes.CDLL | None:
         # the key covers the source, the whole command and the compiler's version: a change to
         # any of them builds anew instead of loading a stale library
         version = subprocess.run([*cc, "-dumpfullversion"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((*cmd, version.strip())).encode()).hexdigest()[:16]
+        src = SOURCE.read_bytes() + AMX_SOURCE.read_bytes()
+        key = hashlib.sha256(src + "\0".join((*cmd, version.strip())).encode()).hexdigest()[:16]
         so = cache_dir() / f"native_decode_{cap.lower()}{'_vnni' if vnni else ''}_{key}.so"
         if not so.exists():
             _build(cmd, so)
@@ -134,6 +140,9 @@ def _load(cap: str, vnni: bool) -> ctypes.CDLL | None:
     lib.pd_linear.argtypes = [p, i, p, p, i]
     lib.pd_dequant_i4.argtypes = [p, p, i]
     lib.pd_linear.restype = lib.pd_dequant_i4.restype = None
+    lib.pd_amx_linear.argtypes = [p, i, p, p, i]
+    lib.pd_amx_linear.restype = None
+    lib.pd_amx_init.restype = i
     i64 = ctypes.c_int64
     lib.pd_mask_logits.argtypes = [p, i64, p, i, p, i64, i64]
     lib.pd_mask_logits.restype = None
@@ -144,6 +153,33 @@ def enabled_library() -> ctypes.CDLL | None:
     """:func:`library`, unless ``PDSERVE_NATIVE_DECODE=0`` turns the native kernels off (every
     user of them asks here, so one switch turns them all off)."""
     return library() if os.environ.get("PDSERVE_NATIVE_DECODE", "1") != "0" else None
+
+
+@functools.cache
+def amx_library() -> ctypes.CDLL | None:
+    """:func:`enabled_library` where prefill-sized INT4 / INT8 steps run on AMX (native_amx.c:
+    fp32 arithmetic, the codes times x in three bf16 limbs): the AVX-512 build on a CPU with
+    AMX-BF16 whose kernel grants the tile state; ``PDSERVE_AMX=0`` turns it off (the fp32 GEMM
+    on the dequantized weight then serves, as on every other CPU)."""
+    lib = enabled_library()
+    if lib is None or lib.pd_vector_width() != 16 or os.environ.get("PDSERVE_AMX", "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or "amx_bf16" not in _cpu_flags():
+        return None
+    return lib if lib.pd_amx_init() == 1 else None
+
+
+def amx_fits(n: int, k: int, group: int) -> bool:
+    """Whether the AMX kernel takes an [n, k] linear: whole blocks of 16 rows and 32 inputs,
+    INT4 groups of whole blocks (group 0: INT8, one scale per row)."""
+    return n % 16 == 0 and k % 32 == 0 and group % 32 == 0
+
+
+def amx_linear(lib: ctypes.CDLL, lin: ctypes.Structure, x: torch.Tensor) -> torch.Tensor:
+    """x [R, K] fp32 contiguous (the weight's column order) -> x W^T + b [R, N] on AMX."""
+    y = torch.empty(x.shape[0], lin.n)
+    lib.pd_amx_linear(ctypes.addressof(lin), x.shape[0], x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 class Lin(ctypes.Structure):

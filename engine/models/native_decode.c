@@ -951,3 +951,6 @@ void pd_mask_logits(float *logits, int64_t ld, const int64_t *rows, int nrows, c
         }
     }
 }
+
+/* Prefill-sized INT4 / INT8 steps on AMX: its own file, one concept. */
+#include "native_amx.c"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.native import amx_library
 from engine.quant.cpu_kernels import cpu_class
 from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
 from engine.quant.linear.base import DEQUANT_ROWS
@@ -26,17 +27,19 @@ def report(model: torch.nn.Module | None = None, single_token: str | None = None
     parts = [f"cpu {cpu_class()}"]
     kinds: dict[str, str] = {}
     native = single_token == "native"
+    amx = amx_library() is not None  # prefill-sized INT4 / INT8 steps (native_amx.c)
     for mod in (model.modules() if model is not None else ()):
         if isinstance(mod, Int8Linear) and "int8" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
             fast = (f", native GEMV ({steps})" if native else f", compiled fp32 GEMV ({steps})") if single_token else ""
-            kinds["int8"] = f"{mod.kernel} {act}-act (batched){fast}"
+            big = f", from {DEQUANT_ROWS} rows AMX (fp32 arithmetic)" if amx and mod.kernel == "int8pack" else ""
+            kinds["int8"] = f"{mod.kernel} {act}-act (batched){big}{fast}"
         elif isinstance(mod, Int4Linear) and "int4" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
             if mod.kernel == "native":  # one copy, in the native layout, for every path
                 small = f"native GEMV ({steps})" if native else "native GEMV"
-                kinds["int4"] = (f"{small}, batched < {DEQUANT_ROWS} rows the same GEMV, "
-                                 f"from {DEQUANT_ROWS} rows fp32 GEMM on the weight dequantized")
+                big = "AMX (fp32 arithmetic)" if amx else "fp32 GEMM on the weight dequantized"
+                kinds["int4"] = f"{small}, batched < {DEQUANT_ROWS} rows the same GEMV, from {DEQUANT_ROWS} rows {big}"
             elif native:
                 kinds["int4"] = f"{mod.kernel} {act}-act (batched), native GEMV ({steps})"
             else:

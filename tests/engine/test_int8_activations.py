@@ -180,6 +180,7 @@ def test_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatch):
     from engine.quant.formats import quantize_weight
     from engine.quant.linear import Int4Linear
     from engine.quant.linear.base import DEQUANT_ROWS
+    monkeypatch.setattr("engine.quant.linear.int4.amx_library", lambda: None)  # (AMX's: test_native_amx.py)
     gen = torch.Generator().manual_seed(7)
     n, k = 96, 512
     mod = Int4Linear(quantize_weight(torch.randn(n, k, generator=gen), 4, 32, False), torch.randn(n, generator=gen))
@@ -216,6 +217,7 @@ def test_int8_prefill_sized_steps_multiply_in_bf16_where_the_cpu_does(monkeypatc
     from engine.quant.linear import Int8Linear
     from engine.quant.linear.activations import set_int8_activations
     from engine.quant.linear.base import DEQUANT_ROWS
+    monkeypatch.setattr("engine.quant.linear.int8.amx_library", lambda: None)  # int8pack outside the mode here
     gen = torch.Generator().manual_seed(11)
     n, k = 80, 256
     mod = Int8Linear(quantize_weight(torch.randn(n, k, generator=gen), 8, None, sym), torch.randn(n, generator=gen))

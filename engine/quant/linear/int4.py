@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models import int4_blocks
-from engine.models.native import (W_I4, Int4Kernel, enabled_library, int4_codes, int4_weights,
-                                  int8_activations_fit, library)
+from engine.models.native import (W_I4, Int4Kernel, amx_fits, amx_library, amx_linear, enabled_library,
+                                  int4_codes, int4_weights, int8_activations_fit, library)
 from engine.quant.cpu_kernels import native_bf16
 from engine.quant.formats import QuantizedWeight, pack_int4, unpack_int4
 from engine.quant.linear import base
@@ -219,11 +219,15 @@ class Int4Linear(QuantLinear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _native_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """fp32 rows [R, K] -> [R, N] through the native layout: the GEMV for small steps, a GEMM
-        over the weight dequantized into this thread's scratch buffer for prefill-sized ones."""
+        """fp32 rows [R, K] -> [R, N] through the native layout: the GEMV for small steps; for
+        prefill-sized ones the AMX kernel where the CPU has one (the same fp32 arithmetic, in
+        another order), else a GEMM over the weight dequantized into this thread's scratch buffer."""
         kern = self.native_kernel()
         if x2.shape[0] < base.DEQUANT_ROWS:
             return kern.linear(x2)  # bias included
+        amx = None if self.int8_activations else amx_library()
+        if amx is not None and amx_fits(self.out_features, self.in_features, self.group_size):
+            return amx_linear(amx, kern.lin, x2)  # fp32 arithmetic, bias included
         w = kern.dequantize(dequant_buffer(self.out_features * self.in_features))
         if self.int8_activations and native_bf16():
             # the INT8-activation mode's prefill: a bf16 GEMM (weights and activations
