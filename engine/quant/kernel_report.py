@@ -11,7 +11,7 @@ import torch
 from engine.models.native import amx_library
 from engine.quant.cpu_kernels import cpu_class
 from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
-from engine.quant.linear.base import DEQUANT_ROWS
+from engine.quant.linear.base import AMX_ROWS, DEQUANT_ROWS
 
 
 def report(model: torch.nn.Module | None = None, single_token: str | None = None, rows: int = 1) -> str:
@@ -32,14 +32,17 @@ def report(model: torch.nn.Module | None = None, single_token: str | None = None
         if isinstance(mod, Int8Linear) and "int8" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
             fast = (f", native GEMV ({steps})" if native else f", compiled fp32 GEMV ({steps})") if single_token else ""
-            big = f", from {DEQUANT_ROWS} rows AMX (fp32 arithmetic)" if amx and mod.kernel == "int8pack" else ""
+            big = f", from {AMX_ROWS} rows AMX (fp32 arithmetic)" if amx and mod.kernel == "int8pack" else ""
             kinds["int8"] = f"{mod.kernel} {act}-act (batched){big}{fast}"
         elif isinstance(mod, Int4Linear) and "int4" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")
             if mod.kernel == "native":  # one copy, in the native layout, for every path
                 small = f"native GEMV ({steps})" if native else "native GEMV"
-                big = "AMX (fp32 arithmetic)" if amx else "fp32 GEMM on the weight dequantized"
-                kinds["int4"] = f"{small}, batched < {DEQUANT_ROWS} rows the same GEMV, from {DEQUANT_ROWS} rows {big}"
+                if amx:
+                    kinds["int4"] = f"{small}, batched < {AMX_ROWS} rows the same GEMV, from {AMX_ROWS} rows AMX (fp32 arithmetic)"
+                else:
+                    kinds["int4"] = (f"{small}, batched < {DEQUANT_ROWS} rows the same GEMV, "
+                                     f"from {DEQUANT_ROWS} rows fp32 GEMM on the weight dequantized")
             elif native:
                 kinds["int4"] = f"{mod.kernel} {act}-act (batched), native GEMV ({steps})"
             else:

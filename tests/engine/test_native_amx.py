@@ -1,4 +1,4 @@
-"""Prefill-sized INT4 / INT8 steps on AMX (engine/models/native_amx.c): fp32 arithmetic.
+"""INT4 / INT8 steps of AMX_ROWS rows or more on AMX (engine/models/native_amx.c): fp32 arithmetic.
 
 The kernel multiplies the codes (exact in bf16) by x split into three bf16 limbs (exact), sums
 the exact products in fp32 per group, then applies y = b + sum_g (s P_g + o X_g). Its error
@@ -45,7 +45,7 @@ def exact(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, g: int, x: torch.Te
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [128, 130, 161])
+@pytest.mark.parametrize("rows", [base.AMX_ROWS, 130, 161])
 def test_int4_prefill_is_fp32_arithmetic(rows):
     gen = torch.Generator().manual_seed(rows)
     n, k, g = 80, 320, 32  # 80 rows: a panel of 64 and one of 16; 10 groups
@@ -59,16 +59,18 @@ def test_int4_prefill_is_fp32_arithmetic(rows):
     want, mag = exact(qw.q, qw.scale.view(n, -1), o, g, x, b)
     err = (y.double() - want).abs()
     assert (err <= bound_terms(g, k // g) * U * mag).all(), f"max error/bound {(err / (U * mag)).max():.1f} u"
-    # the module's path is the kernel (bit for bit)
+    # the module's path is the kernel (bit for bit); a row fewer than AMX_ROWS, the GEMV's
     direct = native.amx_linear(native.amx_library(), mod.native_kernel().lin, x)
     assert torch.equal(y, direct)
+    fewer = x[: base.AMX_ROWS - 1]
+    assert torch.equal(mod(fewer), mod.native_kernel().linear(fewer))
 
 
 @needs_amx
 @pytest.mark.parametrize("symmetric,interleaved", [(True, False), (False, False), (True, True)])
 def test_int8_prefill_is_fp32_arithmetic(symmetric, interleaved):
     gen = torch.Generator().manual_seed(int(symmetric) * 2 + int(interleaved))
-    n, k, rows = 48, 256, 140
+    n, k, rows = 48, 256, base.AMX_ROWS + 3
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     mod = Int8Linear(quantize_weight(w, 8, None, symmetric), b)
     qw = mod.quantized_weight()
@@ -80,9 +82,9 @@ def test_int8_prefill_is_fp32_arithmetic(symmetric, interleaved):
     want, mag = exact(qw.q, qw.scale[:, None], o, k, x, b)
     err = (y.double() - want).abs()
     assert (err <= bound_terms(k, 1) * U * mag).all(), f"max error/bound {(err / (U * mag)).max():.1f} u"
-    # int8pack's bf16 activations, one row fewer, are far outside that bound: the path changed
-    small = mod(x[: base.DEQUANT_ROWS - 1]).double() - want[: base.DEQUANT_ROWS - 1]
-    assert (small.abs() > bound_terms(k, 1) * U * mag[: base.DEQUANT_ROWS - 1]).any()
+    # int8pack's bf16 activations, below AMX_ROWS rows, are far outside that bound: the path changed
+    few = base.AMX_ROWS - 1
+    assert ((mod(x[:few]).double() - want[:few]).abs() > bound_terms(k, 1) * U * mag[:few]).any()
 
 
 def _one_input_per_row(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -102,7 +104,7 @@ def test_every_bit_of_x_is_multiplied(bits):
     limb of x (multiplied x in bf16, or in two limbs: 16 bits) fails this where the bound above,
     scaled by the sum of magnitudes, could not tell."""
     gen = torch.Generator().manual_seed(bits)
-    n, k, g, rows = 64, 256, 32, 128
+    n, k, g, rows = 64, 256, 32, base.AMX_ROWS
     pick = torch.tensor([0, 1, 2, 4, 8] if bits == 4 else [-8, -2, -1, 1, 4, 16, 64])
     q = pick[torch.randint(0, len(pick), (n, k), generator=gen)]
     if bits == 4:

@@ -219,15 +219,16 @@ class Int4Linear(QuantLinear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _native_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """fp32 rows [R, K] -> [R, N] through the native layout: the GEMV for small steps; for
-        prefill-sized ones the AMX kernel where the CPU has one (the same fp32 arithmetic, in
-        another order), else a GEMM over the weight dequantized into this thread's scratch buffer."""
+        """fp32 rows [R, K] -> [R, N] through the native layout: steps of AMX_ROWS rows or more on
+        AMX where the CPU has it (the same fp32 arithmetic, in another order); else the GEMV for
+        small steps and a GEMM over the weight dequantized into this thread's scratch buffer for
+        prefill-sized ones."""
         kern = self.native_kernel()
-        if x2.shape[0] < base.DEQUANT_ROWS:
-            return kern.linear(x2)  # bias included
-        amx = None if self.int8_activations else amx_library()
+        amx = None if self.int8_activations or x2.shape[0] < base.AMX_ROWS else amx_library()
         if amx is not None and amx_fits(self.out_features, self.in_features, self.group_size):
             return amx_linear(amx, kern.lin, x2)  # fp32 arithmetic, bias included
+        if x2.shape[0] < base.DEQUANT_ROWS:
+            return kern.linear(x2)  # bias included
         w = kern.dequantize(dequant_buffer(self.out_features * self.in_features))
         if self.int8_activations and native_bf16():
             # the INT8-activation mode's prefill: a bf16 GEMM (weights and activations

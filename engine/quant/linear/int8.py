@@ -103,7 +103,7 @@ class Int8Linear(QuantLinear):
 
     def _amx(self, x: torch.Tensor) -> torch.Tensor | None:
         """x W^T + b on AMX (native_amx.c: the codes times x in fp32 arithmetic, more exact than
-        int8pack's bf16 activations and 2-3x faster at prefill sizes on the 1.5B's shapes), or
+        int8pack's bf16 activations and 2-3x faster at 512 rows on the 1.5B's shapes), or
         None where it does not serve (no AMX, a shape it cannot tile)."""
         lib = amx_library()
         if (lib is None or self.kernel != "int8pack" or not self.qweight.is_contiguous()
@@ -142,8 +142,8 @@ class Int8Linear(QuantLinear):
                     return kern.linear(x2).to(dtype).reshape(*shape[:-1], self.out_features)
             elif native_bf16():  # a prefill-sized step: bf16 GEMM, as Int4Linear's in this mode
                 return self._bf16_gemm(x).to(dtype).reshape(*shape[:-1], self.out_features)
-        elif x.numel() >= base.DEQUANT_ROWS * self.in_features and x.device.type == "cpu":
-            y = self._amx(x)  # a prefill-sized step, fp32 arithmetic, where the CPU has AMX
+        elif x.numel() >= base.AMX_ROWS * self.in_features and x.device.type == "cpu":
+            y = self._amx(x)  # fp32 arithmetic, where the CPU has AMX
             if y is not None:
                 return y.to(dtype).reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
