@@ -27,7 +27,8 @@ def report(model: torch.nn.Module | None = None, single_token: str | None = None
     parts = [f"cpu {cpu_class()}"]
     kinds: dict[str, str] = {}
     native = single_token == "native"
-    amx = amx_library() is not None  # prefill-sized INT4 / INT8 steps (native_amx.c)
+    # steps of AMX_ROWS rows or more of INT4 / INT8 (native_amx.c), but in the INT8-activation mode
+    amx = amx_library() is not None and not getattr(model, "int8_activations", False)
     for mod in (model.modules() if model is not None else ()):
         if isinstance(mod, Int8Linear) and "int8" not in kinds:
             act = str(mod.act_dtype).removeprefix("torch.")

@@ -19,8 +19,8 @@ from engine.quant.formats import QuantizedWeight
 DEQUANT_ROWS = 128
 # Where the CPU has AMX (engine/models/native_amx.c), steps of at least this many rows of an INT4
 # or INT8 linear run on it instead, in fp32 arithmetic as the paths above: on the 1.5B's shapes
-# (2-core Xeon, 2 threads) it took 0.5-0.9x the GEMV's time at 16 rows (down 8960 wide: 1.1x),
-# 0.44-0.75x at 32, 0.32-0.34x at 128, and 0.54x the fp32 GEMM's at 512 (gate/up).
+# (2-core Xeon, 2 threads) it took 0.6-0.74x the GEMV's time at 16 rows (down, 8960 wide: 1.1x),
+# 0.44-0.75x at 32, 0.32-0.47x at 128, and 0.54x the fp32 GEMM's at 512 (gate/up).
 AMX_ROWS = 32
 _scratch = threading.local()  # per thread: the dequantized weight of the linear running now
 
