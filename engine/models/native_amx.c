@@ -113,86 +113,115 @@ AMX_FN static inline __m512i amx_codes(const lin_t *L, int64_t row, int64_t kk) 
 }
 
 #define AMX_PANEL 4 /* weight blocks of 16 rows per panel: the C tiles 0-3 */
+#define AMX_X_L2 (1280 * 1024) /* bytes of x limbs a chunk may hold (a core's L2 is 2 MB here) */
+
+/* Where the sums may stop: INT4 its groups; INT8 (one scale per row) any multiple of 32 inputs
+ * that divides k, the largest up to 1536. */
+static int64_t amx_group(const lin_t *L) {
+    if (L->kind == W_I4) return L->group;
+    int64_t d = 48;
+    while ((L->k / 32) % d) d--;
+    return 32 * d;
+}
 
 /* y [R, n] = x W^T + b for an INT4 or INT8 (fp32 activations) linear; n % 16 == 0, k % 32 == 0,
- * INT4 groups a multiple of 32 (INT8: one group, the whole row). x in the weight's column order.
- * Each thread packs a panel of 64 weight rows (A tiles, in L2) and runs every block of 16 x rows
- * past it. (Measured on the 1.5B's shapes at 512 rows, 2-core Xeon: panels of 32 rows by 32 x
- * rows, or x in chunks kept in L2 with the weights packed once, were both slower than this.) */
+ * INT4 groups a multiple of 32. x in the weight's column order. Each thread packs a panel of 64
+ * weight rows (A tiles, in L2) and runs blocks of 16 x rows past it; where all of x's limbs
+ * would not fit in L2, in chunks of inputs and rows that do (the panels are packed again per
+ * chunk: cheaper than streaming x from L3 once per panel). */
 AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int threads) {
-    const int64_t n = L->n, k = L->k, g = L->kind == W_I4 ? L->group : k, ng = k / g, nkk = k / 32;
+    const int64_t n = L->n, k = L->k, g = amx_group(L), ng = k / g, nkk = k / 32, gk = g / 32;
     const int64_t mblocks = (R + 15) / 16, rp = mblocks * 16, panels = (n + 16 * AMX_PANEL - 1) / (16 * AMX_PANEL);
+    const int64_t sng = L->kind == W_I4 ? ng : 1;  /* scales per row kept */
+    int64_t kck = nkk, mcb = mblocks;  /* a chunk: kck inputs / 32, mcb blocks of 16 rows */
+    if (mblocks * nkk * 3 * 1024 > AMX_X_L2) {
+        kck = (AMX_X_L2 / (3 * 1024 * 8)) / gk * gk;  /* at least 8 row blocks a chunk */
+        if (kck < gk) kck = gk;
+        if (kck > nkk) kck = nkk;
+        mcb = AMX_X_L2 / (kck * 3 * 1024);
+        if (mcb < 1) mcb = 1;
+    }
     uint16_t *xb = aligned_alloc(64, (size_t)(mblocks * nkk * 3 * 1024));
     float *xg = malloc(sizeof(float) * (size_t)(ng * rp));
     if (xb == NULL || xg == NULL) abort();
     amx_pack_x(x, R, k, g, xb, xg, threads, mblocks);
+    for (int64_t c0 = 0; c0 < nkk; c0 += kck)
+        for (int64_t mc = 0; mc < mblocks; mc += mcb) {
+            const int64_t c1 = c0 + kck < nkk ? c0 + kck : nkk, mend = mc + mcb < mblocks ? mc + mcb : mblocks;
 #pragma omp parallel num_threads(threads)
-    {
-        amx_config();
-        uint16_t *wa = aligned_alloc(64, (size_t)(nkk * AMX_PANEL * 1024));
-        float *sv = malloc(sizeof(float) * (size_t)(16 * AMX_PANEL * ng));
-        float *ov = malloc(sizeof(float) * (size_t)(16 * AMX_PANEL * ng));
-        float (*acc)[16][16] = aligned_alloc(64, sizeof(float) * AMX_PANEL * 256);  /* [block][n][m] */
-        float cb[16][16] __attribute__((aligned(64)));
-        if (wa == NULL || sv == NULL || ov == NULL || acc == NULL) abort();
+            {
+                amx_config();
+                uint16_t *wa = aligned_alloc(64, (size_t)(kck * AMX_PANEL * 1024));
+                float *sv = malloc(sizeof(float) * (size_t)(16 * AMX_PANEL * sng));
+                float *ov = malloc(sizeof(float) * (size_t)(16 * AMX_PANEL * sng));
+                float (*acc)[16][16] = aligned_alloc(64, sizeof(float) * AMX_PANEL * 256);  /* [block][n][m] */
+                float cb[16][16] __attribute__((aligned(64)));
+                if (wa == NULL || sv == NULL || ov == NULL || acc == NULL) abort();
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t n0 = p * 16 * AMX_PANEL;
-            const int nbk = (int)((n - n0) / 16 < AMX_PANEL ? (n - n0) / 16 : AMX_PANEL);
-            for (int j = 0; j < nbk * 16; j++) {  /* the panel's codes as A tiles, its scales */
-                for (int64_t kk = 0; kk < nkk; kk++)
-                    _mm512_store_si512(wa + ((kk * AMX_PANEL + j / 16) * 16 + j % 16) * 32, amx_codes(L, n0 + j, kk));
-                if (L->kind == W_I4) row_scales(L, n0 + j, 1, sv + j * ng, ov + j * ng);
-                else sv[j] = L->s[n0 + j], ov[j] = -L->zs[n0 + j];
-            }
-            for (int64_t mb = 0; mb < mblocks; mb++) {
-                memset(acc, 0, sizeof(float) * AMX_PANEL * 256);
-                for (int64_t gi = 0; gi < ng; gi++) {
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (int64_t kk = gi * g / 32; kk < (gi + 1) * g / 32; kk++) {
-                        const uint16_t *xt = xb + ((mb * nkk + kk) * 3) * 512;
-                        const uint16_t *wt = wa + kk * AMX_PANEL * 512;
-                        _tile_loadd(4, xt, 64);
-                        _tile_loadd(5, xt + 512, 64);
-                        _tile_loadd(6, xt + 1024, 64);
-#define AMX_BLOCK(J)                                                                           \
-                        if (J < nbk) {                                                         \
-                            _tile_loadd(7, wt + J * 512, 64);                                  \
-                            _tile_dpbf16ps(J, 7, 4);                                           \
-                            _tile_dpbf16ps(J, 7, 5);                                           \
-                            _tile_dpbf16ps(J, 7, 6);                                           \
-                        }
-                        AMX_BLOCK(0) AMX_BLOCK(1) AMX_BLOCK(2) AMX_BLOCK(3)
-#undef AMX_BLOCK
+                for (int64_t p = 0; p < panels; p++) {
+                    const int64_t n0 = p * 16 * AMX_PANEL;
+                    const int nbk = (int)((n - n0) / 16 < AMX_PANEL ? (n - n0) / 16 : AMX_PANEL);
+                    for (int j = 0; j < nbk * 16; j++) {  /* the panel's codes in the chunk as A tiles, its scales */
+                        for (int64_t kk = c0; kk < c1; kk++)
+                            _mm512_store_si512(wa + (((kk - c0) * AMX_PANEL + j / 16) * 16 + j % 16) * 32,
+                                               amx_codes(L, n0 + j, kk));
+                        if (L->kind == W_I4) row_scales(L, n0 + j, 1, sv + j * ng, ov + j * ng);
+                        else sv[j] = L->s[n0 + j], ov[j] = -L->zs[n0 + j];
                     }
-                    const __m512 xs = _mm512_loadu_ps(xg + gi * rp + mb * 16);
-                    for (int j = 0; j < nbk; j++) {
-                        switch (j) {  /* tile numbers are immediates */
-                        case 0: _tile_stored(0, cb, 64); break;
-                        case 1: _tile_stored(1, cb, 64); break;
-                        case 2: _tile_stored(2, cb, 64); break;
-                        default: _tile_stored(3, cb, 64); break;
+                    for (int64_t mb = mc; mb < mend; mb++) {
+                        memset(acc, 0, sizeof(float) * AMX_PANEL * 256);
+                        for (int64_t gi = c0 / gk; gi < c1 / gk; gi++) {
+                            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                            for (int64_t kk = gi * gk; kk < (gi + 1) * gk; kk++) {
+                                const uint16_t *xt = xb + ((mb * nkk + kk) * 3) * 512;
+                                const uint16_t *wt = wa + (kk - c0) * AMX_PANEL * 512;
+                                _tile_loadd(4, xt, 64);
+                                _tile_loadd(5, xt + 512, 64);
+                                _tile_loadd(6, xt + 1024, 64);
+#define AMX_BLOCK(J)                                                                           \
+                                if (J < nbk) {                                                 \
+                                    _tile_loadd(7, wt + J * 512, 64);                          \
+                                    _tile_dpbf16ps(J, 7, 4);                                   \
+                                    _tile_dpbf16ps(J, 7, 5);                                   \
+                                    _tile_dpbf16ps(J, 7, 6);                                   \
+                                }
+                                AMX_BLOCK(0) AMX_BLOCK(1) AMX_BLOCK(2) AMX_BLOCK(3)
+#undef AMX_BLOCK
+                            }
+                            const __m512 xs = _mm512_loadu_ps(xg + gi * rp + mb * 16);
+                            const int64_t gs = L->kind == W_I4 ? gi : 0;
+                            for (int j = 0; j < nbk; j++) {
+                                switch (j) {  /* tile numbers are immediates */
+                                case 0: _tile_stored(0, cb, 64); break;
+                                case 1: _tile_stored(1, cb, 64); break;
+                                case 2: _tile_stored(2, cb, 64); break;
+                                default: _tile_stored(3, cb, 64); break;
+                                }
+                                for (int r = 0; r < 16; r++) {  /* acc[n][m] += s P + o X */
+                                    const int64_t at = (j * 16 + r) * sng + gs;
+                                    __m512 a = _mm512_fmadd_ps(_mm512_load_ps(cb[r]), _mm512_set1_ps(sv[at]),
+                                                               _mm512_load_ps(acc[j][r]));
+                                    _mm512_store_ps(acc[j][r], _mm512_fmadd_ps(_mm512_set1_ps(ov[at]), xs, a));
+                                }
+                            }
                         }
-                        for (int r = 0; r < 16; r++) {  /* acc[n][m] += s P + o X */
-                            const int64_t at = (j * 16 + r) * ng + gi;
-                            __m512 a = _mm512_fmadd_ps(_mm512_load_ps(cb[r]), _mm512_set1_ps(sv[at]), _mm512_load_ps(acc[j][r]));
-                            _mm512_store_ps(acc[j][r], _mm512_fmadd_ps(_mm512_set1_ps(ov[at]), xs, a));
-                        }
+                        for (int j = 0; j < nbk; j++)  /* y (+)= acc transposed; + b with the first chunk */
+                            for (int r = 0; r < 16; r++) {
+                                const int64_t c = n0 + j * 16 + r;
+                                for (int i = 0; i < 16 && mb * 16 + i < R; i++) {
+                                    float *d = y + (mb * 16 + i) * n + c;
+                                    *d = c0 == 0 ? acc[j][r][i] + L->b[c] : *d + acc[j][r][i];
+                                }
+                            }
                     }
                 }
-                for (int j = 0; j < nbk; j++)  /* y = acc transposed, + b */
-                    for (int r = 0; r < 16; r++) {
-                        const int64_t c = n0 + j * 16 + r;
-                        for (int i = 0; i < 16 && mb * 16 + i < R; i++) y[(mb * 16 + i) * n + c] = acc[j][r][i] + L->b[c];
-                    }
+                free(wa);
+                free(sv);
+                free(ov);
+                free(acc);
+                _tile_release();
             }
         }
-        free(wa);
-        free(sv);
-        free(ov);
-        free(acc);
-        _tile_release();
-    }
     free(xb);
     free(xg);
 }

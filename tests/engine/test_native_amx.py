@@ -5,8 +5,9 @@ the exact products in fp32 per group, then applies y = b + sum_g (s P_g + o X_g)
 against the exact sum is that of an fp32 dot product, bounded (Higham, sum of m terms: at most
 (m - 1) u times the sum of their magnitudes, u = 2^-24) by counting the roundings each term
 meets: 3g products summed within a group (the tile unit's fp32 accumulation), the group's sum
-of x (g), s P and o X and their two accumulations (4 per group, so 4 ng), the bias (1), and for
-INT4 the reference's own fp32 offset o (1). Hence BOUND_TERMS below; the test asserts the error
+of x (g), s P and o X and their two accumulations (4 per group, so 4 ng; a chunk's part added
+to y, fewer than the groups, fits in it), the bias (1), and for INT4 the reference's own fp32
+offset o (1). Hence BOUND_TERMS below; the test asserts the error
 stays under that many u times sum_k (|q s| + |o|) |x_k| per output. The fp32 GEMM on the
 dequantized weight that it replaces meets the same kind of bound with k terms.
 
@@ -44,11 +45,16 @@ def exact(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, g: int, x: torch.Te
     return xd @ (qs + ow).T + b.double(), xd.abs() @ (qs.abs() + ow.abs()).T + b.double().abs()
 
 
+# (rows, inputs): 256 x 2048 holds 3 MB of limbs, more than a chunk: the kernel then sums in
+# chunks of inputs and rows (uneven last ones), adding each chunk's part to y
+SHAPES = [(base.AMX_ROWS, 320), (130, 320), (161, 320), (256, 2048)]
+
+
 @needs_amx
-@pytest.mark.parametrize("rows", [base.AMX_ROWS, 130, 161])
-def test_int4_prefill_is_fp32_arithmetic(rows):
+@pytest.mark.parametrize("rows,k", SHAPES)
+def test_int4_prefill_is_fp32_arithmetic(rows, k):
     gen = torch.Generator().manual_seed(rows)
-    n, k, g = 80, 320, 32  # 80 rows: a panel of 64 and one of 16; 10 groups
+    n, g = 80, 32  # 80 rows: a panel of 64 and one of 16
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     mod = Int4Linear(quantize_weight(w, 4, g, False), b)
     assert mod.kernel == "native"
@@ -67,10 +73,13 @@ def test_int4_prefill_is_fp32_arithmetic(rows):
 
 
 @needs_amx
-@pytest.mark.parametrize("symmetric,interleaved", [(True, False), (False, False), (True, True)])
-def test_int8_prefill_is_fp32_arithmetic(symmetric, interleaved):
+@pytest.mark.parametrize("symmetric,interleaved,rows,k", [(True, False, base.AMX_ROWS + 3, 256),
+                                                          (False, False, base.AMX_ROWS + 3, 256),
+                                                          (True, True, base.AMX_ROWS + 3, 256),
+                                                          (False, False, *SHAPES[-1])])
+def test_int8_prefill_is_fp32_arithmetic(symmetric, interleaved, rows, k):
     gen = torch.Generator().manual_seed(int(symmetric) * 2 + int(interleaved))
-    n, k, rows = 48, 256, base.AMX_ROWS + 3
+    n = 48
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     mod = Int8Linear(quantize_weight(w, 8, None, symmetric), b)
     qw = mod.quantized_weight()
@@ -81,10 +90,11 @@ def test_int8_prefill_is_fp32_arithmetic(symmetric, interleaved):
     o = (-(qw.zero * qw.scale)).float()[:, None]
     want, mag = exact(qw.q, qw.scale[:, None], o, k, x, b)
     err = (y.double() - want).abs()
-    assert (err <= bound_terms(k, 1) * U * mag).all(), f"max error/bound {(err / (U * mag)).max():.1f} u"
+    # the kernel sums INT8 in groups of up to k inputs: k terms and k / 32 groups bound any of them
+    assert (err <= bound_terms(k, k // 32) * U * mag).all(), f"max error/bound {(err / (U * mag)).max():.1f} u"
     # int8pack's bf16 activations, below AMX_ROWS rows, are far outside that bound: the path changed
     few = base.AMX_ROWS - 1
-    assert ((mod(x[:few]).double() - want[:few]).abs() > bound_terms(k, 1) * U * mag[:few]).any()
+    assert ((mod(x[:few]).double() - want[:few]).abs() > bound_terms(k, k // 32) * U * mag[:few]).any()
 
 
 def _one_input_per_row(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
