@@ -177,6 +177,10 @@ def test_streams_survive_their_router_resumed_token_identical(ha_cluster, tmp_pa
     for t in runs:
         t.start()
     held = _hold(stub, "held", max_tokens=RESUME_TOKENS * 4)  # its client gives up with the router
+    # a later message too: its first token can be the prefill's, with its KV still in transit, and
+    # such a request is not handed over (router.resume); under make test's load the router was once
+    # lost just then and the new one found nothing
+    next(held)
     deadline = time.monotonic() + 60
     def whole_has_tokens() -> bool:  # (the whole answer shows nothing before its end: ask the router)
         job = a.router.job("alice", f"cmpl-retry-{n + 1}-0")
