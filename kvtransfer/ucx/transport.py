@@ -73,8 +73,10 @@ import logging
 import os
 import secrets
 import select
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Sequence
 
@@ -273,7 +275,10 @@ class UcxTransport(FrameTransport):
         self._wake()
         self._thread.join(self.linger_s + 10.0)
         if self._thread.is_alive():
-            logger.warning("ucx progress thread did not stop; leaving it (daemon)")
+            # where it hangs: the one clue a rare stall under load leaves (it is a daemon thread)
+            frame = sys._current_frames().get(self._thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
+            logger.warning("ucx progress thread did not stop; leaving it (daemon); it is at:\n%s", where)
             return
         self._inbox.clear()
         os.close(self._wake_r)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -52,7 +53,10 @@ def make() -> Iterator[Callable[..., UcxTransport]]:
     yield factory
     for t in built:
         t.close()
-    assert not progress_threads(), "a ucx progress thread outlived close()"
+    left = progress_threads()
+    frames = sys._current_frames()
+    assert not left, "a ucx progress thread outlived close(); where each is:\n" + "\n".join(
+        "".join(traceback.format_stack(frames[t.ident])) for t in left if t.ident in frames)
 
 
 def recv_wait(t: UcxTransport, timeout: float = 10.0) -> tuple[str, list[memoryview]]:
