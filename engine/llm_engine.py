@@ -25,7 +25,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockManager, allocate_kv_tensors, kv_bytes_per_block
 from engine.layers.attention import get_attention_backend
-from engine.memory import release_freed_memory
+from engine.memory import keep_step_buffers, release_freed_memory
 from engine.models.loader import load_model, read_generation_eos, resolve_model_path
 from engine.quant.kernel_report import report
 from engine.request import Request, RequestStatus, SamplingParams
@@ -120,6 +120,7 @@ class LLMEngine:
                               rows=st.max_rows if st is not None else 1)
         log.info("kernels: %s", self.kernels)
         release_freed_memory()  # the load's freed temporaries: not the worker's to keep
+        keep_step_buffers()  # then the steps' activations stay in the heap from step to step
         self.load_seconds = time.monotonic() - t0
 
     # ---- requests ----------------------------------------------------------------------------

@@ -3,13 +3,10 @@ account taken once the model is up (``load_memory``); the step loop calls both."
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 from typing import Any
 
-from engine.memory import account, process_memory
+from engine.memory import account, process_memory, release_freed_memory
 from worker.protocol import Memory
 
 log = logging.getLogger("pdserve.worker")
@@ -18,19 +15,7 @@ log = logging.getLogger("pdserve.worker")
 def release_heap() -> bool:
     """Return the C heap's free memory to the OS (glibc ``malloc_trim``); False where the C
     library has none (musl, macOS): nothing to do there."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+    return release_freed_memory()
 
 
 def load_memory(engine: Any) -> Memory | None:

@@ -113,7 +113,12 @@ AMX_FN static inline __m512i amx_codes(const lin_t *L, int64_t row, int64_t kk) 
 }
 
 #define AMX_PANEL 4 /* weight blocks of 16 rows per panel: the C tiles 0-3 */
+#ifndef AMX_X_L2
 #define AMX_X_L2 (1280 * 1024) /* bytes of x limbs a chunk may hold (a core's L2 is 2 MB here) */
+#endif
+#ifndef AMX_CHUNK_MB
+#define AMX_CHUNK_MB 8
+#endif
 
 /* Where the sums may stop: INT4 its groups; INT8 (one scale per row) any multiple of 32 inputs
  * that divides k, the largest up to 1536. */
@@ -135,7 +140,7 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
     const int64_t sng = L->kind == W_I4 ? ng : 1;  /* scales per row kept */
     int64_t kck = nkk, mcb = mblocks;  /* a chunk: kck inputs / 32, mcb blocks of 16 rows */
     if (mblocks * nkk * 3 * 1024 > AMX_X_L2) {
-        kck = (AMX_X_L2 / (3 * 1024 * 8)) / gk * gk;  /* at least 8 row blocks a chunk */
+        kck = (AMX_X_L2 / (3 * 1024 * AMX_CHUNK_MB)) / gk * gk;  /* at least 8 row blocks a chunk */
         if (kck < gk) kck = gk;
         if (kck > nkk) kck = nkk;
         mcb = AMX_X_L2 / (kck * 3 * 1024);

@@ -59,9 +59,8 @@ Flow control on receive only: a peer's messages on their way hold at most
 Replaced workers. What UCX maps of a peer stays mapped until our UCX worker is destroyed, so
 once enough peers are gone for good (``peers.py``, "Stale peers") and nothing is in flight, the
 progress thread replaces the worker (``generation.py``): the uid stays, the address (``bind``)
-changes, every known peer is told the new one on a new connection, and the
-old worker keeps receiving until quiet, then is destroyed. A peer dialing an older address of
-a uid than one it heard keeps the newer (addresses carry the generation).
+changes, every known peer is told the new one on a new connection, and the old worker keeps
+receiving until quiet, then is destroyed. A peer keeps a uid's newest address (they carry the generation).
 
 Environment. ``UCX_*`` variables pass through unless ``tls`` is given;
 ``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` (ucxx sets ``UCX_MEMTYPE_CACHE``: a warning).
@@ -69,14 +68,13 @@ Environment. ``UCX_*`` variables pass through unless ``tls`` is given;
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import secrets
 import select
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Sequence
 
@@ -274,15 +272,13 @@ class UcxTransport(FrameTransport):
         self._stop.set()
         self._wake()
         self._thread.join(self.linger_s + 10.0)
-        if self._thread.is_alive():
-            # where it hangs: the one clue a rare stall under load leaves (it is a daemon thread)
-            frame = sys._current_frames().get(self._thread.ident)
-            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
-            logger.warning("ucx progress thread did not stop; leaving it (daemon); it is at:\n%s", where)
+        if self._thread.is_alive():  # where it hangs (every thread's stack): a rare stall's one clue
+            logger.warning("ucx progress thread did not stop; leaving it (daemon); stacks on stderr")
+            faulthandler.dump_traceback(all_threads=True)
             return
         self._inbox.clear()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
 
     def _check_open(self) -> None:
         if self._closed:
