@@ -112,13 +112,34 @@ AMX_FN static inline __m512i amx_codes(const lin_t *L, int64_t row, int64_t kk) 
     return (__m512i)_mm512_cvtne2ps_pbh(c, a);  /* exact: integers of at most 8 bits */
 }
 
+/* o[i] = column i of the 16 x 16 block a (three rounds of shuffles: 32-bit, 64-bit, 128-bit lanes). */
+AMX_FN static inline void amx_transpose(const float (*a)[16], __m512 *o) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(a[i]);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = (__m512)_mm512_unpacklo_pd((__m512d)t[i], (__m512d)t[i + 2]);
+        r[i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[i], (__m512d)t[i + 2]);
+        r[i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
+        r[i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[i + 1], (__m512d)t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        o[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        o[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 #define AMX_PANEL 4 /* weight blocks of 16 rows per panel: the C tiles 0-3 */
-#ifndef AMX_X_L2
 #define AMX_X_L2 (1280 * 1024) /* bytes of x limbs a chunk may hold (a core's L2 is 2 MB here) */
-#endif
-#ifndef AMX_CHUNK_MB
-#define AMX_CHUNK_MB 8
-#endif
+#define AMX_CHUNK_MB 8 /* row blocks a chunk keeps sums for (8 x 4 KB a panel: L1) */
 
 /* Where the sums may stop: INT4 its groups; INT8 (one scale per row) any multiple of 32 inputs
  * that divides k, the largest up to 1536. */
@@ -140,12 +161,13 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
     const int64_t sng = L->kind == W_I4 ? ng : 1;  /* scales per row kept */
     int64_t kck = nkk, mcb = mblocks;  /* a chunk: kck inputs / 32, mcb blocks of 16 rows */
     if (mblocks * nkk * 3 * 1024 > AMX_X_L2) {
-        kck = (AMX_X_L2 / (3 * 1024 * AMX_CHUNK_MB)) / gk * gk;  /* at least 8 row blocks a chunk */
+        kck = (AMX_X_L2 / (3 * 1024 * AMX_CHUNK_MB)) / gk * gk;  /* room for AMX_CHUNK_MB row blocks */
         if (kck < gk) kck = gk;
         if (kck > nkk) kck = nkk;
         mcb = AMX_X_L2 / (kck * 3 * 1024);
         if (mcb < 1) mcb = 1;
     }
+    if (mcb > AMX_CHUNK_MB) mcb = AMX_CHUNK_MB;
     uint16_t *xb = aligned_alloc(64, (size_t)(mblocks * nkk * 3 * 1024));
     float *xg = malloc(sizeof(float) * (size_t)(ng * rp));
     if (xb == NULL || xg == NULL) abort();
@@ -159,7 +181,7 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
                 uint16_t *wa = aligned_alloc(64, (size_t)(kck * AMX_PANEL * 1024));
                 float *sv = malloc(sizeof(float) * (size_t)(16 * AMX_PANEL * sng));
                 float *ov = malloc(sizeof(float) * (size_t)(16 * AMX_PANEL * sng));
-                float (*acc)[16][16] = aligned_alloc(64, sizeof(float) * AMX_PANEL * 256);  /* [block][n][m] */
+                float (*acc)[16][16] = aligned_alloc(64, sizeof(float) * (size_t)(mcb * AMX_PANEL * 256));  /* [mb][block][n][m] */
                 float cb[16][16] __attribute__((aligned(64)));
                 if (wa == NULL || sv == NULL || ov == NULL || acc == NULL) abort();
 #pragma omp for schedule(static)
@@ -173,9 +195,13 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
                         if (L->kind == W_I4) row_scales(L, n0 + j, 1, sv + j * ng, ov + j * ng);
                         else sv[j] = L->s[n0 + j], ov[j] = -L->zs[n0 + j];
                     }
-                    for (int64_t mb = mc; mb < mend; mb++) {
-                        memset(acc, 0, sizeof(float) * AMX_PANEL * 256);
-                        for (int64_t gi = c0 / gk; gi < c1 / gk; gi++) {
+                    /* group by group, every row block of the chunk past the group's weight tiles
+                     * (in L1 after the first block): only x's tiles stream from L2 */
+                    memset(acc, 0, sizeof(float) * (size_t)((mend - mc) * AMX_PANEL * 256));
+                    for (int64_t gi = c0 / gk; gi < c1 / gk; gi++) {
+                        const int64_t gs = L->kind == W_I4 ? gi : 0;
+                        for (int64_t mb = mc; mb < mend; mb++) {
+                            float (*ab)[16][16] = acc + (mb - mc) * AMX_PANEL;
                             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                             for (int64_t kk = gi * gk; kk < (gi + 1) * gk; kk++) {
                                 const uint16_t *xt = xb + ((mb * nkk + kk) * 3) * 512;
@@ -194,7 +220,6 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
 #undef AMX_BLOCK
                             }
                             const __m512 xs = _mm512_loadu_ps(xg + gi * rp + mb * 16);
-                            const int64_t gs = L->kind == W_I4 ? gi : 0;
                             for (int j = 0; j < nbk; j++) {
                                 switch (j) {  /* tile numbers are immediates */
                                 case 0: _tile_stored(0, cb, 64); break;
@@ -205,19 +230,25 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
                                 for (int r = 0; r < 16; r++) {  /* acc[n][m] += s P + o X */
                                     const int64_t at = (j * 16 + r) * sng + gs;
                                     __m512 a = _mm512_fmadd_ps(_mm512_load_ps(cb[r]), _mm512_set1_ps(sv[at]),
-                                                               _mm512_load_ps(acc[j][r]));
-                                    _mm512_store_ps(acc[j][r], _mm512_fmadd_ps(_mm512_set1_ps(ov[at]), xs, a));
+                                                               _mm512_load_ps(ab[j][r]));
+                                    _mm512_store_ps(ab[j][r], _mm512_fmadd_ps(_mm512_set1_ps(ov[at]), xs, a));
                                 }
                             }
                         }
-                        for (int j = 0; j < nbk; j++)  /* y (+)= acc transposed; + b with the first chunk */
-                            for (int r = 0; r < 16; r++) {
-                                const int64_t c = n0 + j * 16 + r;
-                                for (int i = 0; i < 16 && mb * 16 + i < R; i++) {
-                                    float *d = y + (mb * 16 + i) * n + c;
-                                    *d = c0 == 0 ? acc[j][r][i] + L->b[c] : *d + acc[j][r][i];
-                                }
+                    }
+                    for (int64_t mb = mc; mb < mend; mb++) {  /* y (+)= acc transposed; + b with the first chunk */
+                        float (*ab)[16][16] = acc + (mb - mc) * AMX_PANEL;
+                        const int rows = R - mb * 16 < 16 ? (int)(R - mb * 16) : 16;
+                        for (int j = 0; j < nbk; j++) {
+                            __m512 t[16];
+                            amx_transpose(ab[j], t);
+                            const int64_t c = n0 + j * 16;
+                            const __m512 bv = _mm512_loadu_ps(L->b + c);
+                            for (int i = 0; i < rows; i++) {
+                                float *d = y + (mb * 16 + i) * n + c;
+                                _mm512_storeu_ps(d, _mm512_add_ps(t[i], c0 == 0 ? bv : _mm512_loadu_ps(d)));
                             }
+                        }
                     }
                 }
                 free(wa);

@@ -46,7 +46,8 @@ def exact(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, g: int, x: torch.Te
 
 
 # (rows, inputs): 256 x 2048 holds 3 MB of limbs, more than a chunk: the kernel then sums in
-# chunks of inputs and rows (uneven last ones), adding each chunk's part to y
+# chunks of inputs and rows (uneven last ones), adding each chunk's part to y; 130 and 161 rows
+# are more blocks of 16 than a chunk keeps sums for (AMX_CHUNK_MB, 8): chunks of rows, the last short
 SHAPES = [(base.AMX_ROWS, 320), (130, 320), (161, 320), (256, 2048)]
 
 
