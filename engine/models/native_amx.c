@@ -16,8 +16,9 @@
  *
  * Tiles: the weights are the A operand, 16 weight rows x 32 codes as bf16 (row n's codes straight
  * from its packed row, no transpose); the activations the B operand, pairs of consecutive inputs
- * of 16 x rows (packed once per call, shared by the threads); C[n][m] = y transposed, scaled and
- * accumulated per group in registers' worth of L1 (acc), written to y once per block. Tile
+ * of 16 x rows (packed a chunk at a time into L2, shared by the threads); C[n][m] = y transposed,
+ * scaled and accumulated per group in L1 (acc), written to y once per chunk, transposed in
+ * registers. Tile
  * registers: 0-3 C for 4 weight blocks (a panel of 64 rows), 4-6 the three limbs of a block of
  * 16 x rows, 7 the weight block being multiplied. */
 
@@ -55,45 +56,44 @@ static inline uint16_t bf16_of(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* x [R, k] fp32 -> xb: per block of 16 rows (rows past R zero), per 32 inputs (kk), per limb, one
- * B tile: [16 pairs][16 rows][2] bf16; xg [ng][Rp]: each row's sum over each group. */
-static void amx_pack_x(const float *x, int R, int64_t k, int64_t g, uint16_t *xb, float *xg, int threads,
-                       int64_t mblocks) {
-    const int64_t nkk = k / 32, ng = k / g, rp = mblocks * 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t mb = 0; mb < mblocks; mb++) {
-        for (int64_t kk = 0; kk < nkk; kk++) {
-            uint16_t *t = xb + ((mb * nkk + kk) * 3) * 512;
-            for (int i = 0; i < 16; i++) {
-                const int64_t m = mb * 16 + i;
-                for (int c = 0; c < 32; c++) {
-                    float v = m < R ? x[m * k + kk * 32 + c] : 0.f, l1, l2;
-                    uint32_t u, r;
-                    memcpy(&u, &v, 4);
-                    u &= 0xffff0000u;
-                    memcpy(&l1, &u, 4);
-                    float rest = v - l1;  /* exact: the low 16 bits of the significand */
-                    memcpy(&r, &rest, 4);
-                    r &= 0xffff0000u;
-                    memcpy(&l2, &r, 4);
-                    float l3 = rest - l2;  /* exact, and at most 8 significant bits */
-                    const int64_t at = (c / 2) * 32 + i * 2 + (c & 1);
-                    t[at] = bf16_of(l1);
-                    t[512 + at] = bf16_of(l2);
-                    t[1024 + at] = bf16_of(l3);
-                }
-            }
-        }
+/* Rows [16 mb, 16 mb + 16) of x [R, k] (rows past R zero), inputs [32 c0, 32 c1), into xb: per
+ * 32 inputs (kk), per limb, one B tile: [16 pairs][16 rows][2] bf16. */
+static void amx_pack_x(const float *x, int R, int64_t k, int64_t mb, int64_t c0, int64_t c1, uint16_t *xb) {
+    for (int64_t kk = c0; kk < c1; kk++) {
+        uint16_t *t = xb + (kk - c0) * 3 * 512;
         for (int i = 0; i < 16; i++) {
             const int64_t m = mb * 16 + i;
-            for (int64_t gi = 0; gi < ng; gi++) {
-                float s = 0.f;
-                if (m < R)
-                    for (int64_t c = gi * g; c < (gi + 1) * g; c++) s += x[m * k + c];
-                xg[gi * rp + m] = s;
+            for (int c = 0; c < 32; c++) {
+                float v = m < R ? x[m * k + kk * 32 + c] : 0.f, l1, l2;
+                uint32_t u, r;
+                memcpy(&u, &v, 4);
+                u &= 0xffff0000u;
+                memcpy(&l1, &u, 4);
+                float rest = v - l1;  /* exact: the low 16 bits of the significand */
+                memcpy(&r, &rest, 4);
+                r &= 0xffff0000u;
+                memcpy(&l2, &r, 4);
+                float l3 = rest - l2;  /* exact, and at most 8 significant bits */
+                const int64_t at = (c / 2) * 32 + i * 2 + (c & 1);
+                t[at] = bf16_of(l1);
+                t[512 + at] = bf16_of(l2);
+                t[1024 + at] = bf16_of(l3);
             }
         }
     }
+}
+
+/* xg [ng][rp]: each row's sum over each group of g inputs (rows past R zero). */
+static void amx_group_sums(const float *x, int R, int64_t k, int64_t g, float *xg, int threads, int64_t rp) {
+    const int64_t ng = k / g;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < rp; m++)
+        for (int64_t gi = 0; gi < ng; gi++) {
+            float s = 0.f;
+            if (m < R)
+                for (int64_t c = gi * g; c < (gi + 1) * g; c++) s += x[m * k + c];
+            xg[gi * rp + m] = s;
+        }
 }
 
 /* One weight row's 32 codes from kk on, as 32 bf16 (one A tile row). */
@@ -153,8 +153,8 @@ static int64_t amx_group(const lin_t *L) {
 /* y [R, n] = x W^T + b for an INT4 or INT8 (fp32 activations) linear; n % 16 == 0, k % 32 == 0,
  * INT4 groups a multiple of 32. x in the weight's column order. Each thread packs a panel of 64
  * weight rows (A tiles, in L2) and runs blocks of 16 x rows past it; where all of x's limbs
- * would not fit in L2, in chunks of inputs and rows that do (the panels are packed again per
- * chunk: cheaper than streaming x from L3 once per panel). */
+ * would not fit in L2, in chunks of inputs and rows that do (x's limbs are packed per chunk,
+ * the panels again per chunk: cheaper than streaming x from L3 once per panel). */
 AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int threads) {
     const int64_t n = L->n, k = L->k, g = amx_group(L), ng = k / g, nkk = k / 32, gk = g / 32;
     const int64_t mblocks = (R + 15) / 16, rp = mblocks * 16, panels = (n + 16 * AMX_PANEL - 1) / (16 * AMX_PANEL);
@@ -168,15 +168,18 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
         if (mcb < 1) mcb = 1;
     }
     if (mcb > AMX_CHUNK_MB) mcb = AMX_CHUNK_MB;
-    uint16_t *xb = aligned_alloc(64, (size_t)(mblocks * nkk * 3 * 1024));
+    uint16_t *xb = aligned_alloc(64, (size_t)(mcb * kck * 3 * 1024));  /* a chunk's limbs */
     float *xg = malloc(sizeof(float) * (size_t)(ng * rp));
     if (xb == NULL || xg == NULL) abort();
-    amx_pack_x(x, R, k, g, xb, xg, threads, mblocks);
+    amx_group_sums(x, R, k, g, xg, threads, rp);
     for (int64_t c0 = 0; c0 < nkk; c0 += kck)
         for (int64_t mc = 0; mc < mblocks; mc += mcb) {
             const int64_t c1 = c0 + kck < nkk ? c0 + kck : nkk, mend = mc + mcb < mblocks ? mc + mcb : mblocks;
 #pragma omp parallel num_threads(threads)
             {
+#pragma omp for schedule(static)
+                for (int64_t mb = mc; mb < mend; mb++)  /* the chunk's x, packed where it is used: L2 */
+                    amx_pack_x(x, R, k, mb, c0, c1, xb + (mb - mc) * (c1 - c0) * 3 * 512);
                 amx_config();
                 uint16_t *wa = aligned_alloc(64, (size_t)(kck * AMX_PANEL * 1024));
                 float *sv = malloc(sizeof(float) * (size_t)(16 * AMX_PANEL * sng));
@@ -204,7 +207,7 @@ AMX_FN void pd_amx_linear(const lin_t *L, int R, const float *x, float *y, int t
                             float (*ab)[16][16] = acc + (mb - mc) * AMX_PANEL;
                             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                             for (int64_t kk = gi * gk; kk < (gi + 1) * gk; kk++) {
-                                const uint16_t *xt = xb + ((mb * nkk + kk) * 3) * 512;
+                                const uint16_t *xt = xb + ((mb - mc) * (c1 - c0) + kk - c0) * 3 * 512;
                                 const uint16_t *wt = wa + (kk - c0) * AMX_PANEL * 512;
                                 _tile_loadd(4, xt, 64);
                                 _tile_loadd(5, xt + 512, 64);
