@@ -44,16 +44,20 @@ ISA_FLAGS = {"AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "
 VNNI_FLAG = "-mavx512vnni"
 
 
-def _cpu_flags() -> list[str]:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where that cannot be read)."""
     try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return []
-    return flags.split()
+        pass
+    return frozenset()
 
 
 def cpu_has_vnni() -> bool:
-    return "avx512_vnni" in _cpu_flags()
+    return "avx512_vnni" in cpu_flags()
 W_F32, W_I8, W_I4 = 0, 1, 2
 
 
@@ -164,7 +168,7 @@ def amx_library() -> ctypes.CDLL | None:
     lib = enabled_library()
     if lib is None or lib.pd_vector_width() != 16 or os.environ.get("PDSERVE_AMX", "1") == "0":
         return None
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or "amx_bf16" not in _cpu_flags():
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or "amx_bf16" not in cpu_flags():
         return None
     return lib if lib.pd_amx_init() == 1 else None
 

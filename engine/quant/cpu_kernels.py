@@ -34,22 +34,12 @@ import warnings
 
 import torch
 
+from engine.models.native import cpu_flags
+
 log = logging.getLogger(__name__)
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where that cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cpu_class() -> str:
     """Short name of what this CPU offers the kernels *as they run now*, e.g.
     "AVX512+VNNI+BF16" or "AVX2".

@@ -18,9 +18,8 @@ from engine.quant.formats import QuantizedWeight
 # at call time: bench/gguf_ppl.py and the tests raise it to send every step through the GEMV.
 DEQUANT_ROWS = 128
 # Where the CPU has AMX (engine/models/native_amx.c), steps of at least this many rows of an INT4
-# or INT8 linear run on it instead, in fp32 arithmetic as the paths above: on the 1.5B's shapes
-# (2-core Xeon, 2 threads) it took 0.6-0.74x the GEMV's time at 16 rows (down, 8960 wide: 1.1x),
-# 0.44-0.75x at 32, 0.32-0.47x at 128, and 0.54x the fp32 GEMM's at 512 (gate/up).
+# or INT8 linear run on it instead, in fp32 arithmetic as the paths above: from 32 rows it beat
+# the GEMV on every one of the 1.5B's shapes, at 16 not on all (docs/bench/README.md, "A Xeon with AMX").
 AMX_ROWS = 32
 _scratch = threading.local()  # per thread: the dequantized weight of the linear running now
 
