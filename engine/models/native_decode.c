@@ -168,7 +168,9 @@ dot_block(const void *w, int64_t k, int kind, int nb, int rb, const float *x, in
  * L3, on a 2-core Xeon: 15.5-16.6 -> 18-20 GB/s; at 8960 inputs no gain: docs/bench/README.md).
  * Batches of x rows keep dot_block: it loads each x vector once for four weight rows. */
 #define ROW_AT_A_TIME_K 4096 /* rows up to this long, at one x row */
-#define PF_ROW 8192          /* bytes ahead */
+#ifndef PF_ROW
+#define PF_ROW 8192 /* bytes ahead */
+#endif
 static void dot_rows_i8(const int8_t *w, int64_t k, int nb, const float *x, float out[NB][RB]) {
     for (int j = 0; j < nb; j++, w += k) {
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
