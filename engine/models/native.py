@@ -44,6 +44,7 @@ ISA_FLAGS = {"AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "
 VNNI_FLAG = "-mavx512vnni"
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where that cannot be read)."""
     try:

@@ -39,7 +39,6 @@ from engine.models.native import cpu_flags
 log = logging.getLogger(__name__)
 
 
-@functools.cache
 def cpu_class() -> str:
     """Short name of what this CPU offers the kernels *as they run now*, e.g.
     "AVX512+VNNI+BF16" or "AVX2".
