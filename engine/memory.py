@@ -209,16 +209,15 @@ def keep_step_buffers() -> bool:
     """Serve a step's large buffers from the heap, and keep them there once freed, for the next
     step. By default glibc maps every buffer over its mmap threshold (128 KiB, rising to 32 MiB
     at most) afresh and unmaps it at free, so each step faults in and zeroes every page of its
-    activations again: in a 512-token prefill of the 1.5B that was about a tenth of the time
-    (``silu(gate) * up`` alone 12 -> 2.8 ms a layer; docs/bench/README.md). What a step freed
+    activations again: in a 512-token prefill of the 1.5B up to a tenth of the time
+    (docs/bench/README.md, "Prefill's page faults"). What a step freed
     goes back to the OS at ``release_freed_memory`` (a worker's step loop calls it every 30 s,
     worker.heap), so RSS still follows what is held. Called once the model is loaded, so the first
     load's temporaries keep glibc's defaults (a later load in the same process does not). Where it
     falls short: a thread other than the main one allocates from an arena of its own, whose heaps
     (64 MiB at most) glibc unmaps when empty whatever the thresholds, and buffers over 64 MiB it
-    maps afresh; a worker's step loop is such a thread (tests/engine/test_step_buffers.py's steps on
-    a thread of their own: 5-20k faults a step against 41-46k by default; 0 on the main thread).
-    False (nothing done) without glibc."""
+    maps afresh; a worker's step loop is such a thread, where it saves only part of the faults
+    (measured in the same place). False (nothing done) without glibc."""
     lib = _libc()
     if lib is None:
         return False
