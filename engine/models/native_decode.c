@@ -161,32 +161,83 @@ dot_block(const void *w, int64_t k, int kind, int nb, int rb, const float *x, in
         }
 }
 
-/* INT8 (fp32 activations), one x row: out[j][0] = w[j] . x for the block's nb rows, each row read
- * front to back with four accumulators. A thread's rows (contiguous) then stream as one sequence
- * that the prefetchers follow, where dot_block's four rows read side by side are four streams of
- * a row's length: short ones at 1536 inputs (a 17920 x 1536 GEMV, one x row, 2 threads, beyond
- * L3, on a 2-core Xeon: 15.5-16.6 -> 18-20 GB/s; at 8960 inputs no gain: docs/bench/README.md).
- * Batches of x rows keep dot_block: it loads each x vector once for four weight rows. */
-#define ROW_AT_A_TIME_K 4096 /* rows up to this long, at one x row */
 #ifndef PF_ROW
-#define PF_ROW 8192 /* bytes ahead */
+#define PF_ROW 8192 /* bytes ahead in each stream */
 #endif
-static void dot_rows_i8(const int8_t *w, int64_t k, int nb, const float *x, float out[NB][RB]) {
-    for (int j = 0; j < nb; j++, w += k) {
-        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        int64_t c = 0;
-        for (; c + 4 * VW <= k; c += 4 * VW) {
-            if ((c & 63) == 0) PREFETCH(w + c + PF_ROW);
-            a0 = vfma(vload_i8(w + c), vload(x + c), a0);
-            a1 = vfma(vload_i8(w + c + VW), vload(x + c + VW), a1);
-            a2 = vfma(vload_i8(w + c + 2 * VW), vload(x + c + 2 * VW), a2);
-            a3 = vfma(vload_i8(w + c + 3 * VW), vload(x + c + 3 * VW), a3);
+
+/* fp32 or INT8 weights (fp32 activations), one x row: out[j] = w[j] . x for nr <= 4 rows read
+ * side by side, each with two accumulators. gemv_rows hands it one row from each quarter of a
+ * thread's rows, so that a thread reads four long sequential streams (each quarter front to
+ * back) rather than one: the memory system keeps more lines in flight for several streams than
+ * its prefetchers do for one. Plain reads, 2 threads, 600 MB, a 2-core Xeon: 1 stream a thread
+ * 21-22 GB/s (25 with a software prefetch), 4 streams 26-29. (Four adjacent rows side by side, as
+ * dot_block reads, are four streams as short as a row, which the prefetchers follow worst.) */
+static inline __attribute__((always_inline)) float wload1(const char *w, int kind, int64_t c) {
+    return kind == W_I8 ? (float)((const int8_t *)w)[c] : ((const float *)w)[c];
+}
+static inline __attribute__((always_inline)) vf wload(const char *w, int kind, int64_t c) {
+    return kind == W_I8 ? vload_i8((const int8_t *)w + c) : vload((const float *)w + c);
+}
+
+static inline __attribute__((always_inline)) void
+dot_rows(const char *const w[4], int kind, int nr, int64_t k, const float *x, float out[4]) {
+    const int64_t esz = kind == W_I8 ? 1 : 4;
+    vf a[4], b[4];
+    for (int j = 0; j < nr; j++) a[j] = b[j] = vzero();
+    int64_t c = 0;
+    for (; c + 2 * VW <= k; c += 2 * VW) {
+        for (int64_t byte = c * esz; byte < (c + 2 * VW) * esz; byte += 64)  /* each line once */
+            if ((byte & 63) == 0)
+                for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
+        const vf x0 = vload(x + c), x1 = vload(x + c + VW);
+        for (int j = 0; j < nr; j++) {
+            a[j] = vfma(wload(w[j], kind, c), x0, a[j]);
+            b[j] = vfma(wload(w[j], kind, c + VW), x1, b[j]);
         }
-        for (; c + VW <= k; c += VW) a0 = vfma(vload_i8(w + c), vload(x + c), a0);
-        float t = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-        for (; c < k; c++) t += (float)w[c] * x[c];
-        out[j][0] = t;
     }
+    for (; c + VW <= k; c += VW)
+        for (int j = 0; j < nr; j++) a[j] = vfma(wload(w[j], kind, c), vload(x + c), a[j]);
+    for (int j = 0; j < nr; j++) {
+        float t = vsum(vadd(a[j], b[j]));
+        for (int64_t i = c; i < k; i++) t += wload1(w[j], kind, i) * x[i];
+        out[j] = t;
+    }
+}
+
+#define ROWS_CASE(KIND, NR)                                                                    \
+    if (kind == KIND && nr == NR) {                                                            \
+        dot_rows(w, KIND, NR, k, x, out);                                                      \
+        return;                                                                                \
+    }
+
+static void dot_rows_any(const char *const w[4], int kind, int nr, int64_t k, const float *x, float out[4]) {
+    ROWS_CASE(W_I8, 4) ROWS_CASE(W_I8, 1) ROWS_CASE(W_F32, 4) ROWS_CASE(W_F32, 1)
+}
+
+/* y (+)= s * (x . w) - zs * xsum + b for an fp32 or INT8 linear at one x row (fp32 activations),
+ * in a parallel region: each thread its share of the rows in four streams (dot_rows), then a
+ * barrier as an omp for ends with. INT8, 2 threads, beyond every cache, interleaved with one
+ * stream a thread: a 17920 x 1536 GEMV 21.6 -> 24.0 GB/s, the 1.5B's LM head 23.5 -> 24.8, its
+ * down projection (8960 inputs; four adjacent rows before) 22.6 -> 23.9; the 1.5B's INT8 decode
+ * step 75.9-79.0 -> 66.0-71.0 ms (docs/bench/README.md). */
+static void gemv_rows(const lin_t *L, const float *x, const float *xsum, float *y, int add) {
+    const int64_t n = L->n, k = L->k, row = L->kind == W_I8 ? k : 4 * k;
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t lo = n * t / nt, hi = n * (t + 1) / nt, q = (hi - lo) / 4;
+    const char *w = (const char *)L->w;
+    for (int64_t i = 0; i < hi - lo - 3 * q; i++) {  /* the last quarter takes the rows left over */
+        const int nr = i < q ? 4 : 1;
+        const int64_t rows[4] = {lo + 3 * q + i, lo + i, lo + q + i, lo + 2 * q + i};
+        const char *wr[4] = {w + rows[0] * row, w + rows[1] * row, w + rows[2] * row, w + rows[3] * row};
+        float out[4];
+        dot_rows_any(wr, (int)L->kind, nr, k, x, out);
+        for (int j = 0; j < nr; j++) {
+            const int64_t c = rows[j];
+            const float v = L->s[c] * out[j] - L->zs[c] * xsum[0] + L->b[c];
+            y[c] = add ? y[c] + v : v;
+        }
+    }
+#pragma omp barrier
 }
 
 /* INT4 rows' group scales s and offsets o (w = q * s + o) into sv, ov (ng floats per row, rows
@@ -626,6 +677,10 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
     const int64_t wrow = L->kind == W_I8 ? k : L->kind == W_I4 ? k / 2 : 4 * k;
     const int64_t ng = L->kind == W_I4 ? k / L->group : 1;
     const int64_t nblk = (n + NB - 1) / NB;
+    if (L->kind != W_I4 && !L->aq && R == 1) {
+        gemv_rows(L, x, xsum, y, add);
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t bi = 0; bi < nblk; bi++) {
         int64_t n0 = bi * NB;
@@ -652,8 +707,6 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
                 } else if (L->kind == W_I4)
                     dot_any_i4((const uint8_t *)wj, sv + j0 * ng, ov + j0 * ng, k, L->group,
                                nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
-                else if (L->kind == W_I8 && rb == 1 && k <= ROW_AT_A_TIME_K)
-                    dot_rows_i8((const int8_t *)wj, k, nb == NB ? NB : 1, x + r0 * k, o1);
                 else
                     dot_any(wj, k, (int)L->kind, nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
                 for (int j = 0; j < (nb == NB ? NB : 1); j++)

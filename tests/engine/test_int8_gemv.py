@@ -1,5 +1,5 @@
-"""The INT8 GEMV with fp32 activations (engine/models/native_decode.c): one x row reads rows of up
-to ROW_AT_A_TIME_K inputs one at a time (dot_rows_i8), batches and longer rows four side by side
+"""The fp32 and INT8 GEMVs with fp32 activations (engine/models/native_decode.c): one x row reads
+each thread's rows as four streams side by side (gemv_rows), batches read four adjacent rows
 (dot_block); both are the documented arithmetic, y = s * (x . w) - zs * sum(x) + b, in fp32."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from engine.quant.formats import interleave4
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 U = 2.0 ** -24  # fp32's unit roundoff
-ROW_AT_A_TIME_K = 4096  # native_decode.c's
 
 
 def isas() -> list[str]:
@@ -24,18 +23,24 @@ def isas() -> list[str]:
 
 @pytest.mark.skipif(not X86, reason="the native kernels are x86-64 only")
 @pytest.mark.parametrize("isa", isas())
-# k: a whole number of 64-input steps, tails of 16 and of single inputs (100 = 64 + 2 x 16 + 4),
-# the one-row path's longest rows (4096) and one past them (4100: dot_block)
-@pytest.mark.parametrize("n,k", [(9, 100), (40, 1536), (8, ROW_AT_A_TIME_K), (5, ROW_AT_A_TIME_K + 4)])
+# n: rows per thread (2 threads) in whole streams of four, with rows left over (9, 13, 40), and
+# fewer than four (3, 5: every row left over). k: tails of single inputs (100 = 96 + 4, 4100),
+# of one vector (1552 = 1536 + 16), none (1536, 8960: the 1.5B's rows)
+@pytest.mark.parametrize("n,k", [(9, 100), (40, 1536), (3, 1552), (5, 4100), (13, 8960)])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_int8_gemv_is_the_documented_arithmetic(isa, n, k, rows):
+@pytest.mark.parametrize("kind", ["int8", "fp32"])
+def test_gemv_is_the_documented_arithmetic(isa, n, k, rows, kind):
     lib = native.build_library(isa, False)
     gen = torch.Generator().manual_seed(n * k + rows)
     w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     s, zs, b = torch.rand(n, generator=gen) * 0.01, torch.rand(n, generator=gen) * 0.1, torch.randn(n, generator=gen)
     x = torch.randn(rows, k, generator=gen)
-    words = interleave4(w8).contiguous()  # the layout the kernel reads; it reorders x to match
-    lin = native.Lin(words.data_ptr(), s.data_ptr(), zs.data_ptr(), b.data_ptr(), n, k, native.W_I8, 0, 0, None)
+    if kind == "int8":
+        held = interleave4(w8).contiguous()  # the layout the kernel reads; it reorders x to match
+    else:  # fp32 weights (here whole numbers, so the exact sum below has the same terms)
+        held = w8.float().contiguous()
+    code = native.W_I8 if kind == "int8" else native.W_F32
+    lin = native.Lin(held.data_ptr(), s.data_ptr(), zs.data_ptr(), b.data_ptr(), n, k, code, 0, 0, None)
     y = torch.empty(rows, n)
     lib.pd_linear(ctypes.addressof(lin), rows, x.data_ptr(), y.data_ptr(), 2)
     xd, wd = x.double(), w8.double()
