@@ -130,37 +130,6 @@ typedef struct {
 #endif
 #define RB 4  /* x rows per pass over a weight block (registers: NB * RB accumulators) */
 
-/* out[j][r] = w[j] . x[r] for the block's nb <= NB weight rows and rb <= RB x rows. Inlined with
- * constant nb/rb below so that the accumulators live in registers. */
-static inline __attribute__((always_inline)) void
-dot_block(const void *w, int64_t k, int kind, int nb, int rb, const float *x, int64_t ldx,
-          float out[NB][RB]) {
-    vf acc[NB][RB];
-    for (int j = 0; j < nb; j++)
-        for (int r = 0; r < rb; r++) acc[j][r] = vzero();
-    int64_t kv = k - k % VW;
-    const int64_t esz = kind == W_I8 ? 1 : 4, row = k * esz;
-    for (int64_t c = 0; c < kv; c += VW) {
-        if (((c * esz) & 63) == 0)
-            for (int j = 0; j < nb; j++) PREFETCH((const char *)w + (PF_AHEAD * NB + j) * row + c * esz);
-        vf xr[RB];
-        for (int r = 0; r < rb; r++) xr[r] = vload(x + r * ldx + c);
-        for (int j = 0; j < nb; j++) {
-            vf wv = kind == W_I8 ? vload_i8((const int8_t *)w + j * k + c) : vload((const float *)w + j * k + c);
-            for (int r = 0; r < rb; r++) acc[j][r] = vfma(wv, xr[r], acc[j][r]);
-        }
-    }
-    for (int j = 0; j < nb; j++)
-        for (int r = 0; r < rb; r++) {
-            float t = vsum(acc[j][r]);
-            for (int64_t c = kv; c < k; c++) {
-                float wc = kind == W_I8 ? (float)((const int8_t *)w)[j * k + c] : ((const float *)w)[j * k + c];
-                t += wc * x[r * ldx + c];
-            }
-            out[j][r] = t;
-        }
-}
-
 #ifndef PF_ROW
 /* bytes ahead in each stream: four streams 2 KB ahead keep 8 KB a thread in flight. Interleaved
  * against 8 KB (INT8, 2 threads, 600 MB): 512 B 0.89-0.91x the time, 1 KB 0.86-0.88, 2 KB
@@ -168,13 +137,15 @@ dot_block(const void *w, int64_t k, int kind, int nb, int rb, const float *x, in
 #define PF_ROW 2048
 #endif
 
-/* fp32 or INT8 weights (fp32 activations), one x row: out[j] = w[j] . x for nr <= 4 rows read
- * side by side, each with two accumulators. gemv_rows hands it one row from each quarter of a
+/* fp32 or INT8 weights (fp32 activations): out[j][r] = w[j] . x[r] for nr <= 4 weight rows read
+ * side by side and rb <= RB x rows (one x row: two accumulators a weight row, for enough
+ * independent FMA chains; more: one a pair). gemv_rows hands it one row from each quarter of a
  * thread's rows, so that a thread reads four long sequential streams (each quarter front to
  * back) rather than one: the memory system keeps more lines in flight for several streams than
  * its prefetchers do for one. Plain reads, 2 threads, 600 MB, a 2-core Xeon: 1 stream a thread
  * 21-22 GB/s (25 with a software prefetch), 4 streams 26-29. (Four adjacent rows side by side, as
- * dot_block reads, are four streams as short as a row, which the prefetchers follow worst.) */
+ * this GEMV read them before, are four streams as short as a row, which the prefetchers follow
+ * worst.) */
 static inline __attribute__((always_inline)) float wload1(const char *w, int kind, int64_t c) {
     return kind == W_I8 ? (float)((const int8_t *)w)[c] : ((const float *)w)[c];
 }
@@ -183,47 +154,72 @@ static inline __attribute__((always_inline)) vf wload(const char *w, int kind, i
 }
 
 static inline __attribute__((always_inline)) void
-dot_rows(const char *const w[4], int kind, int nr, int64_t k, const float *x, float out[4]) {
+dot_rows(const char *const w[4], int kind, int nr, int rb, int64_t k, const float *x, int64_t ldx,
+         float out[4][RB]) {
     const int64_t esz = kind == W_I8 ? 1 : 4;
-    vf a[4], b[4];
-    for (int j = 0; j < nr; j++) a[j] = b[j] = vzero();
     int64_t c = 0;
-    for (; c + 2 * VW <= k; c += 2 * VW) {
-        for (int64_t byte = c * esz; byte < (c + 2 * VW) * esz; byte += 64)  /* each line once */
-            if ((byte & 63) == 0)
-                for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
-        const vf x0 = vload(x + c), x1 = vload(x + c + VW);
-        for (int j = 0; j < nr; j++) {
-            a[j] = vfma(wload(w[j], kind, c), x0, a[j]);
-            b[j] = vfma(wload(w[j], kind, c + VW), x1, b[j]);
+    if (rb == 1) {  /* two accumulators a row: eight independent FMA chains */
+        vf a[4], b[4];
+        for (int j = 0; j < nr; j++) a[j] = b[j] = vzero();
+        for (; c + 2 * VW <= k; c += 2 * VW) {
+            for (int64_t byte = c * esz; byte < (c + 2 * VW) * esz; byte += 64)  /* each line once */
+                if ((byte & 63) == 0)
+                    for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
+            const vf x0 = vload(x + c), x1 = vload(x + c + VW);
+            for (int j = 0; j < nr; j++) {
+                a[j] = vfma(wload(w[j], kind, c), x0, a[j]);
+                b[j] = vfma(wload(w[j], kind, c + VW), x1, b[j]);
+            }
         }
+        for (; c + VW <= k; c += VW)
+            for (int j = 0; j < nr; j++) a[j] = vfma(wload(w[j], kind, c), vload(x + c), a[j]);
+        for (int j = 0; j < nr; j++) out[j][0] = vsum(vadd(a[j], b[j]));
+    } else {  /* each weight vector loaded once for the rb x rows */
+        vf a[4][RB];
+        for (int j = 0; j < nr; j++)
+            for (int r = 0; r < rb; r++) a[j][r] = vzero();
+        for (; c + VW <= k; c += VW) {
+            for (int64_t byte = c * esz; byte < (c + VW) * esz; byte += 64)
+                if ((byte & 63) == 0)
+                    for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
+            vf xr[RB];
+            for (int r = 0; r < rb; r++) xr[r] = vload(x + r * ldx + c);
+            for (int j = 0; j < nr; j++) {
+                const vf wv = wload(w[j], kind, c);
+                for (int r = 0; r < rb; r++) a[j][r] = vfma(wv, xr[r], a[j][r]);
+            }
+        }
+        for (int j = 0; j < nr; j++)
+            for (int r = 0; r < rb; r++) out[j][r] = vsum(a[j][r]);
     }
-    for (; c + VW <= k; c += VW)
-        for (int j = 0; j < nr; j++) a[j] = vfma(wload(w[j], kind, c), vload(x + c), a[j]);
-    for (int j = 0; j < nr; j++) {
-        float t = vsum(vadd(a[j], b[j]));
-        for (int64_t i = c; i < k; i++) t += wload1(w[j], kind, i) * x[i];
-        out[j] = t;
-    }
+    for (int j = 0; j < nr; j++)
+        for (int r = 0; r < rb; r++)
+            for (int64_t i = c; i < k; i++) out[j][r] += wload1(w[j], kind, i) * x[r * ldx + i];
 }
 
-#define ROWS_CASE(KIND, NR)                                                                    \
-    if (kind == KIND && nr == NR) {                                                            \
-        dot_rows(w, KIND, NR, k, x, out);                                                      \
+#define ROWS_CASE(KIND, NR, RBV)                                                               \
+    if (kind == KIND && nr == NR && rb == RBV) {                                               \
+        dot_rows(w, KIND, NR, RBV, k, x, ldx, out);                                            \
         return;                                                                                \
     }
+#define ROWS_CASES(KIND, NR) ROWS_CASE(KIND, NR, 1) ROWS_CASE(KIND, NR, 2) ROWS_CASE(KIND, NR, 3) ROWS_CASE(KIND, NR, 4)
 
-static void dot_rows_any(const char *const w[4], int kind, int nr, int64_t k, const float *x, float out[4]) {
-    ROWS_CASE(W_I8, 4) ROWS_CASE(W_I8, 1) ROWS_CASE(W_F32, 4) ROWS_CASE(W_F32, 1)
+static void dot_rows_any(const char *const w[4], int kind, int nr, int rb, int64_t k, const float *x, int64_t ldx,
+                         float out[4][RB]) {
+    ROWS_CASES(W_I8, 4) ROWS_CASES(W_I8, 1) ROWS_CASES(W_F32, 4) ROWS_CASES(W_F32, 1)
 }
 
-/* y (+)= s * (x . w) - zs * xsum + b for an fp32 or INT8 linear at one x row (fp32 activations),
- * in a parallel region: each thread its share of the rows in four streams (dot_rows), then a
- * barrier as an omp for ends with. INT8, 2 threads, beyond every cache, interleaved with one
- * stream a thread: a 17920 x 1536 GEMV 21.6 -> 24.0 GB/s, the 1.5B's LM head 23.5 -> 24.8, its
- * down projection (8960 inputs; four adjacent rows before) 22.6 -> 23.9; the 1.5B's INT8 decode
- * step 75.9-79.0 -> 66.0-71.0 ms (docs/bench/README.md). */
-static void gemv_rows(const lin_t *L, const float *x, const float *xsum, float *y, int add) {
+/* y (+)= s * (x . w) - zs * xsum + b for an fp32 or INT8 linear at R <= RB x rows (fp32
+ * activations), in a parallel region: each thread its share of the rows in four streams
+ * (dot_rows), then a barrier as an omp for ends with. INT8, 2 threads, beyond every cache,
+ * interleaved with one stream a thread: a 17920 x 1536 GEMV 21.6 -> 24.0 GB/s, the 1.5B's LM
+ * head 23.5 -> 24.8, its down projection (8960 inputs; four adjacent rows before) 22.6 -> 23.9;
+ * the 1.5B's INT8 decode step 75.9-79.0 -> 66.0-71.0 ms (docs/bench/README.md). Two to four x
+ * rows read the weights once, as one does: 17920 x 1536 and the LM head at 2 x rows 17.9 -> 24.6
+ * and 18.7 -> 26.0 GB/s, at 4 16.5 -> 21.4 and 16.6 -> 23.0 (four adjacent rows before); past
+ * four, each group of four x rows reads the four weight rows from L1 or L2 again (8 x rows: 0.92x
+ * the time, compute-bound). */
+static void gemv_rows(const lin_t *L, int R, const float *x, const float *xsum, float *y, int64_t ldy, int add) {
     const int64_t n = L->n, k = L->k, row = L->kind == W_I8 ? k : 4 * k;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t lo = n * t / nt, hi = n * (t + 1) / nt, q = (hi - lo) / 4;
@@ -232,12 +228,17 @@ static void gemv_rows(const lin_t *L, const float *x, const float *xsum, float *
         const int nr = i < q ? 4 : 1;
         const int64_t rows[4] = {lo + 3 * q + i, lo + i, lo + q + i, lo + 2 * q + i};
         const char *wr[4] = {w + rows[0] * row, w + rows[1] * row, w + rows[2] * row, w + rows[3] * row};
-        float out[4];
-        dot_rows_any(wr, (int)L->kind, nr, k, x, out);
-        for (int j = 0; j < nr; j++) {
-            const int64_t c = rows[j];
-            const float v = L->s[c] * out[j] - L->zs[c] * xsum[0] + L->b[c];
-            y[c] = add ? y[c] + v : v;
+        for (int r0 = 0; r0 < R; r0 += RB) {  /* (past the first RB x rows, the rows sit in L1 or L2) */
+            const int rb = R - r0 < RB ? R - r0 : RB;
+            float out[4][RB];
+            dot_rows_any(wr, (int)L->kind, nr, rb, k, x + r0 * k, k, out);
+            for (int j = 0; j < nr; j++)
+                for (int r = 0; r < rb; r++) {
+                    const int64_t c = rows[j];
+                    const float v = L->s[c] * out[j][r] - L->zs[c] * xsum[r0 + r] + L->b[c];
+                    float *dst = y + (r0 + r) * ldy + c;
+                    *dst = add ? *dst + v : v;
+                }
         }
     }
 #pragma omp barrier
@@ -659,19 +660,6 @@ static int64_t a8_bytes(const lin_t *L, int R) {
     return (int64_t)R * (L->k + 4 * (L->k / 8) + 4 * (L->k / L->group));
 }
 
-#define DOT_CASE(NBV, RBV)                                                                     \
-    if (nb == NBV && rb == RBV) {                                                              \
-        if (kind == W_I8) dot_block(w, k, W_I8, NBV, RBV, x, ldx, out);                        \
-        else dot_block(w, k, W_F32, NBV, RBV, x, ldx, out);                                    \
-        return;                                                                                \
-    }
-
-static void dot_any(const void *w, int64_t k, int kind, int nb, int rb, const float *x, int64_t ldx,
-                    float out[NB][RB]) {
-    DOT_CASE(4, 1) DOT_CASE(4, 2) DOT_CASE(4, 3) DOT_CASE(4, 4)
-    DOT_CASE(1, 1) DOT_CASE(1, 2) DOT_CASE(1, 3) DOT_CASE(1, 4)
-}
-
 /* y[r, n] (+)= s[n] * (x[r] . w[n]) - zs[n] * xsum[r] + b[n], output rows split over the team.
  * Called inside a parallel region. x [R, k] in the weight's column order, or for INT4 with aq
  * the quantized-activation buffer (quant_x_a8); ldy: y's row stride. */
@@ -680,8 +668,8 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
     const int64_t wrow = L->kind == W_I8 ? k : L->kind == W_I4 ? k / 2 : 4 * k;
     const int64_t ng = L->kind == W_I4 ? k / L->group : 1;
     const int64_t nblk = (n + NB - 1) / NB;
-    if (L->kind != W_I4 && !L->aq && R == 1) {
-        gemv_rows(L, x, xsum, y, add);
+    if (L->kind != W_I4 && !L->aq) {
+        gemv_rows(L, R, x, xsum, y, ldy, add);
         return;
     }
 #pragma omp for schedule(static)
@@ -707,11 +695,9 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
                     const float *xd = (const float *)(xq + (int64_t)R * k), *xc = xd + (int64_t)R * (k / 32);
                     dot_any_i8a8((const int8_t *)wj, k, nb == NB ? NB : 1, rb, xq + r0 * k, xd + r0 * (k / 32),
                                  xc + r0, o1);
-                } else if (L->kind == W_I4)
+                } else
                     dot_any_i4((const uint8_t *)wj, sv + j0 * ng, ov + j0 * ng, k, L->group,
                                nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
-                else
-                    dot_any(wj, k, (int)L->kind, nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
                 for (int j = 0; j < (nb == NB ? NB : 1); j++)
                     for (int r = 0; r < rb; r++) out[j0 + j][r] = o1[j][r];
             }

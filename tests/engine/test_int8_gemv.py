@@ -27,7 +27,7 @@ def isas() -> list[str]:
 # fewer than four (3, 5: every row left over). k: tails of single inputs (100 = 96 + 4, 4100),
 # of one vector (1552 = 1536 + 16), none (1536, 8960: the 1.5B's rows)
 @pytest.mark.parametrize("n,k", [(9, 100), (40, 1536), (3, 1552), (5, 4100), (13, 8960)])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
 @pytest.mark.parametrize("kind", ["int8", "fp32"])
 def test_gemv_is_the_documented_arithmetic(isa, n, k, rows, kind):
     lib = native.build_library(isa, False)
