@@ -1,6 +1,6 @@
-"""The fp32 and INT8 GEMVs with fp32 activations (engine/models/native_decode.c): one x row reads
-each thread's rows as four streams side by side (gemv_rows), batches read four adjacent rows
-(dot_block); both are the documented arithmetic, y = s * (x . w) - zs * sum(x) + b, in fp32."""
+"""The fp32 and INT8 GEMVs with fp32 activations (engine/models/native_decode.c, gemv_rows): each
+thread's rows read as four streams side by side, up to four x rows a pass (more: in groups of
+four); the documented arithmetic, y = s * (x . w) - zs * sum(x) + b, in fp32."""
 
 from __future__ import annotations
 
