@@ -5,9 +5,11 @@ A decode step is a chain of GEMVs over weights that do not fit any cache, so thi
 decode's tok/s comes from (the 1.5B's INT8 step: 97% of its time inside the native calls). Each
 shape is held in enough random copies (``--mib``, default 600 MiB) that every call reads from
 memory, the copies called in turn; the median over ``--reps`` passes is reported, with the best.
-Weights are random codes in each kind's layout (INT8: interleave4 words; INT4: the packed codes
-with compact group scales, group 32; fp32), so the bytes read are those of a real model of that
-shape. The shapes (``--shapes``, default ``qwen1.5b``): Qwen2.5-1.5B's gate/up (17920 x 1536),
+Weights are random codes in each kind's layout (INT8: interleave4 words; INT4: the packed codes,
+group 32, with compact group scales where a row has whole superblocks of them, else fp32 scales
+and zero points, as a converted model holds them; fp32), so the bytes read are those of a real
+model of that shape. Each call is ``pd_linear`` whole: the x row's preparation (INT8's column
+order and sum, serial, a few microseconds) included. The shapes (``--shapes``, default ``qwen1.5b``): Qwen2.5-1.5B's gate/up (17920 x 1536),
 down (1536 x 8960), qkv (2048 x 1536) and LM head (151936 x 1536); ``smollm2``: SmolLM2-135M's.
 
 Prints progress on stderr, a table, and one JSON line: ``{kind}_{shape}_r{rows}_gb_s`` (median),
@@ -42,9 +44,17 @@ KINDS = ("fp32", "int8", "int4")
 GROUP = 32  # INT4 (the GGUF K-quants' block)
 
 
+def compact_scales(k: int) -> bool:
+    """Whether an INT4 row of k inputs has its scales in the compact form (whole superblocks), as
+    a converted model holds them; else fp32 scales and zero points, 8 bytes a group."""
+    return (k // GROUP) % int4_blocks.SUPER == 0
+
+
 def weight_bytes(kind: str, n: int, k: int) -> int:
-    if kind == "int4":  # codes and the compact scales (int4_blocks: BLOCK_BYTES per SUPER groups)
-        return n * k // 2 + n * (k // GROUP // int4_blocks.SUPER) * int4_blocks.BLOCK_BYTES
+    if kind == "int4":  # the codes and the scales as the kernel reads them
+        groups = n * (k // GROUP)
+        scales = groups // int4_blocks.SUPER * int4_blocks.BLOCK_BYTES if compact_scales(k) else groups * 8
+        return n * k // 2 + scales
     return n * k * (4 if kind == "fp32" else 1)
 
 
@@ -56,12 +66,15 @@ def make_linear(lib: ctypes.CDLL, kind: str, n: int, k: int, gen: torch.Generato
         scale, zero = torch.rand(n, k // GROUP, generator=gen) * 0.01, torch.full((n, k // GROUP), 8.0)
         w, scale, zero = native.int4_weights(q, scale, zero, GROUP, lib.pd_vector_width(),
                                              torch.empty(n, k // 2, dtype=torch.uint8))
-        meta = torch.zeros(n, k // GROUP // int4_blocks.SUPER, int4_blocks.BLOCK_BYTES, dtype=torch.uint8)
-        meta[:, :, :8] = (torch.rand(n, meta.shape[1], 2, generator=gen) * 0.01).view(torch.uint8)
-        meta[:, :, 8:] = torch.randint(0, 64, (n, meta.shape[1], 16), dtype=torch.uint8, generator=gen)
-        meta = meta.view(n, -1).contiguous()
+        meta = None
+        if compact_scales(k):
+            meta = torch.zeros(n, k // GROUP // int4_blocks.SUPER, int4_blocks.BLOCK_BYTES, dtype=torch.uint8)
+            meta[:, :, :8] = (torch.rand(n, meta.shape[1], 2, generator=gen) * 0.01).view(torch.uint8)
+            meta[:, :, 8:] = torch.randint(0, 64, (n, meta.shape[1], 16), dtype=torch.uint8, generator=gen)
+            meta = meta.view(n, -1).contiguous()
+            native.check_int4_meta(meta, n, k, GROUP)
         lin = native.Lin(w.data_ptr(), scale.data_ptr(), zero.data_ptr(), b.data_ptr(), n, k, native.W_I4, GROUP,
-                         0, meta.data_ptr())
+                         0, None if meta is None else meta.data_ptr())
         return lin, (w, scale, zero, b, meta)
     w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     w = interleave4(w8).contiguous() if kind == "int8" else w8.float()

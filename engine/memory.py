@@ -213,10 +213,11 @@ def keep_step_buffers() -> bool:
     (docs/bench/README.md, "Prefill's page faults"). What a step freed
     goes back to the OS at ``release_freed_memory`` (a worker's step loop calls it every 30 s,
     worker.heap), so RSS still follows what is held. Called once the model is loaded, so the first
-    load's temporaries keep glibc's defaults (a later load in the same process does not). A
-    worker's step loop runs on a thread of its own, which allocates from an arena of its own: the
-    thresholds hold there too (tests/engine/test_step_buffers.py; the 1.5B's 512-token prefills
-    on such a thread, 28 faults each after the first). False (nothing done) without glibc."""
+    load's temporaries keep glibc's defaults (a later load in the same process does not). Where it
+    falls short: a thread other than the main one (a worker's step loop) allocates from an arena
+    of its own, and glibc unmaps such an arena's extra heaps (64 MiB each) once they empty,
+    whatever the thresholds: there a step may fault its buffers in again (measured in
+    docs/bench/README.md, "Prefill's page faults"). False (nothing done) without glibc."""
     lib = _libc()
     if lib is None:
         return False

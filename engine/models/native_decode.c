@@ -107,8 +107,10 @@ typedef struct {
 } ctx_t;
 
 #define NB 4  /* weight rows per block: independent FMA chains, one weight load for every x row */
-/* A block's NB rows are contiguous and so are the next blocks': each row's reader prefetches the
- * same offset PF_AHEAD blocks ahead, a cache line at a time. Without it the packed formats read
+/* The INT4 and INT8-activation kernels read blocks of NB adjacent rows (fp32 and INT8 with fp32
+ * activations: gemv_rows, below, and its own prefetch). A block's NB rows are contiguous and so
+ * are the next blocks': each row's reader prefetches the same offset PF_AHEAD blocks ahead, a
+ * cache line at a time. Measured when INT8 and fp32 were read this way too: without it the packed formats read
  * 13 (INT8) and 10 (INT4) GB/s of weights from memory on a 2-core Xeon where fp32 streams 25: a
  * 16-byte load per 16 weights keeps too few cache misses in flight. Measured there (30 layers +
  * LM head, one token, median of 7 interleaved sweeps), PF_AHEAD 0 (none) / 1 / 2 / 3 / 4: INT8
@@ -209,16 +211,17 @@ static void dot_rows_any(const char *const w[4], int kind, int nr, int rb, int64
     ROWS_CASES(W_I8, 4) ROWS_CASES(W_I8, 1) ROWS_CASES(W_F32, 4) ROWS_CASES(W_F32, 1)
 }
 
-/* y (+)= s * (x . w) - zs * xsum + b for an fp32 or INT8 linear at R <= RB x rows (fp32
- * activations), in a parallel region: each thread its share of the rows in four streams
- * (dot_rows), then a barrier as an omp for ends with. INT8, 2 threads, beyond every cache,
- * interleaved with one stream a thread: a 17920 x 1536 GEMV 21.6 -> 24.0 GB/s, the 1.5B's LM
- * head 23.5 -> 24.8, its down projection (8960 inputs; four adjacent rows before) 22.6 -> 23.9;
- * the 1.5B's INT8 decode step 75.9-79.0 -> 66.0-71.0 ms (docs/bench/README.md). Two to four x
- * rows read the weights once, as one does: 17920 x 1536 and the LM head at 2 x rows 17.9 -> 24.6
- * and 18.7 -> 26.0 GB/s, at 4 16.5 -> 21.4 and 16.6 -> 23.0 (four adjacent rows before); past
- * four, each group of four x rows reads the four weight rows from L1 or L2 again (8 x rows: 0.92x
- * the time, compute-bound). */
+/* y (+)= s * (x . w) - zs * xsum + b for an fp32 or INT8 linear at R x rows (fp32 activations),
+ * in a parallel region: each thread its share of the rows in four streams (dot_rows), x rows in
+ * groups of RB, then a barrier as an omp for ends with. INT8, 2 threads, beyond every cache,
+ * interleaved with one stream a thread (docs/bench/README.md, "Four streams a thread"): one x row
+ * 0.90-0.97x the time, then 0.86-0.88x of that with the 2 KB prefetch; the 1.5B's INT8 decode
+ * step 71.0-79.0 -> 63.6-71.2 ms. Two to four x rows read the weights once, as one does: 17920 x
+ * 1536 and the LM head at 2 x rows 17.9 -> 24.6 and 18.7 -> 26.0 GB/s, at 4 16.5 -> 21.4 and
+ * 16.6 -> 23.0 (four adjacent rows before); past four, each group of four x rows reads the four
+ * weight rows from L1 or L2 again (8 x rows: 0.92x the time, compute-bound). One x row sums in
+ * two accumulators and more in one: an fp32 row's last bits may differ between a one-token step
+ * and a batch (each within the same fp32 bound). */
 static void gemv_rows(const lin_t *L, int R, const float *x, const float *xsum, float *y, int64_t ldy, int add) {
     const int64_t n = L->n, k = L->k, row = L->kind == W_I8 ? k : 4 * k;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # In a child process: it changes the allocator's settings for the whole process.
 CHILD = r"""
-import json, resource, sys, threading, torch
+import json, resource, torch
 from engine.memory import keep_step_buffers, release_freed_memory
 
 WIDE = 10 << 20  # floats: a 40 MiB output, as a 1.5B prefill's gate/up is (glibc maps over 32 MiB)
@@ -28,34 +28,20 @@ def faults_of_a_step():
         del mid
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-def steps(n):  # on this thread, or on one of its own (argv: "thread"), as a worker's step loop
-    if sys.argv[1:] != ["thread"]:
-        return [faults_of_a_step() for _ in range(n)]
-    out = []
-    t = threading.Thread(target=lambda: out.extend(faults_of_a_step() for _ in range(n)))
-    t.start()
-    t.join()
-    return out
-
-default = steps(3)
+default = [faults_of_a_step() for _ in range(3)]
 kept = keep_step_buffers()
-steady = steps(8)  # the heap grows to the steps' size, then holds
+steady = [faults_of_a_step() for _ in range(8)]  # the heap grows to the steps' size, then holds
 trimmed = release_freed_memory()
-after_trim = steps(1)[0]
+after_trim = faults_of_a_step()
 print(json.dumps({"wide_pages": WIDE * 4 // 4096, "default": default, "kept": kept, "steady": steady,
                   "trimmed": trimmed, "after_trim": after_trim}))
 """
 
 
-def child(*args: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
-
-
 def test_a_steps_buffers_are_faulted_in_once_not_every_step():
-    r = child()
+    out = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.splitlines()[-1])
     assert r["kept"] is True and r["trimmed"] is True  # glibc, as on every machine of this project's kind
     wide = 4 * r["wide_pages"]  # a step's four wide buffers: one fault per page when mapped afresh
     # glibc's default: each wide buffer is mapped afresh every step (over its 32 MiB ceiling)
@@ -65,15 +51,6 @@ def test_a_steps_buffers_are_faulted_in_once_not_every_step():
     assert r["steady"][-1] < wide // 50, r
     # the trim hands them back to the OS: the next step faults the wide buffers in again, once
     assert r["after_trim"] >= wide // 2, r
-
-
-def test_a_step_loop_thread_keeps_them_too():
-    """A worker steps its engine on a thread of its own (worker/step_loop.py), which glibc serves
-    from an arena of its own: the thresholds hold there as well."""
-    r = child("thread")
-    wide = 4 * r["wide_pages"]
-    assert r["default"][-1] >= wide // 2, r  # (the default maps them afresh here too)
-    assert r["steady"][-1] < wide // 50, r
 
 
 def test_the_engine_keeps_step_buffers_once_loaded(make_engine, monkeypatch):
