@@ -9,8 +9,9 @@ Weights are random codes in each kind's layout (INT8: interleave4 words; INT4: t
 group 32, with compact group scales where a row has whole superblocks of them, else fp32 scales
 and zero points, as a converted model holds them; fp32), so the bytes read are those of a real
 model of that shape. Each call is ``pd_linear`` whole: the x row's preparation (INT8's column
-order and sum, serial, a few microseconds) included. The shapes (``--shapes``, default ``qwen1.5b``): Qwen2.5-1.5B's gate/up (17920 x 1536),
-down (1536 x 8960), qkv (2048 x 1536) and LM head (151936 x 1536); ``smollm2``: SmolLM2-135M's.
+order and sum, serial, a few microseconds) included. The shapes (``--shapes``, default
+``qwen1.5b``): Qwen2.5-1.5B's gate/up (17920 x 1536), down (1536 x 8960), qkv (2048 x 1536) and
+LM head (151936 x 1536); ``smollm2``: SmolLM2-135M's.
 
 Prints progress on stderr, a table, and one JSON line: ``{kind}_{shape}_r{rows}_gb_s`` (median),
 ``read_bandwidth_gb_s`` (``x.sum()`` over 512 MiB with the same threads).
@@ -44,16 +45,10 @@ KINDS = ("fp32", "int8", "int4")
 GROUP = 32  # INT4 (the GGUF K-quants' block)
 
 
-def compact_scales(k: int) -> bool:
-    """Whether an INT4 row of k inputs has its scales in the compact form (whole superblocks), as
-    a converted model holds them; else fp32 scales and zero points, 8 bytes a group."""
-    return (k // GROUP) % int4_blocks.SUPER == 0
-
-
 def weight_bytes(kind: str, n: int, k: int) -> int:
     if kind == "int4":  # the codes and the scales as the kernel reads them
         groups = n * (k // GROUP)
-        scales = groups // int4_blocks.SUPER * int4_blocks.BLOCK_BYTES if compact_scales(k) else groups * 8
+        scales = groups // int4_blocks.SUPER * int4_blocks.BLOCK_BYTES if native.int4_meta_fits(k, GROUP) else groups * 8
         return n * k // 2 + scales
     return n * k * (4 if kind == "fp32" else 1)
 
@@ -67,7 +62,7 @@ def make_linear(lib: ctypes.CDLL, kind: str, n: int, k: int, gen: torch.Generato
         w, scale, zero = native.int4_weights(q, scale, zero, GROUP, lib.pd_vector_width(),
                                              torch.empty(n, k // 2, dtype=torch.uint8))
         meta = None
-        if compact_scales(k):
+        if native.int4_meta_fits(k, GROUP):  # (else fp32 scales and zero points, 8 bytes a group)
             meta = torch.zeros(n, k // GROUP // int4_blocks.SUPER, int4_blocks.BLOCK_BYTES, dtype=torch.uint8)
             meta[:, :, :8] = (torch.rand(n, meta.shape[1], 2, generator=gen) * 0.01).view(torch.uint8)
             meta[:, :, 8:] = torch.randint(0, 64, (n, meta.shape[1], 16), dtype=torch.uint8, generator=gen)

@@ -258,13 +258,18 @@ def int8_activations_fit(kind: int, k: int, group: int, lanes: int) -> bool:
     return kind == W_I8 and k % 64 == 0
 
 
+def int4_meta_fits(k: int, group: int) -> bool:
+    """Whether rows of k inputs in groups of ``group`` can hold compact scales: whole groups in
+    whole superblocks (the kernel reads whole superblocks)."""
+    return k % group == 0 and (k // group) % int4_blocks.SUPER == 0
+
+
 def check_int4_meta(meta: torch.Tensor | None, n: int, k: int, group: int) -> None:
     """``meta`` is None or the compact scales of an [n, k] INT4 weight (engine/models/int4_blocks.py)."""
     if meta is None:
         return
     want = (n, k // group // int4_blocks.SUPER * int4_blocks.BLOCK_BYTES)
-    whole = k % group == 0 and (k // group) % int4_blocks.SUPER == 0  # (the kernel reads whole superblocks)
-    if not whole or meta.dtype != torch.uint8 or tuple(meta.shape) != want or not meta.is_contiguous():
+    if not int4_meta_fits(k, group) or meta.dtype != torch.uint8 or tuple(meta.shape) != want or not meta.is_contiguous():
         raise ValueError(f"compact INT4 scales {tuple(meta.shape)} {meta.dtype}, want contiguous uint8 {want}")
 
 

@@ -155,6 +155,15 @@ static inline __attribute__((always_inline)) vf wload(const char *w, int kind, i
     return kind == W_I8 ? vload_i8((const int8_t *)w + c) : vload((const float *)w + c);
 }
 
+/* Prefetch, PF_ROW ahead in each of nr streams, the cache lines starting within inputs [c0, c1)
+ * (each line once) */
+static inline __attribute__((always_inline)) void
+prefetch_lines(const char *const w[4], int nr, int64_t esz, int64_t c0, int64_t c1) {
+    for (int64_t byte = c0 * esz; byte < c1 * esz; byte += 64)
+        if ((byte & 63) == 0)
+            for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
+}
+
 static inline __attribute__((always_inline)) void
 dot_rows(const char *const w[4], int kind, int nr, int rb, int64_t k, const float *x, int64_t ldx,
          float out[4][RB]) {
@@ -164,9 +173,7 @@ dot_rows(const char *const w[4], int kind, int nr, int rb, int64_t k, const floa
         vf a[4], b[4];
         for (int j = 0; j < nr; j++) a[j] = b[j] = vzero();
         for (; c + 2 * VW <= k; c += 2 * VW) {
-            for (int64_t byte = c * esz; byte < (c + 2 * VW) * esz; byte += 64)  /* each line once */
-                if ((byte & 63) == 0)
-                    for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
+            prefetch_lines(w, nr, esz, c, c + 2 * VW);
             const vf x0 = vload(x + c), x1 = vload(x + c + VW);
             for (int j = 0; j < nr; j++) {
                 a[j] = vfma(wload(w[j], kind, c), x0, a[j]);
@@ -181,9 +188,7 @@ dot_rows(const char *const w[4], int kind, int nr, int rb, int64_t k, const floa
         for (int j = 0; j < nr; j++)
             for (int r = 0; r < rb; r++) a[j][r] = vzero();
         for (; c + VW <= k; c += VW) {
-            for (int64_t byte = c * esz; byte < (c + VW) * esz; byte += 64)
-                if ((byte & 63) == 0)
-                    for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
+            prefetch_lines(w, nr, esz, c, c + VW);
             vf xr[RB];
             for (int r = 0; r < rb; r++) xr[r] = vload(x + r * ldx + c);
             for (int j = 0; j < nr; j++) {
@@ -667,14 +672,15 @@ static int64_t a8_bytes(const lin_t *L, int R) {
  * Called inside a parallel region. x [R, k] in the weight's column order, or for INT4 with aq
  * the quantized-activation buffer (quant_x_a8); ldy: y's row stride. */
 static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float *y, int64_t ldy, int add) {
-    const int64_t n = L->n, k = L->k;
-    const int64_t wrow = L->kind == W_I8 ? k : L->kind == W_I4 ? k / 2 : 4 * k;
-    const int64_t ng = L->kind == W_I4 ? k / L->group : 1;
-    const int64_t nblk = (n + NB - 1) / NB;
-    if (L->kind != W_I4 && !L->aq) {
+    if (L->kind != W_I4 && !L->aq) {  /* fp32, INT8 with fp32 activations */
         gemv_rows(L, R, x, xsum, y, ldy, add);
         return;
     }
+    /* below: INT4, and INT8 with INT8 activations, in blocks of NB adjacent rows */
+    const int64_t n = L->n, k = L->k;
+    const int64_t wrow = L->kind == W_I4 ? k / 2 : k;
+    const int64_t ng = L->kind == W_I4 ? k / L->group : 1;
+    const int64_t nblk = (n + NB - 1) / NB;
 #pragma omp for schedule(static)
     for (int64_t bi = 0; bi < nblk; bi++) {
         int64_t n0 = bi * NB;
