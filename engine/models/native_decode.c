@@ -107,11 +107,11 @@ typedef struct {
 } ctx_t;
 
 #define NB 4  /* weight rows per block: independent FMA chains, one weight load for every x row */
-/* The INT4 and INT8-activation kernels read blocks of NB adjacent rows (fp32 and INT8 with fp32
- * activations: gemv_rows, below, and its own prefetch). A block's NB rows are contiguous and so
- * are the next blocks': each row's reader prefetches the same offset PF_AHEAD blocks ahead, a
- * cache line at a time. Measured when INT8 and fp32 were read this way too: without it the packed formats read
- * 13 (INT8) and 10 (INT4) GB/s of weights from memory on a 2-core Xeon where fp32 streams 25: a
+/* The INT8-activation kernels read blocks of NB adjacent rows (with fp32 activations every kind
+ * now reads four streams a thread with its own prefetch: gemv_rows, below). A block's NB rows are
+ * contiguous and so are the next blocks': each row's reader prefetches the same offset PF_AHEAD
+ * blocks ahead, a cache line at a time. Measured when every kind read blocks: without it the
+ * packed formats read 13 (INT8) and 10 (INT4) GB/s of weights from memory on a 2-core Xeon where fp32 streams 25: a
  * 16-byte load per 16 weights keeps too few cache misses in flight. Measured there (30 layers +
  * LM head, one token, median of 7 interleaved sweeps), PF_AHEAD 0 (none) / 1 / 2 / 3 / 4: INT8
  * 9.8 / 5.4 / 4.9 / 4.9 / 4.7 ms, INT4 (g32) 8.4 / 5.9 / 5.7 / 5.5 / 5.6, fp32 20.3 / 17.5 / 18.0 /
@@ -216,42 +216,6 @@ static void dot_rows_any(const char *const w[4], int kind, int nr, int rb, int64
     ROWS_CASES(W_I8, 4) ROWS_CASES(W_I8, 1) ROWS_CASES(W_F32, 4) ROWS_CASES(W_F32, 1)
 }
 
-/* y (+)= s * (x . w) - zs * xsum + b for an fp32 or INT8 linear at R x rows (fp32 activations),
- * in a parallel region: each thread its share of the rows in four streams (dot_rows), x rows in
- * groups of RB, then a barrier as an omp for ends with. INT8, 2 threads, beyond every cache,
- * interleaved with one stream a thread (docs/bench/README.md, "Four streams a thread"): one x row
- * 0.90-0.97x the time, then 0.86-0.88x of that with the 2 KB prefetch; the 1.5B's INT8 decode
- * step 71.0-79.0 -> 63.6-71.2 ms. Two to four x rows read the weights once, as one does: 17920 x
- * 1536 and the LM head at 2 x rows 17.9 -> 24.6 and 18.7 -> 26.0 GB/s, at 4 16.5 -> 21.4 and
- * 16.6 -> 23.0 (four adjacent rows before); past four, each group of four x rows reads the four
- * weight rows from L1 or L2 again (8 x rows: 0.92x the time, compute-bound). One x row sums in
- * two accumulators and more in one: an fp32 row's last bits may differ between a one-token step
- * and a batch (each within the same fp32 bound). */
-static void gemv_rows(const lin_t *L, int R, const float *x, const float *xsum, float *y, int64_t ldy, int add) {
-    const int64_t n = L->n, k = L->k, row = L->kind == W_I8 ? k : 4 * k;
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t lo = n * t / nt, hi = n * (t + 1) / nt, q = (hi - lo) / 4;
-    const char *w = (const char *)L->w;
-    for (int64_t i = 0; i < hi - lo - 3 * q; i++) {  /* the last quarter takes the rows left over */
-        const int nr = i < q ? 4 : 1;
-        const int64_t rows[4] = {lo + 3 * q + i, lo + i, lo + q + i, lo + 2 * q + i};
-        const char *wr[4] = {w + rows[0] * row, w + rows[1] * row, w + rows[2] * row, w + rows[3] * row};
-        for (int r0 = 0; r0 < R; r0 += RB) {  /* (past the first RB x rows, the rows sit in L1 or L2) */
-            const int rb = R - r0 < RB ? R - r0 : RB;
-            float out[4][RB];
-            dot_rows_any(wr, (int)L->kind, nr, rb, k, x + r0 * k, k, out);
-            for (int j = 0; j < nr; j++)
-                for (int r = 0; r < rb; r++) {
-                    const int64_t c = rows[j];
-                    const float v = L->s[c] * out[j][r] - L->zs[c] * xsum[r0 + r] + L->b[c];
-                    float *dst = y + (r0 + r) * ldy + c;
-                    *dst = add ? *dst + v : v;
-                }
-        }
-    }
-#pragma omp barrier
-}
-
 /* INT4 rows' group scales s and offsets o (w = q * s + o) into sv, ov (ng floats per row, rows
  * row0 .. row0 + nr - 1), from fp32 scales and zero points (o = -zero * s) or from the compact
  * form (engine/models/int4_blocks.py: per row and superblock of 8 groups, fp32 d and dm, then
@@ -295,7 +259,7 @@ static void row_scales(const lin_t *L, int64_t row0, int nr, float *sv, float *o
 /* INT4: out[j][r] = w[j] . x[r], the weights dequantized in registers a group at a time; s, o:
  * row_scales' arrays for the block's rows. */
 static inline __attribute__((always_inline)) void
-dot_block_i4(const uint8_t *w, const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
+dot_block_i4(const char *const w[4], const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
              const float *x, int64_t ldx, float out[NB][RB]) {
     vf acc[NB][RB];
     for (int j = 0; j < nb; j++)
@@ -322,7 +286,7 @@ dot_block_i4(const uint8_t *w, const float *s, const float *o, int64_t k, int64_
 #endif
         for (int64_t c = gi * g; c < (gi + 1) * g; c += 2 * VW) {
             if (((c / 2) & 63) == 0)
-                for (int j = 0; j < nb; j++) PREFETCH(w + (PF_AHEAD * NB + j) * (k / 2) + c / 2);
+                for (int j = 0; j < nb; j++) PREFETCH(w[j] + c / 2 + PF_ROW);
             vf xl[RB], xh[RB];
             for (int r = 0; r < rb; r++) {
                 xl[r] = vload(x + r * ldx + c);
@@ -331,11 +295,11 @@ dot_block_i4(const uint8_t *w, const float *s, const float *o, int64_t k, int64_
             for (int j = 0; j < nb; j++) {
                 vf lo, hi;
 #if VW == 16
-                __m512i v_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j * (k / 2) + c / 2)));
+                __m512i v_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w[j] + c / 2)));
                 lo = _mm512_permutexvar_ps(v_, tab[j]);
                 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v_, 4), tab[j]);
 #else
-                vload_i4(w + j * (k / 2) + c / 2, lo, hi);
+                vload_i4(w[j] + c / 2, lo, hi);
                 lo = vfma(lo, sv[j], zv[j]);
                 hi = vfma(hi, sv[j], zv[j]);
 #endif
@@ -353,10 +317,56 @@ dot_block_i4(const uint8_t *w, const float *s, const float *o, int64_t k, int64_
         return;                                                                                \
     }
 
-static void dot_any_i4(const uint8_t *w, const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
+static void dot_any_i4(const char *const w[4], const float *s, const float *o, int64_t k, int64_t g, int nb, int rb,
                        const float *x, int64_t ldx, float out[NB][RB]) {
     I4_CASE(4, 1) I4_CASE(4, 2) I4_CASE(4, 3) I4_CASE(4, 4)
     I4_CASE(1, 1) I4_CASE(1, 2) I4_CASE(1, 3) I4_CASE(1, 4)
+}
+
+/* y (+)= s * (x . w) - zs * xsum + b for an fp32 or INT8 linear, y (+)= x . w + b for INT4 (its
+ * scales are inside the dot), at R x rows (fp32 activations), in a parallel region: each thread
+ * its share of the rows in four streams (dot_rows, dot_block_i4), x rows in groups of RB, then a
+ * barrier as an omp for ends with. INT8, 2 threads, beyond every cache,
+ * interleaved with one stream a thread (docs/bench/README.md, "Four streams a thread"): one x row
+ * 0.90-0.97x the time, then 0.86-0.88x of that with the 2 KB prefetch; the 1.5B's INT8 decode
+ * step 71.0-79.0 -> 63.6-71.2 ms. Two to four x rows read the weights once, as one does: 17920 x
+ * 1536 and the LM head at 2 x rows 17.9 -> 24.6 and 18.7 -> 26.0 GB/s, at 4 16.5 -> 21.4 and
+ * 16.6 -> 23.0 (four adjacent rows before); past four, each group of four x rows reads the four
+ * weight rows from L1 or L2 again (8 x rows: 0.92x the time, compute-bound). One x row sums in
+ * two accumulators and more in one: an fp32 row's last bits may differ between a one-token step
+ * and a batch (each within the same fp32 bound). INT4 read this way instead of in blocks of four
+ * adjacent rows (one stream a thread), interleaved, 2 threads, 600 MB: 17920 x 1536 at one x row
+ * 0.74x the time (14.4 -> 19.4 GB/s), 1536 x 8960 0.87x, 2 x rows 0.88x, 4 0.95x, 8 1.00x; the
+ * AVX2 build 0.93x: its unpacking bounded it less than how it read memory. */
+static void gemv_rows(const lin_t *L, int R, const float *x, const float *xsum, float *y, int64_t ldy, int add) {
+    const int64_t n = L->n, k = L->k, row = L->kind == W_I8 ? k : L->kind == W_I4 ? k / 2 : 4 * k;
+    const int64_t ng = L->kind == W_I4 ? k / L->group : 1;
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t lo = n * t / nt, hi = n * (t + 1) / nt, q = (hi - lo) / 4;
+    const char *w = (const char *)L->w;
+    float sv[4 * ng], ov[4 * ng];  /* INT4: the four rows' group scales and offsets */
+    for (int64_t i = 0; i < hi - lo - 3 * q; i++) {  /* the last quarter takes the rows left over */
+        const int nr = i < q ? 4 : 1;
+        const int64_t rows[4] = {lo + 3 * q + i, lo + i, lo + q + i, lo + 2 * q + i};
+        const char *wr[4] = {w + rows[0] * row, w + rows[1] * row, w + rows[2] * row, w + rows[3] * row};
+        if (L->kind == W_I4)
+            for (int j = 0; j < nr; j++) row_scales(L, rows[j], 1, sv + j * ng, ov + j * ng);
+        for (int r0 = 0; r0 < R; r0 += RB) {  /* (past the first RB x rows, the rows sit in L1 or L2) */
+            const int rb = R - r0 < RB ? R - r0 : RB;
+            float out[4][RB];
+            if (L->kind == W_I4) dot_any_i4(wr, sv, ov, k, L->group, nr, rb, x + r0 * k, k, out);
+            else dot_rows_any(wr, (int)L->kind, nr, rb, k, x + r0 * k, k, out);
+            for (int j = 0; j < nr; j++)
+                for (int r = 0; r < rb; r++) {
+                    const int64_t c = rows[j];
+                    const float v = L->kind == W_I4 ? out[j][r] + L->b[c]
+                                                    : L->s[c] * out[j][r] - L->zs[c] * xsum[r0 + r] + L->b[c];
+                    float *dst = y + (r0 + r) * ldy + c;
+                    *dst = add ? *dst + v : v;
+                }
+        }
+    }
+#pragma omp barrier
 }
 
 /* ---- INT4 weights x INT8 activations (opt-in, lin_t.aq: llama.cpp's arithmetic) -----------------
@@ -672,11 +682,11 @@ static int64_t a8_bytes(const lin_t *L, int R) {
  * Called inside a parallel region. x [R, k] in the weight's column order, or for INT4 with aq
  * the quantized-activation buffer (quant_x_a8); ldy: y's row stride. */
 static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float *y, int64_t ldy, int add) {
-    if (L->kind != W_I4 && !L->aq) {  /* fp32, INT8 with fp32 activations */
+    if (!L->aq) {  /* fp32 activations */
         gemv_rows(L, R, x, xsum, y, ldy, add);
         return;
     }
-    /* below: INT4, and INT8 with INT8 activations, in blocks of NB adjacent rows */
+    /* below: INT4 and INT8 with INT8 activations, in blocks of NB adjacent rows */
     const int64_t n = L->n, k = L->k;
     const int64_t wrow = L->kind == W_I4 ? k / 2 : k;
     const int64_t ng = L->kind == W_I4 ? k / L->group : 1;
@@ -704,9 +714,7 @@ static void gemv(const lin_t *L, int R, const float *x, const float *xsum, float
                     const float *xd = (const float *)(xq + (int64_t)R * k), *xc = xd + (int64_t)R * (k / 32);
                     dot_any_i8a8((const int8_t *)wj, k, nb == NB ? NB : 1, rb, xq + r0 * k, xd + r0 * (k / 32),
                                  xc + r0, o1);
-                } else
-                    dot_any_i4((const uint8_t *)wj, sv + j0 * ng, ov + j0 * ng, k, L->group,
-                               nb == NB ? NB : 1, rb, x + r0 * k, k, o1);
+                }
                 for (int j = 0; j < (nb == NB ? NB : 1); j++)
                     for (int r = 0; r < rb; r++) out[j0 + j][r] = o1[j][r];
             }
