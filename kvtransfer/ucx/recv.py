@@ -89,7 +89,7 @@ class ReceiveSide:
         self._pool = wire.BufferPool(pool_bytes)
         self._put, self._lost = put, lost
         self._receiving: dict[int, deque[_Incoming]] = {}
-        self._cut: list[_Incoming] = []
+        self._cut: list[tuple[int, _Incoming]] = []  # (sender's uid, message)
         self._banned: dict[int, None] = {}
         self._key = key
         self.max_frame_bytes, self.max_message_bytes = wire.MAX_FRAME_BYTES, wire.MAX_MESSAGE_BYTES
@@ -158,10 +158,10 @@ class ReceiveSide:
                 in_flight = True
             else:
                 del self._receiving[uid]
-        for m in self._cut:
+        for _, m in self._cut:
             if m.frames is None and m.header_req.completed:
                 m.frames = []  # its frames are never posted: nothing more is written for it
-        self._cut = [m for m in self._cut if not m.done()]
+        self._cut = [(u, m) for u, m in self._cut if not m.done()]
         return completed, in_flight
 
     def _on_header(self, uid: int, msg: _Incoming, queue: deque[_Incoming]) -> None:
@@ -238,7 +238,7 @@ class ReceiveSide:
         for m in cut:
             queue.remove(m)
             m.dropped, m.pending = True, None  # (one never posted has nothing to finish)
-        self._cut.extend(cut)
+        self._cut.extend((uid, m) for m in cut)
         why = "it reconnected: its earlier connection was cut mid-message"
         queue.insert(queue.index(msg), _Incoming(None, None, frames=[], lost=why))
         if (p := self._peers.get(uid)) is not None:
@@ -257,10 +257,13 @@ class ReceiveSide:
         """Whether a message from one of ``uids`` is on its way here."""
         return any(u in uids for u in self._receiving)
 
-    def busy_on(self, worker: object) -> bool:
-        """Whether a message that came in on our UCX ``worker`` is still incomplete (cut ones too)."""
-        return any(m.worker is worker for m in self._cut) or \
-            any(m.worker is worker and not m.done() for q in self._receiving.values() for m in q)
+    def busy_on(self, worker: object, uids: set[int]) -> bool:
+        """Whether a message from one of ``uids`` that came in on our UCX ``worker`` is still
+        incomplete (cut ones too). Only live peers count: what a dead one left never completes,
+        and waiting on it held a replaced worker, and the dead peers' mappings it was replaced to
+        let go, until ``RETIRE_FORCE_S``."""
+        return any(u in uids and m.worker is worker for u, m in self._cut) or \
+            any(m.worker is worker and not m.done() for u, q in self._receiving.items() if u in uids for m in q)
 
     def cut_worker(self, worker: object) -> list[int]:
         """Forget what came in on ``worker`` (destroyed: its requests are cancelled); returns
@@ -272,7 +275,7 @@ class ReceiveSide:
                 queue.remove(m)
             if cut:
                 peers.append(uid)
-        self._cut = [m for m in self._cut if m.worker is not worker]
+        self._cut = [(u, m) for u, m in self._cut if m.worker is not worker]
         return peers
 
     def clear(self) -> None:

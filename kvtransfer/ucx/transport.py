@@ -387,8 +387,8 @@ class UcxTransport(FrameTransport):
         on one then is cut, and its peer reported dropped."""
         for g in list(self._retiring):
             w = g.worker
-            live = set(self._peers.live_uids())  # (a send to a peer gone silently never completes)
-            if not g.due(now, self.sender.busy(live, g) or self.receiver.busy_on(w)):
+            live = set(self._peers.live_uids())  # (a message to or from a peer gone never completes)
+            if not g.due(now, self.sender.busy(live, g) or self.receiver.busy_on(w, live)):
                 continue
             self._retiring.remove(g)
             g.destroy(close_endpoint)  # cancels what is in flight on it first: then its buffers go

@@ -14,6 +14,7 @@ import os
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # before any ucx import (see MACHINE.md)
 
 import time
+from collections import deque
 
 import pytest
 
@@ -28,6 +29,7 @@ from kvtransfer.format import gather_layer  # noqa: E402
 from kvtransfer.receiver import KVReceiver  # noqa: E402
 from kvtransfer.sender import KVSender  # noqa: E402
 from kvtransfer.ucx import UcxTransport  # noqa: E402
+from kvtransfer.ucx.recv import ReceiveSide, _Incoming  # noqa: E402
 from kvtransfer.ucx.wire import parse_address  # noqa: E402
 from tests.kvtransfer.test_faults import peer_mod, spawn  # noqa: E402,F401  (spawn is a fixture)
 from tests.kvtransfer.test_ucx import make, recv_wait  # noqa: E402,F401  (make is a fixture)
@@ -57,7 +59,9 @@ def _recycle_state(t) -> str:
     live = set(t._peers.live_uids())
     return (f"(recycles {t.recycles}, retiring {len(t._retiring)}, stale {t._peers.stale} of {t._peers.recycle_at}, "
             f"outbox {len(t._outbox)}, live peers {len(live)}, sending {t.sender.busy(live)}, "
-            f"receiving {t.receiver.receiving_from(live)})")
+            f"receiving {t.receiver.receiving_from(live)}; on the retiring workers: sending "
+            f"{[t.sender.busy(live, g) for g in t._retiring]}, "
+            f"receiving {[t.receiver.busy_on(g.worker, live) for g in t._retiring]})")
 
 
 def test_a_replaced_worker_keeps_its_peer_talking_both_ways(make, quick):
@@ -182,3 +186,21 @@ def test_a_peer_that_missed_the_announcement_follows_the_newest_address(make, qu
     assert client.connect(server.bind()) == peer
     client.send(peer, [b"found"])
     assert [bytes(f) for f in recv_wait(server)[1]] == [b"found"]
+
+
+def test_only_live_peers_unfinished_messages_hold_a_replaced_worker():
+    """A message whose sender died mid-way never completes (no error handling on our endpoints:
+    its receives just wait), so it must not keep a replaced worker, and the dead peers' mappings
+    it was replaced to drop, until RETIRE_FORCE_S; a live peer's, received or cut, does."""
+    old, new = object(), object()
+    side = ReceiveSide(lambda: [], None, None, 0, lambda item: None, lambda uid, why: None)
+    side._receiving[7] = deque([_Incoming(None, None, worker=old)])  # header only: incomplete
+    assert side.busy_on(old, {7}) and not side.busy_on(new, {7})
+    assert not side.busy_on(old, set())  # peer 7 gone
+    side._receiving.clear()
+    side._cut.append((8, _Incoming(None, None, frames=[], worker=old, dropped=True, frame_reqs=[_Pending()])))
+    assert side.busy_on(old, {8}) and not side.busy_on(old, {7})
+
+
+class _Pending:
+    completed = False
