@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from engine.errors import InvalidRequestError
 from engine.memory import process_memory
 from engine.models.loader import weights_digest
+from engine.openmp import release_pool
 from engine.quant import quantization_name
 from engine.request import RequestStatus
 from kvtransfer.base import TransferStats
@@ -131,6 +132,9 @@ class StepLoop:
         self.fence = None if options.epoch is None else Fence(options.epoch, options.grace_s)
         self.ended = None if self.fence is None else Ended()  # (what a new router may still resume)
         self.running = True
+        # This thread built the engine; the loop's runs it from here: this one's OpenMP threads
+        # would only make every step's waits short spins and sleeps (engine/openmp.py)
+        release_pool()
         self.loop = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self.loop.start()
 
