@@ -30,11 +30,17 @@ engine (both measured on a running cluster by ``bench.sim.profile``; 0 when not 
     request_ms  per request, between the client and the engine: the gRPC call, the router's
                 placement, the Ray calls to the workers and the first token's way back (added
                 to its TTFT: the simulated router sees it this much after it is sent)
+    prefill_x   a prompt's tokens in a cluster worker against the engine's own (lone long
+                prompts' TTFT; >= 1): a worker's threads share the node's cores with the
+                router, the client and its own loop, and a team waits for its slowest thread
+    land_ms_per_ktok  what a decode worker spends taking in a transferred prompt's KV, per
+                1,000 of its tokens, before its next step (lone long prompts' first-to-second
+                token less a decode step; every stream it decodes waits that long)
 
 JSON format (``format: pdserve-sim-cost/1``): ``model``, ``machine``, ``threads``,
 ``block_size``, ``kv_bytes_per_token``, ``kv_blocks`` (one worker's KV cache, in blocks),
 ``max_num_seqs``, ``max_batched_tokens``, ``step`` (the five coefficients above),
-``cluster`` (``loop_ms``, ``request_ms``; absent: 0), ``node`` (``decode_x``, ``prefill_x``; absent: 1),
+``cluster`` (``loop_ms``, ``request_ms``, ``land_ms_per_ktok``, absent: 0; ``prefill_x``, absent: 1), ``node`` (``decode_x``, ``prefill_x``; absent: 1),
 ``transfer`` (``gbps``, ``latency_ms``), ``switch_ms`` (a role switch's rewiring once the
 worker is drained), ``sources`` (where each figure came from: measured or assumed) and
 ``samples`` (the raw measurements the fit came from).
@@ -82,6 +88,8 @@ class CostModel:
     switch_ms: float = 500.0
     loop_ms: float = 0.0  # per step in a cluster worker's loop (module doc)
     request_ms: float = 0.0  # per request between the client and the engine (module doc)
+    prefill_x: float = 1.0  # a cluster worker's prompt tokens against the engine's own (module doc)
+    land_ms_per_ktok: float = 0.0  # a decode worker's intake of transferred KV (module doc)
     node_decode_x: float = 1.0  # a decode-only step beside a busy neighbour / alone (module doc)
     node_prefill_x: float = 1.0  # a step with prompt tokens beside a busy neighbour / alone
     machine: str = ""
@@ -94,12 +102,14 @@ class CostModel:
             raise ValueError("cost model block_size, kv_blocks, max_num_seqs, max_batched_tokens must be >= 1")
         if self.transfer_gbps <= 0:
             raise ValueError(f"cost model transfer.gbps must be > 0, got {self.transfer_gbps}")
-        for k in ("loop_ms", "request_ms"):
+        for k in ("loop_ms", "request_ms", "land_ms_per_ktok"):
             if not math.isfinite(getattr(self, k)) or getattr(self, k) < 0:
                 raise ValueError(f"cost model cluster.{k} must be a finite number >= 0, got {getattr(self, k)!r}")
         for k in ("node_decode_x", "node_prefill_x"):
             if not (math.isfinite(getattr(self, k)) and getattr(self, k) >= 1.0):
                 raise ValueError(f"cost model node.{k[5:]} must be a finite number >= 1, got {getattr(self, k)!r}")
+        if not (math.isfinite(self.prefill_x) and self.prefill_x >= 1.0):
+            raise ValueError(f"cost model cluster.prefill_x must be a finite number >= 1, got {self.prefill_x!r}")
 
     # ---- what the simulator asks ----------------------------------------------------------
     def _rows_ms(self, batch: int, ctx: int) -> float:
@@ -112,7 +122,7 @@ class CostModel:
         ``chunks`` of (tokens, tokens already computed before them)."""
         s, ms = self.step, self._rows_ms(batch, ctx)
         for n, past in chunks:
-            ms += s.per_prefill_tok_ms * n + s.per_prefill_attn_ms * n * (past + n / 2) / 1e6
+            ms += (s.per_prefill_tok_ms * n + s.per_prefill_attn_ms * n * (past + n / 2) / 1e6) * self.prefill_x
         return ms
 
     def decode_run_ms(self, batch: int, ctx: int, k: int) -> float:
@@ -144,6 +154,10 @@ class CostModel:
             return 0.0
         return self.transfer_latency_ms + tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9) * 1e3
 
+    def land_ms(self, tokens: int) -> float:
+        """A decode worker taking in ``tokens`` transferred tokens' KV (module doc)."""
+        return self.land_ms_per_ktok * max(0, tokens) / 1e3
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -152,9 +166,10 @@ class CostModel:
         d = asdict(self)
         d = {"format": FORMAT, **{k: v for k, v in d.items()
                                   if k not in ("transfer_gbps", "transfer_latency_ms", "loop_ms", "request_ms",
-                                               "node_decode_x", "node_prefill_x")}}
+                                               "prefill_x", "land_ms_per_ktok", "node_decode_x", "node_prefill_x")}}
         d["transfer"] = {"gbps": self.transfer_gbps, "latency_ms": self.transfer_latency_ms}
-        d["cluster"] = {"loop_ms": self.loop_ms, "request_ms": self.request_ms}
+        d["cluster"] = {"loop_ms": self.loop_ms, "request_ms": self.request_ms, "prefill_x": self.prefill_x,
+                        "land_ms_per_ktok": self.land_ms_per_ktok}
         d["node"] = {"decode_x": self.node_decode_x, "prefill_x": self.node_prefill_x}
         return d
 
@@ -181,6 +196,7 @@ def from_json(d: dict, source: str = "cost model") -> CostModel:
                          transfer_latency_ms=float(t.get("latency_ms", 1.0)),
                          switch_ms=float(d.get("switch_ms", 500.0)), machine=str(d.get("machine", "")),
                          loop_ms=float(c.get("loop_ms", 0.0)), request_ms=float(c.get("request_ms", 0.0)),
+                         prefill_x=float(c.get("prefill_x", 1.0)), land_ms_per_ktok=float(c.get("land_ms_per_ktok", 0.0)),
                          node_decode_x=float(nd.get("decode_x", 1.0)), node_prefill_x=float(nd.get("prefill_x", 1.0)),
                          sources=dict(d.get("sources", {})), samples=dict(d.get("samples", {})),
                          **{k: int(d[k]) for k in keys if k in d})

@@ -22,7 +22,9 @@ Then (``cluster=True``, :func:`measure_cluster`) what a cluster adds: a local cl
 workers a mode of that thread count runs (1 thread: 1 prefill + 1 decode worker; 2: one
 colocated worker) serves ``CLUSTER_REQUESTS`` lone requests, one at a time; the median TTFT
 less the engine's own (the prompt's step, plus its transfer) is ``request_ms``, the median TPOT
-less a lone decode step's time is ``loop_ms`` (costs.py). About a minute more.
+less a lone decode step's time is ``loop_ms`` (costs.py); then ``CLUSTER_LONG`` lone long
+prompts give ``prefill_x`` and, through a prefill and a decode worker, ``land_ms_per_ktok``
+(``long_overheads``). About a minute more.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ DECODE_STEPS = 3
 REPEATS = 3
 CLUSTER_REQUESTS = 12  # lone requests through a running cluster (measure_cluster)
 CLUSTER_PROMPT, CLUSTER_ANSWER = 64, 48  # their prompt and answer tokens
+# then lone long prompts (prefill_x, land_ms_per_ktok): a document's length, a short answer
+CLUSTER_LONG, CLUSTER_LONG_PROMPT, CLUSTER_LONG_ANSWER = 4, 1024, 16
 # measure_node: the decode batch timed (a disaggregated decode worker's few streams), the prompt
 # chunk timed and the neighbour's work (a prefill worker's prompts; a decode worker's batch)
 NODE_BATCH, NODE_CTX, NODE_CHUNK, NODE_NEIGHBOUR_BATCH = 4, 256, 256, 16
@@ -162,6 +166,26 @@ def overheads(cost: CostModel, ttfts_ms: list[float], tpots_ms: list[float]) -> 
     return max(0.0, statistics.median(ttfts_ms) - first), loop_ms
 
 
+def long_overheads(cost: CostModel, ttfts_ms: list[float], tpots_ms: list[float]) -> tuple[float, float]:
+    """(prefill_x, land_ms_per_ktok) from lone long requests' TTFTs and TPOTs
+    (CLUSTER_LONG_PROMPT prompt tokens, CLUSTER_LONG_ANSWER answer tokens) through the same
+    cluster, ``cost`` carrying the short requests' request_ms and loop_ms. prefill_x: the median
+    TTFT less what the simulator adds around the prompt's tokens (request_ms, the step's base
+    and loop, a 1-thread profile's transfer), over the engine's own for them; never < 1.
+    land_ms_per_ktok (1 thread: a decode worker receives it): the median TPOT's answer time
+    less its decode steps, per 1,000 prompt tokens; never < 0."""
+    engine = dataclasses.replace(cost, prefill_x=1.0, land_ms_per_ktok=0.0)
+    p, a = CLUSTER_LONG_PROMPT, CLUSTER_LONG_ANSWER
+    around = engine.step_ms(0, 0)  # (base + loop: the step without the prompt)
+    tokens = engine.step_ms(0, 0, [(p, 0)]) - around
+    rest = cost.request_ms + around + (engine.transfer_ms(p) if cost.threads == 1 else 0.0)
+    prefill_x = max(1.0, (statistics.median(ttfts_ms) - rest) / tokens)
+    if cost.threads != 1:
+        return prefill_x, 0.0
+    land = statistics.median(tpots_ms) * (a - 1) - engine.decode_run_ms(1, p, a - 1)
+    return prefill_x, max(0.0, land) / (p / 1e3)
+
+
 def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
     """``cost`` with ``request_ms`` and ``loop_ms`` measured on a local cluster (module doc)."""
     # (heavy: asyncio, Ray and a cluster, loaded only by what uses them)
@@ -181,6 +205,10 @@ def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
                               max_tokens=str(CLUSTER_ANSWER))
         asyncio.run(run(server, specs[:2], concurrency=1))  # (warm-up: a fresh worker's first steps)
         results, _ = asyncio.run(run(server, specs[2:], concurrency=1))
+        long_specs = make_workload(CLUSTER_LONG + 1, "random", 1000, seed=8, prompt_tokens=str(CLUSTER_LONG_PROMPT),
+                                   max_tokens=str(CLUSTER_LONG_ANSWER))
+        asyncio.run(run(server, long_specs[:1], concurrency=1))  # (warm-up: the long shapes' first step)
+        long_results, _ = asyncio.run(run(server, long_specs[1:], concurrency=1))
     finally:
         cluster.stop()
         ray.shutdown()
@@ -191,10 +219,19 @@ def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
     request_ms, loop_ms = overheads(cost, ttfts, tpots)
     log(f"cluster ({cfg.mode}): lone requests' TTFT median {statistics.median(ttfts):.0f} ms, TPOT "
         f"{statistics.median(tpots):.1f} ms: request_ms {request_ms:.1f}, loop_ms {loop_ms:.2f}")
-    return dataclasses.replace(cost, request_ms=round(request_ms, 2), loop_ms=round(loop_ms, 3),
-                               sources={**cost.sources, "cluster": f"measured: {len(ok)} lone requests through a "
+    cost = dataclasses.replace(cost, request_ms=round(request_ms, 2), loop_ms=round(loop_ms, 3))
+    long_ok = [r for r in long_results if r.error is None and r.ttft is not None and r.tpot is not None]
+    lt, lp = [r.ttft * 1e3 for r in long_ok], [r.tpot * 1e3 for r in long_ok]
+    prefill_x, land = long_overheads(cost, lt, lp) if long_ok else (1.0, 0.0)
+    log(f"cluster ({cfg.mode}): {len(long_ok)} lone {CLUSTER_LONG_PROMPT}-token prompts' TTFT median "
+        f"{statistics.median(lt) if lt else 0:.0f} ms, TPOT {statistics.median(lp) if lp else 0:.1f} ms: prefill_x "
+        f"{prefill_x:.3f}, land_ms_per_ktok {land:.1f}")
+    return dataclasses.replace(cost, prefill_x=round(prefill_x, 4), land_ms_per_ktok=round(land, 2),
+                               sources={**cost.sources, "cluster": f"measured: {len(ok)} lone requests and "
+                                                                   f"{len(long_ok)} lone long prompts through a "
                                                                    f"local {cfg.mode} cluster"},
-                               samples={**cost.samples, "cluster": {"ttft_ms": ttfts, "tpot_ms": tpots}})
+                               samples={**cost.samples, "cluster": {"ttft_ms": ttfts, "tpot_ms": tpots,
+                                                                    "long_ttft_ms": lt, "long_tpot_ms": lp}})
 
 
 def _neighbour(model: str | None, kind: str, ready, stop) -> None:

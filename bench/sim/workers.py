@@ -23,7 +23,8 @@ A step is one forward (``CostModel.step_ms``): with prompts waiting, their chunk
 the running decodes, within ``max_batched_tokens``; not chunked: whole prompts alone, decodes
 wait); otherwise a *run* of decode-only steps up to the first request that finishes, timed in
 closed form (``decode_run_ms``) and cut short at the next step boundary when the batch changes
-(``interrupt``). A worker's ``neighbours`` share its node: while one of them is busy, its
+(``interrupt``); KV that landed since the last step is taken in first (``CostModel.land_ms``,
+part of the next step's work). A worker's ``neighbours`` share its node: while one of them is busy, its
 steps take the cost model's ``node_decode_x`` / ``node_prefill_x`` times as long. When a
 neighbour starts or stops (``repace``), a prompt step in progress goes on at the new pace for
 the rest of its work, and a decode run is cut at its next step (the next run takes the new pace).
@@ -104,6 +105,7 @@ class SimWorker:
         self.step_pace: tuple[float, float, float] | None = None  # its (since, ms of work left then, x)
         self.step_t0 = 0.0
         self.busy_ms = 0.0
+        self.land_ms = 0.0  # transferred KV taken in, not yet charged: the next step starts after it
         self.max_used = 0
         self.overflow = 0  # allocations past the total (placement promised room it did not have)
 
@@ -188,9 +190,10 @@ class SimWorker:
         while self.ready and len(self.running) < self.cost.max_num_seqs:
             self.running.append(self.ready.popleft())
         chunks = self._chunks()
+        extra, self.land_ms = self.land_ms, 0.0  # (KV taken in since the last step: before this one)
         if chunks:
             batch = list(self.running) if self.chunked else []
-            ms = self.cost.step_ms(len(batch), sum(j.ctx for j in batch), [(n, j.computed) for j, n in chunks])
+            ms = extra + self.cost.step_ms(len(batch), sum(j.ctx for j in batch), [(n, j.computed) for j, n in chunks])
             x = self._pace()[1]
             self.step_work, self.busy = (chunks, batch), True
             self.step_pace, self.step_t0 = (now, ms, x), now
@@ -199,8 +202,11 @@ class SimWorker:
             k = min(j.spec.max_tokens - j.generated for j in self.running)
             b, ctx = len(self.running), sum(j.ctx for j in self.running)
             x = self._pace()[0]
-            self.run, self.busy = (now, k, b, ctx, x), True
-            return now + self.cost.decode_run_ms(b, ctx, k) * x / 1e3, "run"
+            t0 = now + extra / 1e3  # (the run's steps start once that is done)
+            self.run, self.busy = (t0, k, b, ctx, x), True
+            self.busy_ms += extra
+            return t0 + self.cost.decode_run_ms(b, ctx, k) * x / 1e3, "run"
+        self.land_ms = extra  # (nothing to run: it waits for the next step)
         return None
 
     def _chunks(self) -> list[tuple[SimJob, int]]:

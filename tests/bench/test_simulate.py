@@ -404,3 +404,33 @@ def test_plan_climbs_from_the_grid_to_the_peak_split():
     edge = climb(lambda p: curve[p] if p < 16 else 1 / 0, {15: curve[15], 14: curve[14]}, 16)
     assert max(edge, key=edge.get) == 13
     assert climb(f, {}, 16) == {}
+
+
+def test_lone_long_prompts_give_the_clusters_prefill_factor_and_the_decode_sides_intake():
+    """bench.sim.profile.long_overheads inverts what the simulator charges: a lone long prompt's
+    TTFT and TPOT from a simulator given prefill_x and land_ms_per_ktok give both back (by hand:
+    the prompt's tokens prefill_x times as long; the decode worker takes the KV in before its
+    first step); a colocated profile has no intake; clamped at 1 and 0; the JSON keeps them."""
+    import dataclasses
+
+    from bench.sim.profile import CLUSTER_LONG_ANSWER as A, CLUSTER_LONG_PROMPT as P, long_overheads
+    cost = dataclasses.replace(COST, request_ms=50.0, loop_ms=2.0)
+    px, land = 1.25, 40.0
+    c = Cluster(_spec("disaggregated", n=2, p=1), dataclasses.replace(cost, prefill_x=px, land_ms_per_ktok=land))
+    (job,) = c.run([Spec(0, 1.0, "long", list(range(1000, 1000 + P)), A)])
+    ttft, tpot = (job.first_token - 1.0) * 1e3, (job.finish - job.first_token) * 1e3 / (A - 1)
+    tokens = cost.step_ms(0, 0, [(P, 0)]) - cost.step_ms(0, 0)
+    assert ttft == pytest.approx(50.0 + cost.step_ms(0, 0) + px * tokens + cost.transfer_ms(P))
+    assert tpot * (A - 1) == pytest.approx(land * P / 1e3 + cost.decode_run_ms(1, P, A - 1))
+    assert long_overheads(cost, [ttft - 5, ttft, ttft + 500], [tpot, tpot, tpot + 1]) == pytest.approx((px, land))
+    two = dataclasses.replace(cost, threads=2)
+    c = Cluster(_spec("colocated", n=1), dataclasses.replace(two, prefill_x=px, land_ms_per_ktok=land))
+    (job,) = c.run([Spec(0, 1.0, "long", list(range(1000, 1000 + P)), A)])
+    assert long_overheads(two, [(job.first_token - 1.0) * 1e3], [1.0]) == pytest.approx((px, 0.0))
+    assert long_overheads(cost, [1.0], [1.0]) == (1.0, 0.0)
+    back = from_json(json.loads(json.dumps(dataclasses.replace(cost, prefill_x=px, land_ms_per_ktok=land).to_json())))
+    assert (back.prefill_x, back.land_ms_per_ktok) == (px, land) and (COST.prefill_x, COST.land_ms_per_ktok) == (1, 0)
+    with pytest.raises(ValueError, match="cluster.prefill_x"):
+        from_json({**cost.to_json(), "cluster": {"prefill_x": 0.5}})
+    with pytest.raises(ValueError, match="cluster.land_ms_per_ktok"):
+        from_json({**cost.to_json(), "cluster": {"land_ms_per_ktok": -1}})
