@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--threads", type=int, default=1)
     pr.add_argument("--transfer-gbps", type=float, default=None, help="KV transfer GB/s (default: measure a copy)")
     pr.add_argument("--no-cluster", dest="cluster", action="store_false",
-                    help="skip what a running cluster adds per request and per step (request_ms, loop_ms: 0)")
+                    help="skip what a running cluster adds per request, per step and per long prompt "
+                         "(request_ms, loop_ms, land_ms_per_ktok: 0; prefill_x: 1)")
     pr.add_argument("--no-node", dest="node", action="store_false",
                     help="skip how much a neighbour on the node slows a step (node factors: 1)")
     pr.add_argument("--out", default=None, help="where to write it (default ~/.cache/pdserve/sim/cost_MODEL.json; "

@@ -42,6 +42,6 @@ def release_pool() -> int:
         try:
             lib = ctypes.CDLL(path)
             paused += lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
-        except (OSError, AttributeError) as e:  # (not a runtime with OpenMP 5.0 pause: nothing to do)
-            log.debug("openmp: %s: %s", path, e)
+        except (OSError, AttributeError) as e:  # (a libgomp before GCC 9: no pause; steps pay the module doc's cost)
+            log.warning("openmp: cannot give back this thread's OpenMP threads (%s: %s)", path, e)
     return paused

@@ -266,7 +266,7 @@ class Cluster:
         job.pblocks = 0
         dw.incoming.remove(job)
         dw.cache_add(job.hashes)
-        dw.land_ms += self.cost.land_ms(job.prompt_tokens - job.start)  # (taken in before its next step)
+        dw.take_in(self.cost.land_ms(job.prompt_tokens - job.start))
         self._first_token(job, dw)
         self._kick(pw)
         self._kick(dw, interrupt=True)

@@ -34,13 +34,14 @@ engine (both measured on a running cluster by ``bench.sim.profile``; 0 when not 
                 prompts' TTFT; >= 1): a worker's threads share the node's cores with the
                 router, the client and its own loop, and a team waits for its slowest thread
     land_ms_per_ktok  what a decode worker spends taking in a transferred prompt's KV, per
-                1,000 of its tokens, before its next step (lone long prompts' first-to-second
-                token less a decode step; every stream it decodes waits that long)
+                1,000 of its tokens, before its next step (lone long prompts' answer time less
+                its decode steps; every stream it decodes waits that long)
 
 JSON format (``format: pdserve-sim-cost/1``): ``model``, ``machine``, ``threads``,
 ``block_size``, ``kv_bytes_per_token``, ``kv_blocks`` (one worker's KV cache, in blocks),
 ``max_num_seqs``, ``max_batched_tokens``, ``step`` (the five coefficients above),
-``cluster`` (``loop_ms``, ``request_ms``, ``land_ms_per_ktok``, absent: 0; ``prefill_x``, absent: 1), ``node`` (``decode_x``, ``prefill_x``; absent: 1),
+``cluster`` (``loop_ms``, ``request_ms``, ``land_ms_per_ktok``, absent: 0; ``prefill_x``, absent:
+1), ``node`` (``decode_x``, ``prefill_x``; absent: 1),
 ``transfer`` (``gbps``, ``latency_ms``), ``switch_ms`` (a role switch's rewiring once the
 worker is drained), ``sources`` (where each figure came from: measured or assumed) and
 ``samples`` (the raw measurements the fit came from).
@@ -196,7 +197,8 @@ def from_json(d: dict, source: str = "cost model") -> CostModel:
                          transfer_latency_ms=float(t.get("latency_ms", 1.0)),
                          switch_ms=float(d.get("switch_ms", 500.0)), machine=str(d.get("machine", "")),
                          loop_ms=float(c.get("loop_ms", 0.0)), request_ms=float(c.get("request_ms", 0.0)),
-                         prefill_x=float(c.get("prefill_x", 1.0)), land_ms_per_ktok=float(c.get("land_ms_per_ktok", 0.0)),
+                         prefill_x=float(c.get("prefill_x", 1.0)),
+                         land_ms_per_ktok=float(c.get("land_ms_per_ktok", 0.0)),
                          node_decode_x=float(nd.get("decode_x", 1.0)), node_prefill_x=float(nd.get("prefill_x", 1.0)),
                          sources=dict(d.get("sources", {})), samples=dict(d.get("samples", {})),
                          **{k: int(d[k]) for k in keys if k in d})

@@ -187,7 +187,8 @@ def long_overheads(cost: CostModel, ttfts_ms: list[float], tpots_ms: list[float]
 
 
 def measure_cluster(cost: CostModel, model: str | None, log=print) -> CostModel:
-    """``cost`` with ``request_ms`` and ``loop_ms`` measured on a local cluster (module doc)."""
+    """``cost`` with ``request_ms``, ``loop_ms``, ``prefill_x`` and ``land_ms_per_ktok`` measured
+    on a local cluster (module doc)."""
     # (heavy: asyncio, Ray and a cluster, loaded only by what uses them)
     import asyncio
     import ray  # noqa: I001

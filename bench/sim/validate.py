@@ -273,7 +273,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     meta = _meta(record)
     meta["cost_models"] = {str(t): {"machine": c.machine, "step": dataclasses.asdict(c.step),
                                     "transfer_gbps": c.transfer_gbps, "transfer_latency_ms": c.transfer_latency_ms,
-                                    "loop_ms": c.loop_ms, "request_ms": c.request_ms,
+                                    "loop_ms": c.loop_ms, "request_ms": c.request_ms, "prefill_x": c.prefill_x,
+                                    "land_ms_per_ktok": c.land_ms_per_ktok,
                                     "node_decode_x": c.node_decode_x, "node_prefill_x": c.node_prefill_x}
                            for t, c in sorted(costs.items())}
     print(json.dumps(report(cs, meta, TOLERANCE)))

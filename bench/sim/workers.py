@@ -23,8 +23,8 @@ A step is one forward (``CostModel.step_ms``): with prompts waiting, their chunk
 the running decodes, within ``max_batched_tokens``; not chunked: whole prompts alone, decodes
 wait); otherwise a *run* of decode-only steps up to the first request that finishes, timed in
 closed form (``decode_run_ms``) and cut short at the next step boundary when the batch changes
-(``interrupt``); KV that landed since the last step is taken in first (``CostModel.land_ms``,
-part of the next step's work). A worker's ``neighbours`` share its node: while one of them is busy, its
+(``interrupt``); KV that landed is taken in first, between steps: the next step or run starts
+``CostModel.land_ms`` later (``take_in``; a worker with nothing to run spends it idle). A worker's ``neighbours`` share its node: while one of them is busy, its
 steps take the cost model's ``node_decode_x`` / ``node_prefill_x`` times as long. When a
 neighbour starts or stops (``repace``), a prompt step in progress goes on at the new pace for
 the rest of its work, and a decode run is cut at its next step (the next run takes the new pace).
@@ -105,7 +105,8 @@ class SimWorker:
         self.step_pace: tuple[float, float, float] | None = None  # its (since, ms of work left then, x)
         self.step_t0 = 0.0
         self.busy_ms = 0.0
-        self.land_ms = 0.0  # transferred KV taken in, not yet charged: the next step starts after it
+        self.land_pending = 0.0  # ms of landed KV to take in before the next step (``take_in``)
+        self.land_until = 0.0  # taking it in until then: no step starts before
         self.max_used = 0
         self.overflow = 0  # allocations past the total (placement promised room it did not have)
 
@@ -178,10 +179,17 @@ class SimWorker:
         if self.step_pace is None or self.step_pace[2] == step_x:
             return None
         since, left, x = self.step_pace
-        left = max(0.0, left - (now - since) * 1e3 / x)
-        self.step_pace = (now, left, step_x)
+        at = max(now, since)  # (a step waiting on an intake has done nothing yet)
+        left = max(0.0, left - (at - since) * 1e3 / x)
+        self.step_pace = (at, left, step_x)
         self.gen += 1
-        return now + left * step_x / 1e3
+        return at + left * step_x / 1e3
+
+    def take_in(self, ms: float) -> None:
+        """Landed KV to take in (``CostModel.land_ms``): ``ms`` of this worker's time once the
+        step in progress ends (a decode run is cut there: ``interrupt``)."""
+        self.land_pending += ms
+        self.busy_ms += ms
 
     def plan(self, now: float) -> tuple[float, str] | None:
         """Start the next step if idle: (its end time, kind) or None (nothing to do)."""
@@ -189,24 +197,22 @@ class SimWorker:
             return None
         while self.ready and len(self.running) < self.cost.max_num_seqs:
             self.running.append(self.ready.popleft())
+        start = max(now, self.land_until) + self.land_pending / 1e3  # (after any KV intake: ``take_in``)
+        self.land_until, self.land_pending = start, 0.0  # (nothing to run: the worker spends it idle)
         chunks = self._chunks()
-        extra, self.land_ms = self.land_ms, 0.0  # (KV taken in since the last step: before this one)
         if chunks:
             batch = list(self.running) if self.chunked else []
-            ms = extra + self.cost.step_ms(len(batch), sum(j.ctx for j in batch), [(n, j.computed) for j, n in chunks])
+            ms = self.cost.step_ms(len(batch), sum(j.ctx for j in batch), [(n, j.computed) for j, n in chunks])
             x = self._pace()[1]
             self.step_work, self.busy = (chunks, batch), True
-            self.step_pace, self.step_t0 = (now, ms, x), now
-            return now + ms * x / 1e3, "step"
+            self.step_pace, self.step_t0 = (start, ms, x), start
+            return start + ms * x / 1e3, "step"
         if self.running:
             k = min(j.spec.max_tokens - j.generated for j in self.running)
             b, ctx = len(self.running), sum(j.ctx for j in self.running)
             x = self._pace()[0]
-            t0 = now + extra / 1e3  # (the run's steps start once that is done)
-            self.run, self.busy = (t0, k, b, ctx, x), True
-            self.busy_ms += extra
-            return t0 + self.cost.decode_run_ms(b, ctx, k) * x / 1e3, "run"
-        self.land_ms = extra  # (nothing to run: it waits for the next step)
+            self.run, self.busy = (start, k, b, ctx, x), True
+            return start + self.cost.decode_run_ms(b, ctx, k) * x / 1e3, "run"
         return None
 
     def _chunks(self) -> list[tuple[SimJob, int]]:

@@ -121,7 +121,7 @@ typedef struct {
  * L1, so T0 evicted lines before their use and held L1's miss buffers. Measured on a 2-core
  * AVX-512 EPYC (Zen 4; a 17920 x 1536 GEMV over 16 copies, beyond L3, 2 threads): T0 / T1 / T2
  * INT8 24 / 49 / 49 GB/s, INT4 with INT8 activations 34 / 58 / 59 G weights/s, INT4 with fp32
- * activations 31 / 33 / 33 (its unpacking, not memory, bounds it); PF_AHEAD 2, 4, 8 within 3%
+ * activations 31 / 33 / 33 (then read in blocks: its unpacking bounded it there); PF_AHEAD 2, 4, 8 within 3%
  * of each other under T1. -DPF_HINT=_MM_HINT_T0 builds the old variant. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
@@ -271,8 +271,8 @@ dot_block_i4(const char *const w[4], const float *s, const float *o, int64_t k, 
          * its weight with one permute, which reads only the low 4 bits of its lane (so no mask,
          * no int->float convert, no per-weight FMA). Same operands as below: the same weights,
          * bit for bit. On a 2-core AVX-512 EPYC this cut the ops per 32 weights from 11 to 7
-         * (one x row): the unpack, not memory, bounded this kernel (it ran 2x faster on 2 threads
-         * than on 1). */
+         * (one x row), when it read blocks of adjacent rows (it ran 2x faster on 2 threads than on
+         * 1). */
         vf tab[NB];
         for (int j = 0; j < nb; j++)
             tab[j] = vfma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -371,8 +371,8 @@ static void gemv_rows(const lin_t *L, int R, const float *x, const float *xsum, 
 
 /* ---- INT4 weights x INT8 activations (opt-in, lin_t.aq: llama.cpp's arithmetic) -----------------
  *
- * The fp32-activation kernel above is bound by unpacking (each code becomes a float before its
- * FMA). Here the activations are quantized once per call instead, and the codes multiply them as
+ * The fp32-activation kernel above converts each code to a float before its FMA (on one core
+ * that, more than memory, bounds it: gemv_rows). Here the activations are quantized once per call instead, and the codes multiply them as
  * bytes: one VNNI vpdpbusd does 64 code x activation products (unsigned 0..15 x signed -127..127,
  * summed in fours into int32); without VNNI, vpmaddubsw + vpmaddwd do the same exactly (a pair
  * sums to at most 2 * 15 * 127, no int16 saturation). One int->float convert and one FMA per

@@ -4,6 +4,7 @@ Every test uses the fixed cost model beside this file (round numbers, no timing)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from bench.sim.cluster import MODES, Cluster, ClusterSpec
 from bench.sim.costs import from_json, load
 from bench.sim.report import summarize
 from bench.sim.traces import SLO, Spec, make_trace
+from bench.sim.workers import SimJob, SimWorker
 from bench.simulate import main as sim_main
 from router.placement import Wait
 from router.prefix_index import block_hashes
@@ -434,3 +436,25 @@ def test_lone_long_prompts_give_the_clusters_prefill_factor_and_the_decode_sides
         from_json({**cost.to_json(), "cluster": {"prefill_x": 0.5}})
     with pytest.raises(ValueError, match="cluster.land_ms_per_ktok"):
         from_json({**cost.to_json(), "cluster": {"land_ms_per_ktok": -1}})
+
+
+def test_a_kv_intake_is_charged_once_between_steps_and_never_to_a_later_request():
+    """SimWorker.take_in: what lands while a step runs is taken in after it, once (two landings:
+    their sum), counted as busy; a worker with nothing to run spends it idle, so a request
+    arriving long after a prompt that ended at its first token pays only its own intake."""
+    w = SimWorker("w", "decode", COST)
+    job = SimJob(Spec(0, 0.0, "chat", list(range(10)), 50), [])
+    job.generated = 1
+    w.running.append(job)
+    w.take_in(100.0)
+    w.take_in(50.0)
+    end, kind = w.plan(1.0)
+    assert kind == "run" and end == pytest.approx(1.15 + COST.decode_run_ms(1, job.ctx, 49) / 1e3)
+    assert w.busy_ms == 150.0
+    w.end_run(end)
+    assert w.plan(end) is None and w.land_pending == 0.0  # (done: nothing charged again)
+    cost = dataclasses.replace(COST, land_ms_per_ktok=1000.0)
+    c = Cluster(_spec("disaggregated", n=2, p=1), cost)
+    one, late = c.run([Spec(0, 1.0, "long", list(range(1000, 2024)), 1),
+                       Spec(1, 100.0, "chat", list(range(5000, 5064)), 11)])
+    assert late.finish - late.first_token == pytest.approx((cost.land_ms(64) + cost.decode_run_ms(1, 64, 10)) / 1e3)
