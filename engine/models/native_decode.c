@@ -111,18 +111,18 @@ typedef struct {
  * now reads four streams a thread with its own prefetch: gemv_rows, below). A block's NB rows are
  * contiguous and so are the next blocks': each row's reader prefetches the same offset PF_AHEAD
  * blocks ahead, a cache line at a time. Measured when every kind read blocks: without it the
- * packed formats read 13 (INT8) and 10 (INT4) GB/s of weights from memory on a 2-core Xeon where fp32 streams 25: a
- * 16-byte load per 16 weights keeps too few cache misses in flight. Measured there (30 layers +
- * LM head, one token, median of 7 interleaved sweeps), PF_AHEAD 0 (none) / 1 / 2 / 3 / 4: INT8
- * 9.8 / 5.4 / 4.9 / 4.9 / 4.7 ms, INT4 (g32) 8.4 / 5.9 / 5.7 / 5.5 / 5.6, fp32 20.3 / 17.5 / 18.0 /
- * 18.1 / 18.5.
+ * packed formats read 13 (INT8) and 10 (INT4) GB/s of weights from memory on a 2-core Xeon
+ * where fp32 streams 25: a 16-byte load per 16 weights keeps too few cache misses in flight.
+ * Measured there (30 layers + LM head, one token, median of 7 interleaved sweeps), PF_AHEAD 0
+ * (none) / 1 / 2 / 3 / 4: INT8 9.8 / 5.4 / 4.9 / 4.9 / 4.7 ms, INT4 (g32) 8.4 / 5.9 / 5.7 / 5.5
+ * / 5.6, fp32 20.3 / 17.5 / 18.0 / 18.1 / 18.5.
  * Into L2 (T1), not L1 (T0): on the 1.5B's shapes the lines PF_AHEAD blocks ahead (12 KB at
  * k = 1536 INT8, 72 KB at k = 8960) plus the block being read plus x fill or overflow a 32 KB
  * L1, so T0 evicted lines before their use and held L1's miss buffers. Measured on a 2-core
  * AVX-512 EPYC (Zen 4; a 17920 x 1536 GEMV over 16 copies, beyond L3, 2 threads): T0 / T1 / T2
  * INT8 24 / 49 / 49 GB/s, INT4 with INT8 activations 34 / 58 / 59 G weights/s, INT4 with fp32
- * activations 31 / 33 / 33 (then read in blocks: its unpacking bounded it there); PF_AHEAD 2, 4, 8 within 3%
- * of each other under T1. -DPF_HINT=_MM_HINT_T0 builds the old variant. */
+ * activations 31 / 33 / 33 (then read in blocks: its unpacking bounded it there); PF_AHEAD 2,
+ * 4, 8 within 3% of each other under T1. -DPF_HINT=_MM_HINT_T0 builds the old variant. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
 #endif
@@ -155,11 +155,11 @@ static inline __attribute__((always_inline)) vf wload(const char *w, int kind, i
     return kind == W_I8 ? vload_i8((const int8_t *)w + c) : vload((const float *)w + c);
 }
 
-/* Prefetch, PF_ROW ahead in each of nr streams, the cache lines starting within inputs [c0, c1)
- * (each line once) */
+/* Prefetch, PF_ROW ahead in each of nr streams, the cache lines starting within bytes [b0, b1)
+ * of each (each line once) */
 static inline __attribute__((always_inline)) void
-prefetch_lines(const char *const w[4], int nr, int64_t esz, int64_t c0, int64_t c1) {
-    for (int64_t byte = c0 * esz; byte < c1 * esz; byte += 64)
+prefetch_lines(const char *const w[4], int nr, int64_t b0, int64_t b1) {
+    for (int64_t byte = b0; byte < b1; byte += 64)
         if ((byte & 63) == 0)
             for (int j = 0; j < nr; j++) PREFETCH(w[j] + byte + PF_ROW);
 }
@@ -173,7 +173,7 @@ dot_rows(const char *const w[4], int kind, int nr, int rb, int64_t k, const floa
         vf a[4], b[4];
         for (int j = 0; j < nr; j++) a[j] = b[j] = vzero();
         for (; c + 2 * VW <= k; c += 2 * VW) {
-            prefetch_lines(w, nr, esz, c, c + 2 * VW);
+            prefetch_lines(w, nr, c * esz, (c + 2 * VW) * esz);
             const vf x0 = vload(x + c), x1 = vload(x + c + VW);
             for (int j = 0; j < nr; j++) {
                 a[j] = vfma(wload(w[j], kind, c), x0, a[j]);
@@ -188,7 +188,7 @@ dot_rows(const char *const w[4], int kind, int nr, int rb, int64_t k, const floa
         for (int j = 0; j < nr; j++)
             for (int r = 0; r < rb; r++) a[j][r] = vzero();
         for (; c + VW <= k; c += VW) {
-            prefetch_lines(w, nr, esz, c, c + VW);
+            prefetch_lines(w, nr, c * esz, (c + VW) * esz);
             vf xr[RB];
             for (int r = 0; r < rb; r++) xr[r] = vload(x + r * ldx + c);
             for (int j = 0; j < nr; j++) {
@@ -285,8 +285,7 @@ dot_block_i4(const char *const w[4], const float *s, const float *o, int64_t k, 
         }
 #endif
         for (int64_t c = gi * g; c < (gi + 1) * g; c += 2 * VW) {
-            if (((c / 2) & 63) == 0)
-                for (int j = 0; j < nb; j++) PREFETCH(w[j] + c / 2 + PF_ROW);
+            prefetch_lines(w, nb, c / 2, c / 2 + VW);  /* (2 * VW codes: VW bytes) */
             vf xl[RB], xh[RB];
             for (int r = 0; r < rb; r++) {
                 xl[r] = vload(x + r * ldx + c);
@@ -372,10 +371,11 @@ static void gemv_rows(const lin_t *L, int R, const float *x, const float *xsum, 
 /* ---- INT4 weights x INT8 activations (opt-in, lin_t.aq: llama.cpp's arithmetic) -----------------
  *
  * The fp32-activation kernel above converts each code to a float before its FMA (on one core
- * that, more than memory, bounds it: gemv_rows). Here the activations are quantized once per call instead, and the codes multiply them as
- * bytes: one VNNI vpdpbusd does 64 code x activation products (unsigned 0..15 x signed -127..127,
- * summed in fours into int32); without VNNI, vpmaddubsw + vpmaddwd do the same exactly (a pair
- * sums to at most 2 * 15 * 127, no int16 saturation). One int->float convert and one FMA per
+ * that, more than memory, bounds it: gemv_rows). Here the activations are quantized once per
+ * call instead, and the codes multiply them as bytes: one VNNI vpdpbusd does 64 code x
+ * activation products (unsigned 0..15 x signed -127..127, summed in fours into int32); without
+ * VNNI, vpmaddubsw + vpmaddwd do the same exactly (a pair sums to at most 2 * 15 * 127, no int16
+ * saturation). One int->float convert and one FMA per
  * 4 * VW weights apply the weight group's scale times the activation group's.
  *
  * Activations: per row, groups of 32 consecutive inputs, d = max|x| / 127, q = rint(x * (127 /
