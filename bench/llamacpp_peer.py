@@ -1,8 +1,9 @@
 """llama.cpp as a benchmark peer: the prebuilt ``node-llama-cpp`` npm package, nothing compiled.
 
 ``ensure_peer(dir)`` installs node-llama-cpp 3.22.1 into ``dir`` once and copies the driver
-(``llamacpp_peer.mjs``, beside this file) there; ``avx2_peer`` makes a hard-linked copy of that
-install without the ggml CPU variants that need more than AVX2 + FMA. ``requant`` writes a GGUF
+(``llamacpp_peer.mjs``, beside this file) there; ``held_peer`` makes a hard-linked copy of that
+install without the ggml CPU variants a held CPU class could not load (more than AVX2 + FMA, or
+AMX). ``requant`` writes a GGUF
 with every tensor dequantized to F32 or re-quantized to Q8_0 (the ``gguf`` package, as
 shared/peers/gguf_requant.py does). ``LlamaCppPeer`` is one node process with one model loaded,
 asked for one measurement at a time over stdin/stdout, so a run interleaved with pdserve loads
@@ -27,6 +28,8 @@ NODE_LLAMA_CPP = "node-llama-cpp@3.22.1"
 DRIVER = Path(__file__).with_name("llamacpp_peer.mjs")
 # ggml CPU variants an AVX2 + FMA CPU can load (the others need AVX-512, AVX-VNNI or AMX)
 GGML_AVX2_VARIANTS = ("x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswell")
+# ggml CPU variants that use AMX (every other one an AVX-512 + VNNI + BF16 CPU without AMX can load)
+GGML_AMX_VARIANTS = ("sapphirerapids",)
 
 
 def log(msg: str) -> None:
@@ -48,9 +51,13 @@ def ensure_peer(peer_dir: Path) -> Path:
     return script
 
 
-def avx2_peer(peer_dir: Path) -> Path:
-    """A copy of the peer install (hard links) whose ggml has only AVX2-class CPU variants."""
-    out = peer_dir.parent / f"{peer_dir.name}-avx2"
+def held_peer(peer_dir: Path, isa: str) -> Path:
+    """A copy of the peer install (hard links) whose ggml keeps only the CPU variants an ``isa``
+    CPU can load (ggml loads the best variant the CPU supports): "avx2", AVX2 + FMA only;
+    "avx512", every variant but those that use AMX."""
+    if isa not in ("avx2", "avx512"):
+        raise ValueError(f"isa must be avx2 or avx512, got {isa!r}")
+    out = peer_dir.parent / f"{peer_dir.name}-{isa}"
     if not (out / "node_modules").is_dir():
         out.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cp", "-al", str(peer_dir / "node_modules"), str(out / "node_modules")], check=True)
@@ -58,9 +65,10 @@ def avx2_peer(peer_dir: Path) -> Path:
         if not any(lib.name == "libggml-cpu-haswell.so" for lib in libs):
             shutil.rmtree(out)
             raise SystemExit("llama.cpp peer: this node-llama-cpp ships no per-CPU ggml variants "
-                             "(no libggml-cpu-haswell.so): --isa avx2 cannot hold it to AVX2")
+                             f"(no libggml-cpu-haswell.so): --isa {isa} cannot hold it")
         for lib in libs:
-            if lib.name.removeprefix("libggml-cpu-").removesuffix(".so") not in GGML_AVX2_VARIANTS:
+            variant = lib.name.removeprefix("libggml-cpu-").removesuffix(".so")
+            if (variant not in GGML_AVX2_VARIANTS) if isa == "avx2" else (variant in GGML_AMX_VARIANTS):
                 lib.unlink()
     script = out / DRIVER.name
     shutil.copyfile(DRIVER, script)

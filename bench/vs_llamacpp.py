@@ -50,6 +50,12 @@ of the same bytes per weight, JSON keys ``fp32_ratio_vs_llamacpp``, ``int8_ratio
 ``make test-avx2``'s dispatch switches (torch, inductor, oneDNN, fbgemm, MKL held to AVX2), the
 peer from a copy of its install (hard links) without the ggml CPU variants that need more than
 AVX2 + FMA (ggml loads the best variant the CPU supports). Memory bandwidth stays this machine's.
+
+``--isa avx512`` holds both sides to AVX-512 with VNNI and BF16 but no AMX, the ISA of AMD's
+EPYC Zen 4/5 (and Intel's Ice Lake/Cooper Lake), on a Xeon that has AMX: pdserve without its AMX
+kernels (``PDSERVE_AMX=0``) and oneDNN held to ``AVX512_CORE_BF16``; the peer without ggml's
+AMX variant. The ISA only: Zen 4 runs 512-bit instructions as two 256-bit halves, its caches and
+memory differ, so this bounds that class's ratio from here, it does not measure it.
 """
 
 from __future__ import annotations
@@ -68,11 +74,15 @@ from pathlib import Path
 
 import torch
 
-from bench.llamacpp_peer import LlamaCppPeer, avx2_peer, ensure_peer, log, requant
+from bench.llamacpp_peer import LlamaCppPeer, ensure_peer, held_peer, log, requant
 
 PROMPT_LEN = 128  # bench/engine.py's decode prompt
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+# --isa: the dispatch switches that hold pdserve to a smaller CPU class (torch reads them at import)
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+           "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                      "MKL_ENABLE_INSTRUCTIONS": "AVX512", "PDSERVE_AMX": "0"}}
+ISA_LABELS = {"native": "", "avx2": ", ggml held to AVX2", "avx512": ", both held to AVX-512 without AMX"}
 
 # ---- without --model: the bundled model at three precisions --------------------------------------
 PAIRS = {"fp32": (None, "F32"), "int8": ("int8", "Q8_0"), "int4": ("int4-g32-asym", "Q4_1")}
@@ -100,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens per decode run (default 128)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 round, 8 new tokens, a 64-token prefill (numbers mean nothing)")
-    p.add_argument("--isa", default="native", choices=["native", "avx2"],
-                   help="native, or both sides held to AVX2 + FMA (see the module docstring)")
+    p.add_argument("--isa", default="native", choices=["native", *ISA_ENV],
+                   help="native, or both sides held to AVX2 + FMA (avx2) or to AVX-512 + VNNI + BF16 "
+                        "without AMX (avx512: the EPYC Zen 4 ISA); see the module docstring")
     p.add_argument("--peer-dir", default=str(Path.home() / ".cache" / "pdserve" / "llamacpp-peer"),
                    help="where node-llama-cpp is installed (on first use) and the old run's GGUF copies live")
     g = p.add_argument_group("with --model")
@@ -189,7 +200,7 @@ def model_table(name: str, res: dict, meta: dict) -> str:
     lines = [f"pdserve vs llama.cpp on {name} ({meta['model_file']}), {meta['threads']} threads, tok/s as "
              f"median [min-max] of {meta['rounds']} interleaved round(s){', QUICK' if meta['quick'] else ''}",
              f"CPU {meta['cpu_class']} (torch dispatch {meta['cpu_capability']}"
-             f"{', ggml held to AVX2' if meta['isa'] == 'avx2' else ''}); memory read {cell(bw)} GB/s "
+             f"{ISA_LABELS[meta['isa']]}); memory read {cell(bw)} GB/s "
              f"(512 MiB sum, each round), copy {res[f'copy_bandwidth_gb_s_{tag}']:.1f} GB/s",
              f"{'':<34}{'pdserve tok/s':>22}{'llama.cpp tok/s':>22}{'ratio':>9}"]
     for fmt in FORMATS:
@@ -354,7 +365,7 @@ def run_precisions(args: argparse.Namespace, script: Path) -> dict:
                  "copy_bandwidth_gb_s": round(copy_bw, 2)}
     print(f"batch-1 decode, {PROMPT_LEN}-token prompt, {args.new_tokens} new tokens, {args.threads} threads, "
           f"median of {args.rounds} interleaved rounds; CPU {out['cpu_class']} (torch dispatch "
-          f"{out['cpu_capability']}{', ggml held to AVX2' if args.isa == 'avx2' else ''}), "
+          f"{out['cpu_capability']}{ISA_LABELS[args.isa]}), "
           f"memory read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s")
     print(f"{'pdserve':<16}{'tok/s':>8}   {'llama.cpp':<10}{'tok/s':>8}{'ratio':>8}{'vs own fp32':>13}")
     fp32 = statistics.median(ours["fp32"]) if "fp32" in ours else None
@@ -373,10 +384,12 @@ def run_precisions(args: argparse.Namespace, script: Path) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.isa == "avx2" and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
-        # torch reads these at import: start again with them set
-        env = {**os.environ, **AVX2_ENV, "TORCHINDUCTOR_CACHE_DIR": os.path.join(
-            os.environ.get("TMPDIR", "/tmp"), "pdserve-inductor-avx2")}
+    held = ISA_ENV.get(args.isa, {})
+    if any(os.environ.get(k) != v for k, v in held.items()):
+        # torch reads these at import: start again with them set; inductor's kernels in their own
+        # cache (one cache shared by two ISAs served kernels compiled for the other)
+        env = {**os.environ, **held, "TORCHINDUCTOR_CACHE_DIR": os.path.join(
+            os.environ.get("TMPDIR", "/tmp"), f"pdserve-inductor-{args.isa}")}
         os.execve(sys.executable, [sys.executable, "-m", "bench.vs_llamacpp", *(argv or sys.argv[1:])], env)
     if args.quick:
         args.rounds, args.new_tokens, args.prefill_tokens = 1, 8, 64
@@ -385,8 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     peer_dir = Path(args.peer_dir).expanduser()
     script = ensure_peer(peer_dir)
-    if args.isa == "avx2":
-        script = avx2_peer(peer_dir)
+    if args.isa != "native":
+        script = held_peer(peer_dir, args.isa)
     out = run_model(args, script) if args.model else run_precisions(args, script)
     print(json.dumps(out))
     return 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import torch
+
 log = logging.getLogger("pdserve.engine")
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0 omp_pause_soft: the threads exit; a later region starts new ones
@@ -45,3 +47,22 @@ def release_pool() -> int:
         except (OSError, AttributeError) as e:  # (a libgomp before GCC 9: no pause; steps pay the module doc's cost)
             log.warning("openmp: cannot give back this thread's OpenMP threads (%s: %s)", path, e)
     return paused
+
+
+def one_thread() -> int:
+    """Keep the calling thread's parallel regions to itself: its OpenMP ``nthreads`` ICV set to 1
+    (``omp_set_num_threads`` is per thread in libgomp), so torch's ops here never start a pool
+    beside the forward's (the module doc's cost). For a side thread whose work is copies (the
+    KV-stream thread, prefill_worker/kv_stream.py). torch first sets a new thread's ICV from its
+    process-wide count at the thread's first parallel call, which would undo this: that is made
+    first (``torch.get_num_threads``). ``torch.set_num_threads(1)`` would not do: it changes the
+    process-wide count (every later thread's) and MKL's. Returns how many runtimes were set."""
+    torch.get_num_threads()  # torch's per-thread first-use setting, made now, not over ours later
+    done = 0
+    for path in loaded_runtimes():
+        try:
+            ctypes.CDLL(path).omp_set_num_threads(1)
+            done += 1
+        except (OSError, AttributeError) as e:
+            log.warning("openmp: cannot keep this thread's parallel work to one thread (%s: %s)", path, e)
+    return done

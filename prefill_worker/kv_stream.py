@@ -29,6 +29,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.openmp import one_thread
 from kvtransfer.format import gather_layer
 from kvtransfer.sender import KVSender
 
@@ -91,6 +92,7 @@ class LayerStreamer:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        one_thread()  # a copy needs no team: a second OpenMP pool would slow the forward's (engine/openmp.py)
         if self.cpus:
             try:
                 os.sched_setaffinity(0, self.cpus)  # 0: this thread only (Linux)

@@ -58,3 +58,43 @@ def test_no_runtime_named_in_a_maps_file_without_one(tmp_path):
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
     assert loaded_runtimes(str(maps)) == []
     assert loaded_runtimes(str(tmp_path / "missing")) == []
+
+
+ONE_THREAD = r"""
+import os, threading, torch
+from engine.openmp import one_thread
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+def parallel():  # as above: big enough for torch's OpenMP team
+    x = torch.ones(1 << 22)
+    return float((x * 2).sum())
+
+torch.set_num_threads(3)
+parallel()
+with_pool = tasks()  # the main thread's team: 2 threads beside it
+seen = {}
+def side():
+    seen["set"] = one_thread()
+    seen["right"] = parallel() == 2 * (1 << 22)
+    seen["during"] = tasks()  # this thread counts itself
+    seen["side_threads"] = torch.get_num_threads()
+t = threading.Thread(target=side)
+t.start(); t.join()
+print(seen["set"], with_pool, seen["during"], seen["right"], seen["side_threads"], torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+@pytest.mark.skipif(not loaded_runtimes(), reason="torch here runs on another OpenMP runtime than libgomp")
+def test_one_thread_keeps_a_side_threads_parallel_work_off_a_second_pool():
+    out = subprocess.run([sys.executable, "-c", ONE_THREAD], capture_output=True, text=True, timeout=120,
+                         check=True)
+    runtimes, with_pool, during, right, side_threads, main_threads = out.stdout.split()
+    assert int(runtimes) >= 1
+    # without one_thread the side thread's region starts a team of 3 (2 more threads: the
+    # release test above shows a second thread does); with it, only the side thread itself
+    assert int(during) == int(with_pool) + 1
+    assert right == "True" and int(side_threads) == 1
+    assert int(main_threads) == 3  # the process-wide count (the forward's) is untouched
