@@ -271,11 +271,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cs = simulate_record(record, costs, log)
     print(render_table(cs))
     meta = _meta(record)
-    meta["cost_models"] = {str(t): {"machine": c.machine, "step": dataclasses.asdict(c.step),
-                                    "transfer_gbps": c.transfer_gbps, "transfer_latency_ms": c.transfer_latency_ms,
-                                    "loop_ms": c.loop_ms, "request_ms": c.request_ms, "prefill_x": c.prefill_x,
-                                    "land_ms_per_ktok": c.land_ms_per_ktok,
-                                    "node_decode_x": c.node_decode_x, "node_prefill_x": c.node_prefill_x}
+    # each cost model as its own JSON form (bench/sim/costs.py: one place lists the fields), less the raw samples
+    meta["cost_models"] = {str(t): {k: v for k, v in c.to_json().items() if k != "samples"}
                            for t, c in sorted(costs.items())}
     print(json.dumps(report(cs, meta, TOLERANCE)))
     return 0

@@ -15,7 +15,7 @@ from bench.loadgen import RequestSpec, poisson_arrivals
 from bench.modes import COMPARE, TUNED, cluster_config
 from bench.serving import workload
 from bench.sim.cluster import Cluster
-from bench.sim.costs import load
+from bench.sim.costs import from_json, load
 from bench.sim.fidelity import FIGURES, Cell, Figures, max_rel_error, render_table, report, sim_trace, worst
 from bench.sim.report import latencies
 from bench.simulate import main as sim_main
@@ -157,6 +157,10 @@ def test_validate_on_a_record_prints_the_table_and_the_json_line(tmp_path, capsy
     assert got["cells_over_tolerance"] == 2 and len(got["cells"]) == 4 * 4
     assert all(c["rel_error"] == 0.0 for c in got["cells"] if c["load"] == "mix")
     assert set(got["cost_models"]) == {"1", "2"} and got["runs"][0]["mode"] == "disaggregated"
+    # the report's cost models read back as the ones given (every field, the raw samples aside)
+    for c in _costs(tmp_path):
+        model = load(c)
+        assert from_json({**got["cost_models"][str(model.threads)], "samples": model.samples}) == model
     assert len(out) == 1 + 2 + 4 and "-20%*" in out[2 + 3]
 
 
