@@ -5,6 +5,8 @@ did not start, it runs (tests/test_multinode.py: a node missing the model is nam
 
 from __future__ import annotations
 
+import os
+
 from pdserve.v1 import pdserve_pb2 as pb
 
 
@@ -28,3 +30,11 @@ def test_a_local_start_runs_no_node_check_and_a_joined_ray_would(make_cluster, m
     # The same Ray, had this process joined it by address: every node is checked.
     monkeypatch.setattr(app, "_own_ray", set())
     assert app._check_nodes()
+
+
+def test_ray_workers_run_at_the_drivers_priority_not_rays_nice_15(ray_session):
+    # (router.app.ACTOR_ENV: a worker process at nice 15 loses every core to the router and clients)
+    @ray_session.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    assert ray_session.get(niceness.remote(), timeout=120) == os.getpriority(os.PRIO_PROCESS, 0)
