@@ -2,9 +2,8 @@
 
 ``ensure_peer(dir)`` installs node-llama-cpp 3.22.1 into ``dir`` once and copies the driver
 (``llamacpp_peer.mjs``, beside this file) there; ``held_peer`` makes a hard-linked copy of that
-install without the ggml CPU variants a held CPU class could not load (more than AVX2 + FMA, or
-AMX). ``requant`` writes a GGUF
-with every tensor dequantized to F32 or re-quantized to Q8_0 (the ``gguf`` package, as
+install with only the ggml CPU variants a held CPU class could load (AVX2 + FMA; or AVX-512 +
+VNNI + BF16 without AMX). ``requant`` writes a GGUF with every tensor dequantized to F32 or re-quantized to Q8_0 (the ``gguf`` package, as
 shared/peers/gguf_requant.py does). ``LlamaCppPeer`` is one node process with one model loaded,
 asked for one measurement at a time over stdin/stdout, so a run interleaved with pdserve loads
 each model once:
@@ -28,8 +27,11 @@ NODE_LLAMA_CPP = "node-llama-cpp@3.22.1"
 DRIVER = Path(__file__).with_name("llamacpp_peer.mjs")
 # ggml CPU variants an AVX2 + FMA CPU can load (the others need AVX-512, AVX-VNNI or AMX)
 GGML_AVX2_VARIANTS = ("x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswell")
-# ggml CPU variants that use AMX (every other one an AVX-512 + VNNI + BF16 CPU without AMX can load)
-GGML_AMX_VARIANTS = ("sapphirerapids",)
+# ... and those an AVX-512 + VNNI + BF16 CPU without AMX can load (Zen 4's ISA: not alderlake,
+# which needs AVX-VNNI, nor sapphirerapids, which uses AMX)
+GGML_AVX512_VARIANTS = GGML_AVX2_VARIANTS + ("skylakex", "cannonlake", "cascadelake", "icelake", "cooperlake",
+                                             "zen4")
+HELD_VARIANTS = {"avx2": GGML_AVX2_VARIANTS, "avx512": GGML_AVX512_VARIANTS}
 
 
 def log(msg: str) -> None:
@@ -54,22 +56,23 @@ def ensure_peer(peer_dir: Path) -> Path:
 def held_peer(peer_dir: Path, isa: str) -> Path:
     """A copy of the peer install (hard links) whose ggml keeps only the CPU variants an ``isa``
     CPU can load (ggml loads the best variant the CPU supports): "avx2", AVX2 + FMA only;
-    "avx512", every variant but those that use AMX."""
-    if isa not in ("avx2", "avx512"):
-        raise ValueError(f"isa must be avx2 or avx512, got {isa!r}")
+    "avx512", AVX-512 + VNNI + BF16 without AMX. The copy is made once and filtered on every use
+    (a copy an older list filtered keeps nothing the list now excludes)."""
+    if isa not in HELD_VARIANTS:
+        raise ValueError(f"isa must be one of {sorted(HELD_VARIANTS)}, got {isa!r}")
     out = peer_dir.parent / f"{peer_dir.name}-{isa}"
     if not (out / "node_modules").is_dir():
         out.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cp", "-al", str(peer_dir / "node_modules"), str(out / "node_modules")], check=True)
-        libs = list((out / "node_modules").rglob("libggml-cpu-*.so"))
-        if not any(lib.name == "libggml-cpu-haswell.so" for lib in libs):
-            shutil.rmtree(out)
-            raise SystemExit("llama.cpp peer: this node-llama-cpp ships no per-CPU ggml variants "
-                             f"(no libggml-cpu-haswell.so): --isa {isa} cannot hold it")
-        for lib in libs:
-            variant = lib.name.removeprefix("libggml-cpu-").removesuffix(".so")
-            if (variant not in GGML_AVX2_VARIANTS) if isa == "avx2" else (variant in GGML_AMX_VARIANTS):
-                lib.unlink()
+    libs = list((out / "node_modules").rglob("libggml-cpu-*.so"))
+    best = "haswell" if isa == "avx2" else "zen4"  # the variant the hold is for
+    if not any(lib.name == f"libggml-cpu-{best}.so" for lib in libs):
+        shutil.rmtree(out)
+        raise SystemExit(f"llama.cpp peer: this node-llama-cpp ships no libggml-cpu-{best}.so "
+                         f"(no per-CPU ggml variants, or other ones): --isa {isa} cannot hold it")
+    for lib in libs:
+        if lib.name.removeprefix("libggml-cpu-").removesuffix(".so") not in HELD_VARIANTS[isa]:
+            lib.unlink()
     script = out / DRIVER.name
     shutil.copyfile(DRIVER, script)
     return script

@@ -52,7 +52,7 @@ peer from a copy of its install (hard links) without the ggml CPU variants that 
 AVX2 + FMA (ggml loads the best variant the CPU supports). Memory bandwidth stays this machine's.
 
 ``--isa avx512`` holds both sides to AVX-512 with VNNI and BF16 but no AMX, the ISA of AMD's
-EPYC Zen 4/5 (and Intel's Ice Lake/Cooper Lake), on a Xeon that has AMX: pdserve without its AMX
+EPYC Zen 4/5 (and Intel's Cooper Lake), on a Xeon that has AMX: pdserve without its AMX
 kernels (``PDSERVE_AMX=0``) and oneDNN held to ``AVX512_CORE_BF16``; the peer without ggml's
 AMX variant. The ISA only: Zen 4 runs 512-bit instructions as two 256-bit halves, its caches and
 memory differ, so this bounds that class's ratio from here, it does not measure it.
@@ -80,8 +80,10 @@ PROMPT_LEN = 128  # bench/engine.py's decode prompt
 # --isa: the dispatch switches that hold pdserve to a smaller CPU class (torch reads them at import)
 ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
                     "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-           "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-                      "MKL_ENABLE_INSTRUCTIONS": "AVX512", "PDSERVE_AMX": "0"}}
+           # (fbgemm's AVX512_E1: with VNNI; MKL at its base AVX-512, below VNNI + BF16: its fp32 GEMMs use neither)
+           "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512_E1",
+                      "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512", "PDSERVE_AMX": "0"}}
+ISA_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512_vnni", "avx512_bf16")}  # what a hold needs
 ISA_LABELS = {"native": "", "avx2": ", ggml held to AVX2", "avx512": ", both held to AVX-512 without AMX"}
 
 # ---- without --model: the bundled model at three precisions --------------------------------------
@@ -385,6 +387,12 @@ def run_precisions(args: argparse.Namespace, script: Path) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     held = ISA_ENV.get(args.isa, {})
+    if held:
+        # (heavy: the engine, loaded only by what uses it)
+        from engine.models.native import cpu_flags
+        missing = [f for f in ISA_FLAGS[args.isa] if f not in cpu_flags()]
+        if missing:
+            raise SystemExit(f"bench.vs_llamacpp: --isa {args.isa} needs a CPU with {', '.join(missing)}")
     if any(os.environ.get(k) != v for k, v in held.items()):
         # torch reads these at import: start again with them set; inductor's kernels in their own
         # cache (one cache shared by two ISAs served kernels compiled for the other)

@@ -8,6 +8,10 @@ engine on its actor's thread and steps it on its step loop's (worker/step_loop.p
 four threads on two cores. Measured (SmolLM2-135M, 2 threads, a 2-core Xeon): a decode step on
 the second thread 34-36 ms against 22-23 on the first; with the first's pool given back, 22 ms.
 Through a colocated cluster a lone stream took 40 ms a token where the engine alone steps in 21.
+
+So the one thread that steps the engine keeps the only pool: the step loop gives the loading
+thread's back as it starts (``release_pool``), and a side thread whose work is copies keeps its
+parallel regions to itself (``one_thread``: the KV-stream thread, prefill_worker/kv_stream.py).
 """
 
 from __future__ import annotations

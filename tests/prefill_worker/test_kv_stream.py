@@ -4,6 +4,8 @@ gone. The real sender and transports run it in tests/worker/test_prefill_decode.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -52,3 +54,17 @@ def test_flush_raises_when_the_thread_is_gone():
     st.put(LayerJob("r", 0, (0,), 0, 1))
     with pytest.raises(RuntimeError, match="transfer thread is gone"):
         st.flush()
+
+
+def test_the_thread_keeps_its_parallel_work_to_itself(monkeypatch):
+    # (engine/openmp.one_thread: no second OpenMP pool beside the forward's; tests/engine/test_openmp.py)
+    import prefill_worker.kv_stream as kv_stream
+    threads = []
+    monkeypatch.setattr(kv_stream, "one_thread", lambda: threads.append(threading.current_thread().name))
+    st = LayerStreamer(RecordingSender(), kv_caches(), 4)
+    try:
+        st.put(LayerJob("a", 0, (0, 1), 0, 6))
+        assert st.flush() == {}
+    finally:
+        st.close()
+    assert threads == ["kv-stream"]
