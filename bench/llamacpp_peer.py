@@ -3,10 +3,10 @@
 ``ensure_peer(dir)`` installs node-llama-cpp 3.22.1 into ``dir`` once and copies the driver
 (``llamacpp_peer.mjs``, beside this file) there; ``held_peer`` makes a hard-linked copy of that
 install with only the ggml CPU variants a held CPU class could load (AVX2 + FMA; or AVX-512 +
-VNNI + BF16 without AMX). ``requant`` writes a GGUF with every tensor dequantized to F32 or re-quantized to Q8_0 (the ``gguf`` package, as
-shared/peers/gguf_requant.py does). ``LlamaCppPeer`` is one node process with one model loaded,
-asked for one measurement at a time over stdin/stdout, so a run interleaved with pdserve loads
-each model once:
+VNNI + BF16 without AMX). ``requant`` writes a GGUF with every tensor dequantized to F32 or
+re-quantized to Q8_0 (the ``gguf`` package, as shared/peers/gguf_requant.py does).
+``LlamaCppPeer`` is one node process with one model loaded, asked for one measurement at a time
+over stdin/stdout, so a run interleaved with pdserve loads each model once:
 
     start --model loaded, {"ready"}--> ready --command line--> measuring --JSON line--> ready
           ... close() (or the process dies: the next ask raises with its stderr)

@@ -82,7 +82,8 @@ ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS":
                     "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
            # (fbgemm's AVX512_E1: with VNNI; MKL at its base AVX-512, below VNNI + BF16: its fp32 GEMMs use neither)
            "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512_E1",
-                      "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512", "PDSERVE_AMX": "0"}}
+                      "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+                      "PDSERVE_AMX": "0"}}
 ISA_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512_vnni", "avx512_bf16")}  # what a hold needs
 ISA_LABELS = {"native": "", "avx2": ", ggml held to AVX2", "avx512": ", both held to AVX-512 without AMX"}
 

@@ -38,19 +38,26 @@ def loaded_runtimes(maps: str = "/proc/self/maps") -> list[str]:
     return sorted(p for p in paths if p.startswith("/") and ".so" in p)
 
 
-def release_pool() -> int:
-    """Let the calling thread's OpenMP threads go (``omp_pause_resource_all``, soft, in every
-    libgomp mapped here: dlopen of a mapped path returns the copy already loaded). Call it on a
-    thread that starts no more parallel work, or that starts it rarely: a later region there
-    makes a new pool. Returns how many runtimes paused (0: none found, or none would)."""
-    paused = 0
+def _call_each(name: str, *args: int, what: str) -> list[int]:
+    """``name(*args)`` in every libgomp mapped here (dlopen of a mapped path returns the copy
+    already loaded); the results of the calls that could be made. A runtime without ``name``
+    (a libgomp before GCC 9 has no pause) is warned of as unable to ``what``."""
+    results = []
     for path in loaded_runtimes():
         try:
-            lib = ctypes.CDLL(path)
-            paused += lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
-        except (OSError, AttributeError) as e:  # (a libgomp before GCC 9: no pause; steps pay the module doc's cost)
-            log.warning("openmp: cannot give back this thread's OpenMP threads (%s: %s)", path, e)
-    return paused
+            results.append(getattr(ctypes.CDLL(path), name)(*args))
+        except (OSError, AttributeError) as e:
+            log.warning("openmp: cannot %s (%s: %s)", what, path, e)
+    return results
+
+
+def release_pool() -> int:
+    """Let the calling thread's OpenMP threads go (``omp_pause_resource_all``, soft, in every
+    libgomp mapped here). Call it on a thread that starts no more parallel work, or that starts
+    it rarely: a later region there makes a new pool. Returns how many runtimes paused (0: none
+    found, or none would; where none can, steps pay the module doc's cost)."""
+    return sum(r == 0 for r in _call_each("omp_pause_resource_all", OMP_PAUSE_SOFT,
+                                          what="give back this thread's OpenMP threads"))
 
 
 def one_thread() -> int:
@@ -62,11 +69,4 @@ def one_thread() -> int:
     first (``torch.get_num_threads``). ``torch.set_num_threads(1)`` would not do: it changes the
     process-wide count (every later thread's) and MKL's. Returns how many runtimes were set."""
     torch.get_num_threads()  # torch's per-thread first-use setting, made now, not over ours later
-    done = 0
-    for path in loaded_runtimes():
-        try:
-            ctypes.CDLL(path).omp_set_num_threads(1)
-            done += 1
-        except (OSError, AttributeError) as e:
-            log.warning("openmp: cannot keep this thread's parallel work to one thread (%s: %s)", path, e)
-    return done
+    return len(_call_each("omp_set_num_threads", 1, what="keep this thread's parallel work to one thread"))
